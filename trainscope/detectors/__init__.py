@@ -1,0 +1,1 @@
+"""Detectors: the Detector protocol, the plugin registry and the built-in detectors."""

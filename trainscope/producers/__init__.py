@@ -1,0 +1,1 @@
+"""Everything that creates events: in-process hooks, host agent, replay, simulated cluster."""

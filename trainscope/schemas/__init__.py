@@ -1,0 +1,38 @@
+"""The single source of truth for every record: structs, wire codec, JSON Schema, DDL."""
+
+from trainscope.schemas.codec import BadMessage, Batch, decode_batch, encode_batch
+from trainscope.schemas.records import (
+    CATEGORIES,
+    LAYERS,
+    SCHEMA_VERSION,
+    ControlMessage,
+    Finding,
+    FunctionSummary,
+    MetricSample,
+    Record,
+    SpanBatch,
+    SpanEvent,
+    StepRecord,
+    Topology,
+    WorkerInfo,
+)
+
+__all__ = [
+    "CATEGORIES",
+    "LAYERS",
+    "SCHEMA_VERSION",
+    "BadMessage",
+    "Batch",
+    "ControlMessage",
+    "Finding",
+    "FunctionSummary",
+    "MetricSample",
+    "Record",
+    "SpanBatch",
+    "SpanEvent",
+    "StepRecord",
+    "Topology",
+    "WorkerInfo",
+    "decode_batch",
+    "encode_batch",
+]

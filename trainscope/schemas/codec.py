@@ -1,0 +1,73 @@
+"""The wire format: one bus message is a msgpack-encoded :class:`Batch` of records.
+
+Decoding validates every field against the structs; a malformed message raises
+:class:`BadMessage` whose text names the field path and the offending value, so a dead-letter
+entry says exactly what was wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from trainscope.schemas.records import SCHEMA_VERSION, Record
+
+
+class Batch(msgspec.Struct, kw_only=True):
+    """The envelope of one bus message."""
+
+    v: int = SCHEMA_VERSION
+    records: list[Record]
+
+
+class BadMessage(ValueError):
+    """A bus message that cannot be decoded; the text names the field and value."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Batch)
+_PATH = re.compile(r"`(\$[^`]*)`")
+_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+
+
+def encode_batch(records: Iterable[Record]) -> bytes:
+    return _encoder.encode(Batch(records=list(records)))
+
+
+def decode_batch(payload: bytes) -> list[Record]:
+    try:
+        batch = _decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise BadMessage(_describe(exc, payload)) from None
+    except msgspec.DecodeError as exc:
+        raise BadMessage(f"not a msgpack batch ({len(payload)} bytes): {exc}") from None
+    if batch.v > SCHEMA_VERSION:
+        raise BadMessage(f"batch schema version {batch.v} is newer than {SCHEMA_VERSION}")
+    return batch.records
+
+
+def _describe(exc: msgspec.ValidationError, payload: bytes) -> str:
+    """msgspec names the path (`$.records[3].rank`); add the value found there."""
+    text = str(exc)
+    match = _PATH.search(text)
+    if not match:
+        return text
+    try:
+        value = _walk(msgspec.msgpack.decode(payload), match.group(1))
+    except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+        return text
+    return f"{text} (value: {_short(value)})"
+
+
+def _walk(node: Any, path: str) -> Any:
+    for field, index in _STEP.findall(path[1:]):
+        node = node[field] if field else node[int(index)]
+    return node
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,133 @@
+"""ClickHouse tables, derived from the record structs so the two cannot drift apart.
+
+Each table names the struct whose fields become its columns, the columns that are computed
+or stored differently, and its engine keys. Every table is a ReplacingMergeTree with insert
+deduplication on, so a batch delivered twice (at-least-once delivery) neither doubles rows at
+insert time nor after a merge.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import dataclass, field
+
+import msgspec
+
+from trainscope.schemas.records import (
+    Finding,
+    FunctionSummary,
+    MetricSample,
+    StepRecord,
+    Topology,
+)
+
+_SCALARS: dict[type, str] = {int: "Int64", float: "Float64", str: "String", bool: "Bool"}
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    struct: type[msgspec.Struct]
+    order_by: tuple[str, ...]
+    # Struct fields stored under another ClickHouse type than the default mapping.
+    types: dict[str, str] = field(default_factory=dict)
+    # Struct fields not stored (derivable or nested) and extra columns stored alongside.
+    skip: tuple[str, ...] = ()
+    extra: dict[str, str] = field(default_factory=dict)
+    partition_by: str = ""
+
+    def columns(self) -> dict[str, str]:
+        cols: dict[str, str] = {}
+        hints = typing.get_type_hints(self.struct)
+        for name in self.struct.__struct_fields__:
+            if name in self.skip:
+                continue
+            cols[name] = self.types.get(name) or clickhouse_type(hints[name])
+        cols.update(self.extra)
+        return cols
+
+    def ddl(self) -> str:
+        cols = ",\n    ".join(f"`{name}` {ctype}" for name, ctype in self.columns().items())
+        partition = f"\nPARTITION BY {self.partition_by}" if self.partition_by else ""
+        return (
+            f"CREATE TABLE IF NOT EXISTS {self.name} (\n    {cols}\n)\n"
+            f"ENGINE = ReplacingMergeTree{partition}\n"
+            f"ORDER BY ({', '.join(self.order_by)})\n"
+            # Block-level insert deduplication for non-replicated tables: a re-sent batch
+            # (same rows, same order) is dropped at insert time.
+            "SETTINGS non_replicated_deduplication_window = 10000"
+        )
+
+
+def clickhouse_type(hint: object) -> str:
+    origin = typing.get_origin(hint)
+    if hint in _SCALARS:
+        return _SCALARS[hint]  # type: ignore[index]
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return f"Array({clickhouse_type(item)})"
+    if origin is dict:
+        key, value = typing.get_args(hint)
+        return f"Map({clickhouse_type(key)}, {clickhouse_type(value)})"
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"no ClickHouse type for union {hint}")
+    raise TypeError(f"no ClickHouse type for {hint}")
+
+
+TABLES: dict[str, Table] = {
+    t.name: t
+    for t in (
+        Table(
+            name="function_summaries",
+            struct=FunctionSummary,
+            order_by=("job_id", "window_start_ns", "rank", "layer", "name", "callpath_id"),
+            types={"callpath_id": "UInt64", "sketch_counts": "Array(UInt64)"},
+            extra={"mean_ns": "Float64 MATERIALIZED if(count = 0, 0, total_ns / count)"},
+        ),
+        Table(
+            name="step_records",
+            struct=StepRecord,
+            order_by=("job_id", "rank", "step"),
+        ),
+        Table(
+            name="metric_samples",
+            struct=MetricSample,
+            order_by=("job_id", "name", "rank", "device", "ts_ns"),
+        ),
+        Table(
+            name="findings",
+            struct=Finding,
+            order_by=("job_id", "window_start_ns", "detector", "rank", "pp_stage", "function"),
+        ),
+        Table(
+            name="topologies",
+            struct=Topology,
+            order_by=("job_id",),
+            skip=("workers",),
+            extra={
+                "ranks": "Array(Int64)",
+                "hosts": "Array(String)",
+                "dp_ranks": "Array(Int64)",
+                "pp_stages": "Array(Int64)",
+                "tp_ranks": "Array(Int64)",
+                "cp_ranks": "Array(Int64)",
+            },
+        ),
+    )
+}
+
+DEAD_LETTERS_DDL = """CREATE TABLE IF NOT EXISTS dead_letters (
+    `received_ns` Int64,
+    `topic` String,
+    `partition` Int64,
+    `offset` Int64,
+    `error` String,
+    `payload` String
+)
+ENGINE = MergeTree
+ORDER BY (received_ns, topic, partition, offset)"""
+
+
+def all_ddl() -> list[str]:
+    return [table.ddl() for table in TABLES.values()] + [DEAD_LETTERS_DDL]

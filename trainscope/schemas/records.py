@@ -1,0 +1,378 @@
+"""The records that cross process boundaries: typed msgspec structs, one per kind.
+
+Conventions every consumer relies on:
+- timestamps are integer nanoseconds since the Unix epoch (UTC), durations integer nanoseconds;
+- every struct carries ``v`` (the schema version it was written with);
+- a rank of ``-1`` means "not tied to one rank" (a job-level finding, a host-level metric).
+
+Span events are high-volume, so they travel as a columnar :class:`SpanBatch` whose numeric
+columns are little-endian arrays in ``bytes`` fields: decoding is zero-copy into numpy
+(``np.frombuffer``), which is what lets the window engine sustain millions of events per second
+on one core. :class:`SpanEvent` is the same record in row form, for producers and tests that deal
+with a handful of events at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+LAYERS = (
+    "step",
+    "python",
+    "torch_op",
+    "cuda_kernel",
+    "cuda_api",
+    "memcpy",
+    "collective",
+    "dataloader",
+    "gc",
+    "sched",
+)
+
+CATEGORIES = (
+    "gpu-compute",
+    "gpu-throttle",
+    "gpu-memory",
+    "pcie",
+    "nvlink",
+    "network",
+    "dataloader",
+    "python-gc",
+    "cpu-contention",
+    "stage-imbalance",
+    "seq-imbalance",
+    "hang",
+    # A job-level symptom (step time regressed) that no detector has narrowed down yet.
+    "slowdown",
+)
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """One worker's place in the job's parallel layout."""
+
+    rank: int
+    host: str = ""
+    local_rank: int = 0
+    dp_rank: int = 0
+    pp_stage: int = 0
+    tp_rank: int = 0
+    cp_rank: int = 0
+
+
+class Topology(msgspec.Struct, tag="topology", kw_only=True, frozen=True):
+    """Declared once per job: the parallel degrees and where every rank sits."""
+
+    v: int = SCHEMA_VERSION
+    job_id: str
+    dp_size: int = 1
+    pp_size: int = 1
+    tp_size: int = 1
+    cp_size: int = 1
+    workers: list[WorkerInfo] = []
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.pp_size * self.tp_size * self.cp_size
+
+    def __post_init__(self) -> None:
+        for name in ("dp_size", "pp_size", "tp_size", "cp_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+class SpanEvent(msgspec.Struct, tag="span", kw_only=True, frozen=True):
+    """One execution of one function on one rank (row form of :class:`SpanBatch`)."""
+
+    v: int = SCHEMA_VERSION
+    job_id: str
+    rank: int
+    layer: str
+    name: str
+    start_ns: int
+    duration_ns: int
+    step: int = -1
+    bytes_moved: int = 0
+    callpath_id: int = 0
+
+
+# Numeric columns of a SpanBatch and their dtypes (little-endian on the wire).
+SPAN_COLUMNS: dict[str, str] = {
+    "rank": "<i4",
+    "fn": "<i4",
+    "step": "<i4",
+    "start_ns": "<i8",
+    "duration_ns": "<i8",
+    "bytes_moved": "<i8",
+    "callpath_id": "<u8",
+}
+# Columns that may be sent empty, meaning "all zero" (most events move no bytes).
+_OPTIONAL_SPAN_COLUMNS = frozenset({"bytes_moved", "callpath_id"})
+
+
+class SpanBatch(msgspec.Struct, tag="spans", kw_only=True, frozen=True):
+    """Many span events of one job, column by column.
+
+    ``layers[i]``/``names[i]`` describe function ``i``; column ``fn`` holds, per event, the
+    index of its function. Numeric columns are packed arrays (dtypes in ``SPAN_COLUMNS``).
+    """
+
+    v: int = SCHEMA_VERSION
+    job_id: str
+    host: str = ""
+    layers: list[str]
+    names: list[str]
+    rank: bytes
+    fn: bytes
+    step: bytes
+    start_ns: bytes
+    duration_ns: bytes
+    bytes_moved: bytes = b""
+    callpath_id: bytes = b""
+
+    def __post_init__(self) -> None:
+        if len(self.layers) != len(self.names):
+            raise ValueError(
+                f"layers has {len(self.layers)} entries but names has {len(self.names)}"
+            )
+        n = len(self.rank) // 4
+        for column, dtype in SPAN_COLUMNS.items():
+            raw = getattr(self, column)
+            if column in _OPTIONAL_SPAN_COLUMNS and not raw:
+                continue
+            width = np.dtype(dtype).itemsize
+            if len(raw) % width or len(raw) // width != n:
+                raise ValueError(
+                    f"column {column} holds {len(raw)} bytes, expected {n * width} "
+                    f"({n} events of {width} bytes)"
+                )
+        if n and self.layers:
+            fn = np.frombuffer(self.fn, dtype=SPAN_COLUMNS["fn"])
+            lo, hi = int(fn.min()), int(fn.max())
+            if lo < 0 or hi >= len(self.names):
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"fn index {bad} out of range for {len(self.names)} functions")
+        elif n:
+            raise ValueError(f"{n} events but no functions declared")
+
+    def __len__(self) -> int:
+        return len(self.rank) // 4
+
+    def column(self, name: str) -> np.ndarray:
+        """A read-only numpy view of one numeric column (zeros for an empty optional one)."""
+        raw = getattr(self, name)
+        dtype = SPAN_COLUMNS[name]
+        if not raw:
+            return np.zeros(len(self), dtype=dtype)
+        return np.frombuffer(raw, dtype=dtype)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        *,
+        job_id: str,
+        layers: list[str],
+        names: list[str],
+        host: str = "",
+        **columns: Any,
+    ) -> SpanBatch:
+        packed = {}
+        for name, dtype in SPAN_COLUMNS.items():
+            values = columns.pop(name, None)
+            if values is None:
+                if name in _OPTIONAL_SPAN_COLUMNS:
+                    packed[name] = b""
+                    continue
+                raise TypeError(f"missing column {name}")
+            packed[name] = np.ascontiguousarray(values, dtype=dtype).tobytes()
+        if columns:
+            raise TypeError(f"unknown columns: {sorted(columns)}")
+        return cls(job_id=job_id, host=host, layers=list(layers), names=list(names), **packed)
+
+    @classmethod
+    def from_events(cls, events: list[SpanEvent], host: str = "") -> SpanBatch:
+        """Pack row events (all of one job) into one batch."""
+        if not events:
+            raise ValueError("cannot build a SpanBatch from no events")
+        job_id = events[0].job_id
+        functions: dict[tuple[str, str], int] = {}
+        fn = []
+        for event in events:
+            if event.job_id != job_id:
+                raise ValueError(f"events of two jobs in one batch: {job_id!r}, {event.job_id!r}")
+            fn.append(functions.setdefault((event.layer, event.name), len(functions)))
+        return cls.from_arrays(
+            job_id=job_id,
+            host=host,
+            layers=[layer for layer, _ in functions],
+            names=[name for _, name in functions],
+            rank=[e.rank for e in events],
+            fn=fn,
+            step=[e.step for e in events],
+            start_ns=[e.start_ns for e in events],
+            duration_ns=[e.duration_ns for e in events],
+            bytes_moved=[e.bytes_moved for e in events],
+            callpath_id=[e.callpath_id for e in events],
+        )
+
+    def to_events(self) -> list[SpanEvent]:
+        cols = {name: self.column(name).tolist() for name in SPAN_COLUMNS}
+        return [
+            SpanEvent(
+                job_id=self.job_id,
+                rank=cols["rank"][i],
+                layer=self.layers[cols["fn"][i]],
+                name=self.names[cols["fn"][i]],
+                start_ns=cols["start_ns"][i],
+                duration_ns=cols["duration_ns"][i],
+                step=cols["step"][i],
+                bytes_moved=cols["bytes_moved"][i],
+                callpath_id=cols["callpath_id"][i],
+            )
+            for i in range(len(self))
+        ]
+
+
+class StepRecord(msgspec.Struct, tag="step", kw_only=True, frozen=True):
+    """One training step on one rank."""
+
+    v: int = SCHEMA_VERSION
+    job_id: str
+    rank: int
+    step: int
+    start_ns: int
+    duration_ns: int
+    samples: int = 0
+    tokens: int = 0
+    seq_len_mean: float = 0.0
+    seq_len_max: int = 0
+
+
+class MetricSample(msgspec.Struct, tag="metric", kw_only=True, frozen=True):
+    """One reading of one hardware or host counter (NVML, NIC, PCIe, CPU)."""
+
+    v: int = SCHEMA_VERSION
+    job_id: str
+    host: str = ""
+    rank: int = -1
+    device: int = -1
+    ts_ns: int
+    name: str
+    value: float
+
+
+class FunctionSummary(msgspec.Struct, tag="summary", kw_only=True, frozen=True):
+    """Every execution of one function on one rank within one window, condensed.
+
+    Mergeable: counts, totals, min/max and the sketch add up; ``m2_ns2`` (sum of squared
+    deviations from the mean) merges with Chan's parallel formula. The sketch is a sparse
+    log-bucket histogram, see :mod:`trainscope.streams.sketch`.
+    """
+
+    v: int = SCHEMA_VERSION
+    job_id: str
+    rank: int
+    layer: str
+    name: str
+    callpath_id: int = 0
+    window_start_ns: int
+    window_end_ns: int
+    count: int
+    total_ns: int
+    m2_ns2: float = 0.0
+    min_ns: int
+    max_ns: int
+    bytes_total: int = 0
+    sketch_keys: list[int] = []
+    sketch_counts: list[int] = []
+
+    @property
+    def mean_ns(self) -> float:
+        return self.total_ns / self.count if self.count else 0.0
+
+    @property
+    def variance_ns2(self) -> float:
+        return self.m2_ns2 / self.count if self.count else 0.0
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ValueError(f"count must be >= 0, got {self.count}")
+        if self.window_end_ns <= self.window_start_ns:
+            raise ValueError(
+                f"window_end_ns {self.window_end_ns} is not after window_start_ns "
+                f"{self.window_start_ns}"
+            )
+        if len(self.sketch_keys) != len(self.sketch_counts):
+            raise ValueError(
+                f"sketch_keys has {len(self.sketch_keys)} entries but sketch_counts has "
+                f"{len(self.sketch_counts)}"
+            )
+
+
+class Finding(msgspec.Struct, tag="finding", kw_only=True, frozen=True):
+    """What a detector concluded about one window of one job.
+
+    ``score`` is in [0, 1]; findings at or above the alert threshold are alerts. ``rank`` is the
+    prime suspect (``-1`` for job-level findings), ``ranks`` every rank the finding covers (a
+    whole stage for stage imbalance), ``victims`` ranks that only waited for the suspect.
+    """
+
+    v: int = SCHEMA_VERSION
+    job_id: str
+    window_start_ns: int
+    window_end_ns: int
+    detector: str
+    rank: int = -1
+    ranks: list[int] = []
+    victims: list[int] = []
+    pp_stage: int = -1
+    layer: str = ""
+    function: str = ""
+    category: str
+    score: float
+    evidence: dict[str, float] = {}
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.category not in CATEGORIES:
+            raise ValueError(f"unknown category {self.category!r}; known: {', '.join(CATEGORIES)}")
+
+
+class ControlMessage(msgspec.Struct, tag="control", kw_only=True, frozen=True):
+    """A request to producers, e.g. "profile rank 17 of job J for 5 steps"."""
+
+    v: int = SCHEMA_VERSION
+    job_id: str
+    action: str
+    rank: int = -1
+    steps: int = 0
+    request_id: str = ""
+    issued_ns: int = 0
+
+
+Record = (
+    Topology
+    | SpanEvent
+    | SpanBatch
+    | StepRecord
+    | MetricSample
+    | FunctionSummary
+    | Finding
+    | ControlMessage
+)
+
+RECORD_TYPES: tuple[type[msgspec.Struct], ...] = (
+    Topology,
+    SpanEvent,
+    SpanBatch,
+    StepRecord,
+    MetricSample,
+    FunctionSummary,
+    Finding,
+    ControlMessage,
+)

@@ -1,0 +1,1 @@
+"""Sinks: the ClickHouse writer and alert notifiers."""

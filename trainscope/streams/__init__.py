@@ -1,0 +1,1 @@
+"""Stream processing: the bus, the window engine and the stream jobs."""
