@@ -1,0 +1,92 @@
+"""Detectors found through the ``trainscope.detectors`` entry-point group.
+
+A third-party package declares::
+
+    [project.entry-points."trainscope.detectors"]
+    my-detector = "my_package.module:MyDetector"
+
+and the registry loads it by name. A plugin that fails to import, to construct, or raises while
+detecting is reported once and isolated; it never stops the pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from importlib.metadata import EntryPoint, entry_points
+
+from trainscope.detectors.base import Detector, WindowView
+from trainscope.schemas.records import Finding
+
+GROUP = "trainscope.detectors"
+log = logging.getLogger(__name__)
+
+
+class UnknownDetector(LookupError):
+    pass
+
+
+def available(group: str = GROUP) -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group=group)}
+
+
+@dataclass
+class LoadResult:
+    detectors: list[Detector] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def load(names: Iterable[str] | None = None, group: str = GROUP) -> LoadResult:
+    """Instantiate the named detectors (all registered ones when ``names`` is None).
+
+    An unknown name is a loud error (a typo must not silently disable detection); a plugin
+    that is registered but broken is recorded in ``errors`` and skipped.
+    """
+    registered = available(group)
+    wanted = list(registered) if names is None else list(names)
+    unknown = [n for n in wanted if n not in registered]
+    if unknown:
+        raise UnknownDetector(
+            f"unknown detector(s) {', '.join(unknown)}; registered: {', '.join(sorted(registered))}"
+        )
+    result = LoadResult()
+    for name in wanted:
+        try:
+            factory = registered[name].load()
+            detector = factory()
+        except Exception as exc:  # a plugin's bug must not take the pipeline down
+            result.errors[name] = f"{type(exc).__name__}: {exc}"
+            log.warning("detector plugin %s failed to load and is skipped: %s", name, exc)
+            continue
+        if not isinstance(detector, Detector):
+            result.errors[name] = f"{factory!r} does not implement Detector (name, detect)"
+            log.warning("detector plugin %s is not a Detector and is skipped", name)
+            continue
+        result.detectors.append(detector)
+    return result
+
+
+@dataclass
+class DetectorRunner:
+    """Runs detectors on each window, isolating failures and counting them per detector."""
+
+    detectors: list[Detector]
+    on_error: Callable[[str, Exception], None] | None = None
+    errors: dict[str, int] = field(default_factory=dict)
+    findings_emitted: int = 0
+
+    def run(self, window: WindowView) -> list[Finding]:
+        findings: list[Finding] = []
+        for detector in self.detectors:
+            try:
+                findings.extend(detector.detect(window))
+            except Exception as exc:
+                first = detector.name not in self.errors
+                self.errors[detector.name] = self.errors.get(detector.name, 0) + 1
+                if first:
+                    log.warning("detector %s raised and is isolated: %r", detector.name, exc)
+                if self.on_error is not None:
+                    self.on_error(detector.name, exc)
+        self.findings_emitted += len(findings)
+        return findings
