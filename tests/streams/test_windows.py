@@ -1,0 +1,131 @@
+"""The window engine against a straightforward per-event computation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trainscope.schemas import FunctionSummary, SpanBatch, StepRecord
+from trainscope.streams import summaries
+from trainscope.streams.windows import WindowEngine
+
+WINDOW_NS = 10**9
+
+
+def random_batch(rng: np.random.Generator, n: int, t0_ns: int, span_ns: int) -> SpanBatch:
+    return SpanBatch.from_arrays(
+        job_id="job",
+        layers=["torch_op", "collective", "gc"],
+        names=["forward", "all_reduce", "gc.collect"],
+        rank=rng.integers(0, 8, n),
+        fn=rng.integers(0, 3, n),
+        step=np.zeros(n),
+        start_ns=t0_ns + rng.integers(0, span_ns, n),
+        duration_ns=rng.integers(1_000, 5_000_000, n),
+        bytes_moved=rng.integers(0, 100, n),
+    )
+
+
+def test_summaries_match_naive_groupby() -> None:
+    rng = np.random.default_rng(7)
+    batches = [random_batch(rng, 5_000, i * WINDOW_NS // 2, WINDOW_NS) for i in range(6)]
+    engine = WindowEngine(window_s=1.0, allowed_lateness_s=10.0)
+    engine.add_spans(batches)
+    views = engine.close_all()
+
+    expected: dict[tuple[int, int, str], list[int]] = {}
+    moved: dict[tuple[int, int, str], int] = {}
+    for batch in batches:
+        for e in batch.to_events():
+            key = (e.start_ns // WINDOW_NS, e.rank, e.name)
+            expected.setdefault(key, []).append(e.duration_ns)
+            moved[key] = moved.get(key, 0) + e.bytes_moved
+    got = {}
+    for view in views:
+        for row in view.summaries.itertuples():
+            got[(view.window_start_ns // WINDOW_NS, row.rank, row.name)] = row
+    assert set(got) == set(expected)
+    for key, durations in expected.items():
+        row, d = got[key], np.array(durations)
+        assert row.count == len(d)
+        assert row.total_ns == d.sum()
+        assert row.min_ns == d.min() and row.max_ns == d.max()
+        assert row.m2_ns2 == pytest.approx(((d - d.mean()) ** 2).sum(), rel=1e-9)
+        assert row.bytes_total == moved[key]
+        assert sum(row.sketch_counts) == len(d)
+    assert engine.stats.spans_received == 30_000
+    assert engine.stats.late_events == 0
+
+
+def test_watermark_closes_windows_and_counts_late_events() -> None:
+    rng = np.random.default_rng(1)
+    engine = WindowEngine(window_s=1.0, allowed_lateness_s=0.5)
+    engine.add_spans([random_batch(rng, 100, 0, WINDOW_NS // 2)])
+    assert engine.close_ready() == []  # watermark has not passed the end of window 0
+    engine.add_spans([random_batch(rng, 100, 2 * WINDOW_NS, WINDOW_NS // 2)])
+    closed = engine.close_ready()
+    assert [v.window_start_ns for v in closed] == [0]
+    late = random_batch(rng, 40, 0, WINDOW_NS // 2)
+    engine.add_spans([late])
+    assert engine.stats.late_events == 40
+    engine.add_steps([StepRecord(job_id="job", rank=0, step=1, start_ns=10, duration_ns=5)])
+    assert engine.stats.late_events == 41
+    assert [v.window_start_ns for v in engine.close_all()] == [2 * WINDOW_NS]
+
+
+def test_producer_summaries_merge_with_raw_events() -> None:
+    durations_a = np.arange(1, 101) * 10_000
+    durations_b = np.arange(101, 201) * 10_000
+    engine = WindowEngine(window_s=1.0)
+    engine.add_spans(
+        [
+            SpanBatch.from_arrays(
+                job_id="job",
+                layers=["torch_op"],
+                names=["forward"],
+                rank=np.full(100, 3),
+                fn=np.zeros(100),
+                step=np.zeros(100),
+                start_ns=np.arange(100) * 1000,
+                duration_ns=durations_a,
+            )
+        ]
+    )
+    summary: FunctionSummary = summaries.summarize(
+        durations_b,
+        job_id="job",
+        rank=3,
+        layer="torch_op",
+        name="forward",
+        window_start_ns=0,
+        window_end_ns=WINDOW_NS,
+    )
+    engine.add_summaries([summary])
+    (view,) = engine.close_all()
+    (row,) = view.summaries.itertuples()
+    both = np.concatenate([durations_a, durations_b])
+    assert row.count == 200
+    assert row.total_ns == both.sum()
+    assert row.m2_ns2 == pytest.approx(((both - both.mean()) ** 2).sum(), rel=1e-9)
+    assert sum(row.sketch_counts) == 200
+
+
+def test_negative_durations_are_rejected_and_counted() -> None:
+    engine = WindowEngine(window_s=1.0)
+    engine.add_spans(
+        [
+            SpanBatch.from_arrays(
+                job_id="job",
+                layers=["torch_op"],
+                names=["forward"],
+                rank=[0, 0],
+                fn=[0, 0],
+                step=[0, 0],
+                start_ns=[0, 1],
+                duration_ns=[5, -1],
+            )
+        ]
+    )
+    assert engine.stats.rejected == 1
+    (view,) = engine.close_all()
+    assert view.summaries["count"].sum() == 1

@@ -1,0 +1,314 @@
+"""Tumbling event-time windows per job, keyed by (rank, layer, function, call path).
+
+Span events arrive as columnar batches; each batch is reduced to partial summaries in one
+vectorised pass (:mod:`trainscope.streams.grouping`), and a window's partials are merged once,
+when the window closes. Producers that summarise on their own (the PyTorch hook, the host agent)
+send :class:`FunctionSummary` records, which join the same partials.
+
+Time: a window ``[k·W, (k+1)·W)`` closes when the job's watermark — the largest event time seen
+minus the allowed lateness — passes its end. An event for a window that has already closed is
+late: it is counted in ``stats.late_events`` and set aside, never silently merged or lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from trainscope.detectors.base import METRIC_COLUMNS, STEP_COLUMNS, WindowView
+from trainscope.schemas.records import (
+    FunctionSummary,
+    MetricSample,
+    SpanBatch,
+    StepRecord,
+    Topology,
+)
+from trainscope.streams.grouping import Partials, merge_partials, reduce_events
+
+_FN_BITS = 20
+_RANK_BITS = 20
+_WINDOW_SHIFT = _FN_BITS + _RANK_BITS
+_MAX_RANK = (1 << _RANK_BITS) - 1
+# Window indices are stored relative to a per-job base so they fit the 23 bits left.
+_WINDOW_MARGIN = 1 << 10
+
+
+@dataclass
+class EngineStats:
+    spans_received: int = 0
+    summaries_received: int = 0
+    steps_received: int = 0
+    metrics_received: int = 0
+    late_events: int = 0
+    rejected: int = 0
+    windows_closed: int = 0
+    summaries_emitted: int = 0
+
+
+@dataclass
+class _Window:
+    partials: list[Partials] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    metrics: list[MetricSample] = field(default_factory=list)
+
+
+@dataclass
+class _Job:
+    base: int | None = None
+    watermark_ns: int = -(2**62)
+    max_event_ns: int = -(2**62)
+    closed_before: int = -(2**62)  # window index: every window below it is closed
+    functions: dict[tuple[str, str, int], int] = field(default_factory=dict)
+    fn_layer: list[str] = field(default_factory=list)
+    fn_name: list[str] = field(default_factory=list)
+    fn_callpath: list[int] = field(default_factory=list)
+    windows: dict[int, _Window] = field(default_factory=dict)
+    topology: Topology | None = None
+
+    def fid(self, layer: str, name: str, callpath: int) -> int:
+        key = (layer, name, callpath)
+        fid = self.functions.get(key)
+        if fid is None:
+            fid = self.functions[key] = len(self.fn_layer)
+            if fid >= 1 << _FN_BITS:
+                raise ValueError(f"more than {1 << _FN_BITS} distinct functions in one job")
+            self.fn_layer.append(layer)
+            self.fn_name.append(name)
+            self.fn_callpath.append(callpath)
+        return fid
+
+
+class WindowEngine:
+    def __init__(self, window_s: float = 15.0, allowed_lateness_s: float = 5.0) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        if allowed_lateness_s < 0:
+            raise ValueError(f"allowed_lateness_s must be >= 0, got {allowed_lateness_s}")
+        self.window_ns = int(window_s * 1e9)
+        self.lateness_ns = int(allowed_lateness_s * 1e9)
+        self.stats = EngineStats()
+        self._jobs: dict[str, _Job] = {}
+
+    def _job(self, job_id: str) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            job = self._jobs[job_id] = _Job()
+        return job
+
+    def _window(self, job: _Job, index: int) -> _Window:
+        window = job.windows.get(index)
+        if window is None:
+            window = job.windows[index] = _Window()
+        return window
+
+    def _observe(self, job: _Job, event_ns: int) -> None:
+        if event_ns > job.max_event_ns:
+            job.max_event_ns = event_ns
+            job.watermark_ns = event_ns - self.lateness_ns
+
+    # -- input ------------------------------------------------------------------------------
+
+    def add_topology(self, topology: Topology) -> None:
+        self._job(topology.job_id).topology = topology
+
+    def add_spans(self, batches: list[SpanBatch]) -> None:
+        by_job: dict[str, list[SpanBatch]] = {}
+        for batch in batches:
+            if len(batch):
+                by_job.setdefault(batch.job_id, []).append(batch)
+        for job_id, job_batches in by_job.items():
+            self._add_job_spans(self._job(job_id), job_batches)
+
+    def _add_job_spans(self, job: _Job, batches: list[SpanBatch]) -> None:
+        fids, ranks, starts, durations, moved = [], [], [], [], []
+        for batch in batches:
+            callpath = batch.column("callpath_id")
+            local_fn = batch.column("fn")
+            if batch.callpath_id and callpath.any():
+                pairs = {
+                    (int(f), int(c)): None for f, c in zip(local_fn, callpath, strict=True)
+                }
+                lookup = {
+                    (f, c): job.fid(batch.layers[f], batch.names[f], c) for f, c in pairs
+                }
+                fid = np.fromiter(
+                    (lookup[(int(f), int(c))] for f, c in zip(local_fn, callpath, strict=True)),
+                    dtype=np.int64,
+                    count=len(local_fn),
+                )
+            else:
+                table = np.array(
+                    [job.fid(layer, name, 0) for layer, name in zip(batch.layers, batch.names,
+                                                                    strict=True)],
+                    dtype=np.int64,
+                )
+                fid = table[local_fn]
+            fids.append(fid)
+            ranks.append(batch.column("rank"))
+            starts.append(batch.column("start_ns"))
+            durations.append(batch.column("duration_ns"))
+            moved.append(batch.column("bytes_moved"))
+        fid = np.concatenate(fids)
+        rank = np.concatenate(ranks).astype(np.int64)
+        start = np.concatenate(starts)
+        duration = np.concatenate(durations)
+        bytes_moved = np.concatenate(moved)
+        self.stats.spans_received += len(fid)
+
+        valid = (rank >= 0) & (rank <= _MAX_RANK) & (duration >= 0)
+        if not valid.all():
+            self.stats.rejected += int((~valid).sum())
+            fid, rank, start, duration, bytes_moved = (
+                a[valid] for a in (fid, rank, start, duration, bytes_moved)
+            )
+        if len(fid) == 0:
+            return
+        index = start // self.window_ns
+        if job.base is None:
+            job.base = int(index.min()) - _WINDOW_MARGIN
+        on_time = (index >= job.closed_before) & (index >= job.base)
+        if not on_time.all():
+            self.stats.late_events += int((~on_time).sum())
+            fid, rank, index, duration, bytes_moved, start = (
+                a[on_time] for a in (fid, rank, index, duration, bytes_moved, start)
+            )
+            if len(fid) == 0:
+                return
+        group = ((index - job.base) << _WINDOW_SHIFT) | (rank << _FN_BITS) | fid
+        partials = reduce_events(group, duration, bytes_moved)
+        window_of_row = partials.group >> _WINDOW_SHIFT
+        bounds = np.flatnonzero(np.r_[True, window_of_row[1:] != window_of_row[:-1]])
+        for i, lo in enumerate(bounds):
+            hi = bounds[i + 1] if i + 1 < len(bounds) else len(window_of_row)
+            rel = int(window_of_row[lo])
+            part = partials.take(np.arange(lo, hi)) if len(bounds) > 1 else partials
+            self._window(job, rel + job.base).partials.append(part)
+        self._observe(job, int((start + duration).max()))
+
+    def add_summaries(self, summaries: list[FunctionSummary]) -> None:
+        for summary in summaries:
+            self.stats.summaries_received += 1
+            job = self._job(summary.job_id)
+            index = summary.window_start_ns // self.window_ns
+            if job.base is None:
+                job.base = index - _WINDOW_MARGIN
+            if index < job.closed_before or index < job.base or not 0 <= summary.rank <= _MAX_RANK:
+                self.stats.late_events += summary.count
+                continue
+            fid = job.fid(summary.layer, summary.name, summary.callpath_id)
+            group = ((index - job.base) << _WINDOW_SHIFT) | (summary.rank << _FN_BITS) | fid
+            keys = np.asarray(summary.sketch_keys, dtype=np.int64)
+            self._window(job, index).partials.append(
+                Partials(
+                    group=np.array([group], dtype=np.int64),
+                    count=np.array([summary.count], dtype=np.int64),
+                    total_ns=np.array([summary.total_ns], dtype=np.int64),
+                    m2_ns2=np.array([summary.m2_ns2]),
+                    min_ns=np.array([summary.min_ns], dtype=np.int64),
+                    max_ns=np.array([summary.max_ns], dtype=np.int64),
+                    bytes_total=np.array([summary.bytes_total], dtype=np.int64),
+                    sketch_row=np.zeros(len(keys), dtype=np.int64),
+                    sketch_key=keys,
+                    sketch_count=np.asarray(summary.sketch_counts, dtype=np.int64),
+                )
+            )
+            self._observe(job, summary.window_end_ns - 1)
+
+    def add_steps(self, steps: list[StepRecord]) -> None:
+        for step in steps:
+            self.stats.steps_received += 1
+            job = self._job(step.job_id)
+            index = step.start_ns // self.window_ns
+            if index < job.closed_before:
+                self.stats.late_events += 1
+                continue
+            self._window(job, index).steps.append(step)
+            self._observe(job, step.start_ns + step.duration_ns)
+
+    def add_metrics(self, samples: list[MetricSample]) -> None:
+        for sample in samples:
+            self.stats.metrics_received += 1
+            job = self._job(sample.job_id)
+            index = sample.ts_ns // self.window_ns
+            if index < job.closed_before:
+                self.stats.late_events += 1
+                continue
+            self._window(job, index).metrics.append(sample)
+            self._observe(job, sample.ts_ns)
+
+    # -- output -----------------------------------------------------------------------------
+
+    def close_ready(self) -> list[WindowView]:
+        """Close every window whose end the watermark has passed, oldest first."""
+        closed = []
+        for job_id, job in self._jobs.items():
+            for index in sorted(job.windows):
+                if (index + 1) * self.window_ns > job.watermark_ns:
+                    break
+                closed.append(self._close(job_id, job, index))
+        return closed
+
+    def close_all(self) -> list[WindowView]:
+        """Close every open window (end of stream)."""
+        closed = []
+        for job_id, job in self._jobs.items():
+            for index in sorted(job.windows):
+                closed.append(self._close(job_id, job, index))
+        return closed
+
+    def open_windows(self) -> int:
+        return sum(len(job.windows) for job in self._jobs.values())
+
+    def _close(self, job_id: str, job: _Job, index: int) -> WindowView:
+        window = job.windows.pop(index)
+        job.closed_before = max(job.closed_before, index + 1)
+        self.stats.windows_closed += 1
+        view = WindowView(
+            job_id=job_id,
+            window_start_ns=index * self.window_ns,
+            window_end_ns=(index + 1) * self.window_ns,
+            summaries=self._summary_frame(job, window.partials),
+            steps=_step_frame(window.steps),
+            metrics=_metric_frame(window.metrics),
+            topology=job.topology,
+        )
+        self.stats.summaries_emitted += len(view.summaries)
+        return view
+
+    def _summary_frame(self, job: _Job, parts: list[Partials]) -> pd.DataFrame:
+        if not parts:
+            return WindowView("", 0, 1).summaries
+        merged = merge_partials(Partials.concat(parts) if len(parts) > 1 else parts[0])
+        fid = merged.group & ((1 << _FN_BITS) - 1)
+        rank = (merged.group >> _FN_BITS) & _MAX_RANK
+        splits = np.searchsorted(merged.sketch_row, np.arange(1, len(fid)))
+        return pd.DataFrame(
+            {
+                "rank": rank,
+                "layer": np.asarray(job.fn_layer, dtype=object)[fid],
+                "name": np.asarray(job.fn_name, dtype=object)[fid],
+                "callpath_id": np.asarray(job.fn_callpath, dtype=np.uint64)[fid],
+                "count": merged.count.astype(np.int64),
+                "total_ns": merged.total_ns.astype(np.int64),
+                "m2_ns2": merged.m2_ns2.astype(np.float64),
+                "min_ns": merged.min_ns.astype(np.int64),
+                "max_ns": merged.max_ns.astype(np.int64),
+                "bytes_total": merged.bytes_total.astype(np.int64),
+                "sketch_keys": [k.tolist() for k in np.split(merged.sketch_key, splits)],
+                "sketch_counts": [c.tolist() for c in np.split(merged.sketch_count, splits)],
+            }
+        )
+
+
+def _step_frame(steps: list[StepRecord]) -> pd.DataFrame:
+    if not steps:
+        return WindowView("", 0, 1).steps
+    return pd.DataFrame({c: [getattr(s, c) for s in steps] for c in STEP_COLUMNS})
+
+
+def _metric_frame(samples: list[MetricSample]) -> pd.DataFrame:
+    if not samples:
+        return WindowView("", 0, 1).metrics
+    return pd.DataFrame({c: [getattr(s, c) for s in samples] for c in METRIC_COLUMNS})
