@@ -1,0 +1,236 @@
+"""Straggler what-if analysis: ideal run, slowdown S, attribution and characterisation.
+
+Numbers are ratios of mean step times: S = T_real / T_ideal where T_real is the simulated real
+run with launch delays removed and T_ideal the run with every op at its typical duration. A
+group's S (op type, DP rank, stage) puts only that group back at its real durations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trainscope.whatif import optypes as ot
+from trainscope.whatif.graph import Graph, build_graph
+from trainscope.whatif.layout import Layout
+from trainscope.whatif.simulate import Mixed, gate_times, ready_times, simulate
+
+# Scenarios replayed together are chunked so one chunk's time arrays stay near this many
+# float64 elements (~128 MiB each), whatever the job size.
+CHUNK_ELEMENTS = 1 << 24
+TOP_WORKER_SHARE = 0.03
+
+
+@dataclass
+class WhatIf:
+    S: float
+    S_per_step: dict[int, float]
+    S_optype: dict[str, float]
+    S_dp_rank: dict[int, float]
+    S_stage: dict[int, float]
+    S_worker: list[dict[str, Any]]
+    M_W: float
+    M_S: float
+    sim_error_median: float
+    sim_error_p90: float
+    steps: int
+    workers: int
+    steps_dropped: list[int] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    step_time_real_s: float = 0.0  # mean observed step time
+    step_time_nodelay_s: float = 0.0  # mean simulated step time, launch delays removed
+    step_time_ideal_s: float = 0.0
+    top_workers: list[tuple[int, int]] = field(default_factory=list)  # (dp_rank, stage) for M_W
+    # Per template op: the ideal run's duration (compute) or transfer duration (communication).
+    ideal_effective_s: np.ndarray | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: string keys, NaN as None."""
+        return {
+            "S": _num(self.S),
+            "S_per_step": {str(k): _num(v) for k, v in self.S_per_step.items()},
+            "S_optype": {k: _num(v) for k, v in self.S_optype.items()},
+            "S_dp_rank": {str(k): _num(v) for k, v in self.S_dp_rank.items()},
+            "S_stage": {str(k): _num(v) for k, v in self.S_stage.items()},
+            "S_worker": [{**w, "score": _num(w["score"])} for w in self.S_worker],
+            "M_W": _num(self.M_W),
+            "M_S": _num(self.M_S),
+            "sim_error_median": _num(self.sim_error_median),
+            "sim_error_p90": _num(self.sim_error_p90),
+            "steps": self.steps,
+            "workers": self.workers,
+            "steps_dropped": list(self.steps_dropped),
+            "warnings": list(self.warnings),
+            "step_time_real_s": _num(self.step_time_real_s),
+            "step_time_nodelay_s": _num(self.step_time_nodelay_s),
+            "step_time_ideal_s": _num(self.step_time_ideal_s),
+            "top_workers": [{"dp_rank": d, "stage": s} for d, s in self.top_workers],
+        }
+
+
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) else float(x)
+
+
+@dataclass
+class Observed:
+    """What the trace says, reshaped for replay: all arrays are (nodes, steps, dp)."""
+
+    effective_s: np.ndarray  # compute duration, or transfer duration for communication
+    delay_s: np.ndarray  # launch delay
+    step_time_s: np.ndarray  # (steps,) real step time
+    ideal_s: np.ndarray  # (nodes,) the ideal run's effective duration per node
+
+
+def layout_graph(layout: Layout) -> Graph:
+    return build_graph(
+        layout.node_stage,
+        layout.node_op,
+        layout.node_seq,
+        layout.node_mc,
+        layout.node_gmc,
+        layout.node_mb,
+        layout.stage_offsets,
+    )
+
+
+def observe(layout: Layout, graph: Graph) -> Observed:
+    start = layout.start_s
+    end = start + layout.duration_s
+    # Clock skew between hosts can make an op end before its last peer started; clamp.
+    effective = np.maximum(end - gate_times(graph, start), 0.0)
+    delay = np.maximum(start - ready_times(graph, end), 0.0)
+    step_time = end[graph.final_nodes].max(axis=(0, 2))
+    ideal_by_op = np.zeros(len(ot.OPTYPES))
+    for code in np.unique(layout.node_op):
+        values = effective[layout.node_op == code]
+        ideal_by_op[code] = values.mean() if ot.is_compute(int(code)) else np.median(values)
+    return Observed(effective, delay, step_time, ideal_by_op[layout.node_op])
+
+
+def analyse(
+    layout: Layout, graph: Graph | None = None, progress: Callable[[str], None] | None = None
+) -> WhatIf:
+    say = progress or (lambda _msg: None)
+    graph = graph or layout_graph(layout)
+    say("observing transfer durations and launch delays")
+    obs = observe(layout, graph)
+    n_nodes, n_steps, dp_size = obs.effective_s.shape
+    pp_size = layout.meta.pp_size
+    shape = (n_steps, dp_size)
+    ideal_b = obs.ideal_s[:, None, None]
+
+    say("replaying the real run")
+    with_delays = simulate(graph, obs.effective_s, shape, obs.delay_s).step_time_s
+    sim_error = np.abs(with_delays - obs.step_time_s) / obs.step_time_s
+    t_real = simulate(graph, obs.effective_s, shape).step_time_s
+    t_ideal = float(simulate(graph, ideal_b, (1, 1)).step_time_s[0])
+    mean_real = float(t_real.mean())
+
+    def ratio(step_times: np.ndarray) -> np.ndarray:
+        return step_times.mean(axis=-1) / t_ideal
+
+    say("attributing to op types and stages")
+    present = [int(c) for c in np.unique(layout.node_op)]
+    by_type = [layout.node_op == c for c in present]
+    by_stage = [layout.node_stage == s for s in range(pp_size)]
+    group_masks = np.stack(by_type + by_stage)[:, :, None]  # (groups, nodes, 1): every DP rank
+    s_groups = ratio(_replay_masks(graph, obs, group_masks, shape))
+    s_optype = {ot.OPTYPES[c]: float(v) for c, v in zip(present, s_groups, strict=False)}
+    s_stage = {s: float(v) for s, v in enumerate(s_groups[len(present) :])}
+
+    say("attributing to data-parallel ranks")
+    s_dp = _per_dp_rank(graph, obs, t_real, t_ideal)
+
+    scores = np.minimum(
+        np.array([s_dp[d] for d in range(dp_size)])[None, :],
+        np.array([s_stage[s] for s in range(pp_size)])[:, None],
+    )
+    flat_order = np.lexsort((np.arange(scores.size), -scores.ravel()))
+    s_worker = [
+        {"dp_rank": int(i % dp_size), "stage": int(i // dp_size), "score": float(scores.flat[i])}
+        for i in flat_order
+    ]
+
+    say("characterising: workers vs stage partitioning")
+    n_top = max(1, int(TOP_WORKER_SHARE * scores.size))
+    chosen = np.zeros((pp_size, dp_size), dtype=bool)
+    top = [(w["dp_rank"], w["stage"]) for w in s_worker[:n_top]]
+    for d, s in top:
+        chosen[s, d] = True
+    keep_real = np.stack(
+        [
+            ~chosen[layout.node_stage],
+            np.broadcast_to((layout.node_stage != pp_size - 1)[:, None], (n_nodes, dp_size)),
+        ]
+    )
+    t_removed = _replay_masks(graph, obs, keep_real, shape).mean(axis=-1)
+    excess = mean_real - t_ideal
+    if excess <= 1e-9 * t_ideal:
+        m_w = m_s = math.nan
+    else:
+        m_w, m_s = ((mean_real - t_removed) / excess).tolist()
+
+    return WhatIf(
+        S=mean_real / t_ideal,
+        S_per_step=dict(zip(layout.step_ids.tolist(), (t_real / t_ideal).tolist(), strict=True)),
+        S_optype=s_optype,
+        S_dp_rank=s_dp,
+        S_stage=s_stage,
+        S_worker=s_worker,
+        M_W=float(m_w),
+        M_S=float(m_s),
+        sim_error_median=float(np.median(sim_error)),
+        sim_error_p90=float(np.percentile(sim_error, 90)),
+        steps=n_steps,
+        workers=int(scores.size),
+        steps_dropped=list(layout.dropped_steps),
+        warnings=list(layout.warnings),
+        step_time_real_s=float(obs.step_time_s.mean()),
+        step_time_nodelay_s=mean_real,
+        step_time_ideal_s=t_ideal,
+        top_workers=top,
+        ideal_effective_s=obs.ideal_s,
+    )
+
+
+def _replay_masks(
+    graph: Graph, obs: Observed, masks: np.ndarray, shape: tuple[int, int]
+) -> np.ndarray:
+    """Step times (groups, steps) with real durations where ``masks`` (groups, nodes, dp) is
+    true and ideal ones elsewhere, launch delays removed."""
+    n_groups, n_nodes = masks.shape[:2]
+    per_group = n_nodes * shape[0] * shape[1]
+    chunk = max(1, CHUNK_ELEMENTS // per_group)
+    out = np.empty((n_groups, shape[0]))
+    ideal = np.broadcast_to(obs.ideal_s[:, None, None, None], (n_nodes, 1, 1, 1))
+    for lo in range(0, n_groups, chunk):
+        hi = min(n_groups, lo + chunk)
+        mask = np.ascontiguousarray(masks[lo:hi].transpose(1, 0, 2))[:, :, None, :]
+        mixed = Mixed(obs.effective_s, ideal, mask)
+        out[lo:hi] = simulate(graph, mixed, (hi - lo, *shape)).step_time_s
+    return out
+
+
+def _per_dp_rank(graph: Graph, obs: Observed, t_real: np.ndarray, t_ideal: float) -> dict:
+    """S of each DP rank with only that rank real. The other ranks all run the ideal schedule,
+    so they are identical and one column stands for all of them: the DP axis has size 2."""
+    n_nodes, n_steps, dp_size = obs.effective_s.shape
+    if dp_size == 1:
+        return {0: float(t_real.mean() / t_ideal)}
+    real_t = obs.effective_s.transpose(0, 2, 1)  # (nodes, dp, steps)
+    mask = np.broadcast_to(np.array([True, False]), (n_nodes, 1, 1, 2))
+    ideal = np.broadcast_to(obs.ideal_s[:, None, None, None], (n_nodes, 1, 1, 1))
+    chunk = max(1, CHUNK_ELEMENTS // (n_nodes * n_steps * 2))
+    result: dict[int, float] = {}
+    for lo in range(0, dp_size, chunk):
+        hi = min(dp_size, lo + chunk)
+        mixed = Mixed(real_t[:, lo:hi, :, None], ideal, mask)
+        times = simulate(graph, mixed, (hi - lo, n_steps, 2)).step_time_s
+        for d, t in zip(range(lo, hi), times.mean(axis=-1), strict=True):
+            result[d] = float(t / t_ideal)
+    return result
