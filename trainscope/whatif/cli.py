@@ -143,3 +143,7 @@ def _connect(st: Any, store_dir: Path | None, url: str | None) -> Any:
     except Exception as exc:  # the client raises many types; the user needs one line
         where = f"store {store_dir}" if store_dir is not None else "the ClickHouse URL"
         raise click.ClickException(f"cannot open {where}: {exc}") from None
+
+
+if __name__ == "__main__":
+    whatif()

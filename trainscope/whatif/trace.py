@@ -140,7 +140,7 @@ def validate(df: pd.DataFrame, meta: JobMeta, source: str = "trace") -> pd.DataF
                 f"{df[name].iloc[row]!r} (row {row})"
             )
         out[name] = column.to_numpy(dtype=dtype)
-    codes = pd.Categorical(df["optype"].astype("string"), categories=list(OPTYPES)).codes
+    codes = _optype_codes(df["optype"])
     if (codes < 0).any():
         row = int(np.flatnonzero(codes < 0)[0])
         raise TraceError(
@@ -150,6 +150,15 @@ def validate(df: pd.DataFrame, meta: JobMeta, source: str = "trace") -> pd.DataF
     out["op"] = codes.astype(np.int8)
     _check_ranges(out, meta, source)
     return pd.DataFrame(out)
+
+
+def _optype_codes(column: pd.Series) -> np.ndarray:
+    """Our optype codes, -1 for unknown or missing names."""
+    if not isinstance(column.dtype, pd.CategoricalDtype):
+        column = column.astype("category")
+    # Translate the few categories, not the millions of rows.
+    lookup = np.array([CODE.get(str(c), -1) for c in column.cat.categories] + [-1], np.int64)
+    return lookup[column.cat.codes.to_numpy()]
 
 
 def _check_ranges(cols: dict[str, np.ndarray], meta: JobMeta, source: str) -> None:
