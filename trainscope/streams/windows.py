@@ -5,9 +5,13 @@ vectorised pass (:mod:`trainscope.streams.grouping`), and a window's partials ar
 when the window closes. Producers that summarise on their own (the PyTorch hook, the host agent)
 send :class:`FunctionSummary` records, which join the same partials.
 
-Time: a window ``[k·W, (k+1)·W)`` closes when the job's watermark — the largest event time seen
-minus the allowed lateness — passes its end. An event for a window that has already closed is
-late: it is counted in ``stats.late_events`` and set aside, never silently merged or lost.
+Time: a window ``[k·W, (k+1)·W)`` closes when the job's watermark passes its end. Each rank is
+a source with its own progress (its latest event time); the watermark is the progress of the
+slowest *active* rank minus the allowed lateness, so a Kafka partition that is read later than
+the others does not turn its events late, and a rank that went silent (a hang) stops holding
+windows open once it has been idle for ``idle_s`` of event time. An event for a window that has
+already closed is late: it is counted in ``stats.late_events`` and set aside, never silently
+merged or lost.
 """
 
 from __future__ import annotations
@@ -57,8 +61,8 @@ class _Window:
 @dataclass
 class _Job:
     base: int | None = None
-    watermark_ns: int = -(2**62)
     max_event_ns: int = -(2**62)
+    progress_ns: np.ndarray = field(default_factory=lambda: np.zeros(0))
     closed_before: int = -(2**62)  # window index: every window below it is closed
     functions: dict[tuple[str, str, int], int] = field(default_factory=dict)
     fn_layer: list[str] = field(default_factory=list)
@@ -81,13 +85,16 @@ class _Job:
 
 
 class WindowEngine:
-    def __init__(self, window_s: float = 15.0, allowed_lateness_s: float = 5.0) -> None:
+    def __init__(
+        self, window_s: float = 15.0, allowed_lateness_s: float = 5.0, idle_s: float = 60.0
+    ) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         if allowed_lateness_s < 0:
             raise ValueError(f"allowed_lateness_s must be >= 0, got {allowed_lateness_s}")
         self.window_ns = int(window_s * 1e9)
         self.lateness_ns = int(allowed_lateness_s * 1e9)
+        self.idle_ns = int(max(idle_s, 2 * window_s) * 1e9)
         self.stats = EngineStats()
         self._jobs: dict[str, _Job] = {}
 
@@ -103,10 +110,32 @@ class WindowEngine:
             window = job.windows[index] = _Window()
         return window
 
-    def _observe(self, job: _Job, event_ns: int) -> None:
-        if event_ns > job.max_event_ns:
-            job.max_event_ns = event_ns
-            job.watermark_ns = event_ns - self.lateness_ns
+    def _observe(self, job: _Job, ranks: np.ndarray, event_ns: np.ndarray) -> None:
+        """Advance the progress of each rank to its latest event time."""
+        if len(event_ns) == 0:
+            return
+        job.max_event_ns = max(job.max_event_ns, int(event_ns.max()))
+        keep = ranks >= 0  # host-level samples advance no rank
+        ranks, event_ns = ranks[keep], event_ns[keep]
+        if len(ranks) == 0:
+            return
+        top = int(ranks.max())
+        if top >= len(job.progress_ns):
+            grown = np.full(top + 1, np.nan)
+            grown[: len(job.progress_ns)] = job.progress_ns
+            job.progress_ns = grown
+        job.progress_ns[ranks] = np.fmax(job.progress_ns[ranks], event_ns)
+        if len(np.unique(ranks)) != len(ranks):  # repeated ranks: fancy assignment keeps one
+            np.maximum.at(job.progress_ns, ranks, event_ns)
+
+    def watermark_ns(self, job_id: str) -> int:
+        job = self._jobs.get(job_id)
+        if job is None:
+            return -(2**62)
+        progress = job.progress_ns[~np.isnan(job.progress_ns)]
+        active = progress[progress >= job.max_event_ns - self.idle_ns]
+        slowest = float(active.min()) if len(active) else float(job.max_event_ns)
+        return int(slowest) - self.lateness_ns
 
     # -- input ------------------------------------------------------------------------------
 
@@ -177,6 +206,7 @@ class WindowEngine:
             if len(fid) == 0:
                 return
         group = ((index - job.base) << _WINDOW_SHIFT) | (rank << _FN_BITS) | fid
+        self._observe_spans(job, rank, start + duration)
         partials = reduce_events(group, duration, bytes_moved)
         window_of_row = partials.group >> _WINDOW_SHIFT
         bounds = np.flatnonzero(np.r_[True, window_of_row[1:] != window_of_row[:-1]])
@@ -185,7 +215,13 @@ class WindowEngine:
             rel = int(window_of_row[lo])
             part = partials.take(np.arange(lo, hi)) if len(bounds) > 1 else partials
             self._window(job, rel + job.base).partials.append(part)
-        self._observe(job, int((start + duration).max()))
+
+    def _observe_spans(self, job: _Job, rank: np.ndarray, end_ns: np.ndarray) -> None:
+        # Per-rank maxima via one sort of the (usually few) distinct ranks of the batch.
+        order = np.argsort(rank, kind="stable")
+        sorted_rank = rank[order]
+        starts = np.flatnonzero(np.r_[True, sorted_rank[1:] != sorted_rank[:-1]])
+        self._observe(job, sorted_rank[starts], np.maximum.reduceat(end_ns[order], starts))
 
     def add_summaries(self, summaries: list[FunctionSummary]) -> None:
         for summary in summaries:
@@ -214,7 +250,9 @@ class WindowEngine:
                     sketch_count=np.asarray(summary.sketch_counts, dtype=np.int64),
                 )
             )
-            self._observe(job, summary.window_end_ns - 1)
+            self._observe(
+                job, np.array([summary.rank]), np.array([summary.window_end_ns - 1])
+            )
 
     def add_steps(self, steps: list[StepRecord]) -> None:
         for step in steps:
@@ -225,7 +263,9 @@ class WindowEngine:
                 self.stats.late_events += 1
                 continue
             self._window(job, index).steps.append(step)
-            self._observe(job, step.start_ns + step.duration_ns)
+            self._observe(
+                job, np.array([step.rank]), np.array([step.start_ns + step.duration_ns])
+            )
 
     def add_metrics(self, samples: list[MetricSample]) -> None:
         for sample in samples:
@@ -236,7 +276,7 @@ class WindowEngine:
                 self.stats.late_events += 1
                 continue
             self._window(job, index).metrics.append(sample)
-            self._observe(job, sample.ts_ns)
+            self._observe(job, np.array([sample.rank]), np.array([sample.ts_ns]))
 
     # -- output -----------------------------------------------------------------------------
 
@@ -244,8 +284,9 @@ class WindowEngine:
         """Close every window whose end the watermark has passed, oldest first."""
         closed = []
         for job_id, job in self._jobs.items():
+            watermark = self.watermark_ns(job_id)
             for index in sorted(job.windows):
-                if (index + 1) * self.window_ns > job.watermark_ns:
+                if (index + 1) * self.window_ns > watermark:
                     break
                 closed.append(self._close(job_id, job, index))
         return closed

@@ -1,0 +1,155 @@
+"""The ``trainscope`` command.
+
+Subcommands live with the code they drive and are imported only when invoked, so
+``trainscope --help`` stays fast and a machine without the stream stack can still run the agent.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from trainscope import __version__
+
+# name → "module:attribute" of a click command
+_LAZY = {
+    "demo": "trainscope.cli_demo:demo",
+    "pipeline": "trainscope.cli_demo:pipeline",
+    "whatif": "trainscope.whatif.cli:whatif",
+    "agent": "trainscope.producers.agent.cli:agent",
+    "profile": "trainscope.producers.torch.cli:profile",
+    "replay": "trainscope.producers.replay.cli:replay",
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = set(super().list_commands(ctx))
+        names |= {name for name in _LAZY if self._available(name)}
+        return sorted(names)
+
+    @staticmethod
+    def _available(name: str) -> bool:
+        module = _LAZY[name].split(":")[0]
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            return False
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        command = super().get_command(ctx, name)
+        if command is not None or name not in _LAZY or not self._available(name):
+            return command
+        module, attr = _LAZY[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="trainscope")
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+def cli(verbose: int) -> None:
+    """Online performance troubleshooting for large-model training.
+
+    Finds the slow rank, the slow function and the cause; keeps the history in ClickHouse.
+    """
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+@cli.command()
+@click.argument("query")
+@click.option("--store", type=click.Path(path_type=Path), help="chDB store directory "
+              "(default: the demo's store under the user's data directory).")
+@click.option("--url", help="ClickHouse server URL instead of a store, e.g. http://host:8123 "
+              "(credentials from TRAINSCOPE_CLICKHOUSE_USER / _PASSWORD).")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table",
+              show_default=True)
+def sql(query: str, store: Path | None, url: str | None, fmt: str) -> None:
+    """Run an ad-hoc SQL QUERY on the store.
+
+    Tables: function_summaries, step_records, metric_samples, findings, topologies,
+    dead_letters (and op_traces, whatif_results after a what-if run).
+    """
+    from trainscope.sinks.clickhouse import StoreError, connect, default_store_dir, run_query
+
+    if store is None and url is None:
+        store = default_store_dir()
+        if not store.exists():
+            raise click.ClickException(
+                f"no store at {store}: run `trainscope demo` or pass --store"
+            )
+    try:
+        client = connect(store, url)
+        columns, rows = run_query(client, query)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+    _print_rows(columns, rows, fmt)
+
+
+def _print_rows(columns: list[str], rows: list[Any], fmt: str) -> None:
+    if fmt == "json":
+        for row in rows:
+            click.echo(json.dumps(dict(zip(columns, row, strict=True)), default=str))
+    elif fmt == "csv":
+        import csv
+
+        writer = csv.writer(sys.stdout)
+        writer.writerow(columns)
+        writer.writerows(rows)
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(*columns)
+        for row in rows:
+            table.add_row(*(str(v) for v in row))
+        Console(soft_wrap=True).print(table)
+        click.echo(f"{len(rows)} row(s)", err=True)
+
+
+@cli.group()
+def schemas() -> None:
+    """The record schemas."""
+
+
+@schemas.command("export")
+@click.argument("directory", type=click.Path(path_type=Path))
+def schemas_export(directory: Path) -> None:
+    """Write JSON Schema files for every record kind into DIRECTORY."""
+    from trainscope.schemas.jsonschema import export
+
+    try:
+        written = export(directory)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write schemas to {directory}: {exc}") from None
+    for path in written:
+        click.echo(str(path))
+
+
+@cli.command("detectors")
+def detectors_list() -> None:
+    """List the detectors registered under the trainscope.detectors entry points."""
+    from trainscope.detectors.registry import available, load
+
+    result = load()
+    loaded = {d.name for d in result.detectors}
+    for name, ep in sorted(available().items()):
+        state = "ok" if name not in result.errors else f"BROKEN: {result.errors[name]}"
+        click.echo(f"{name:16} {ep.value:55} {state}")
+    if not loaded and not result.errors:
+        click.echo("no detectors registered", err=True)
+
+
+def main() -> None:
+    cli(prog_name="trainscope")
+
+
+if __name__ == "__main__":
+    main()

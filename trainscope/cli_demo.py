@@ -1,0 +1,195 @@
+"""``trainscope demo`` and ``trainscope pipeline``: the stream job from the command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from trainscope.detectors.base import ALERT_THRESHOLD
+
+
+def resolve_layout(
+    ranks: int | None, dp: int | None, pp: int | None, tp: int | None
+) -> tuple[int, int, int]:
+    """(dp, pp, tp) from what the user gave; unknown degrees default to 1 (dp fills the rest)."""
+    if ranks is None and dp is None and pp is None and tp is None:
+        return 4, 2, 2
+    for name, value in (("--ranks", ranks), ("--dp", dp), ("--pp", pp), ("--tp", tp)):
+        if value is not None and value < 1:
+            raise click.BadParameter(f"must be >= 1, got {value}", param_hint=name)
+    pp, tp = pp or 1, tp or 1
+    if dp is None:
+        if ranks is None:
+            raise click.UsageError("give --ranks, or --dp with --pp/--tp")
+        if ranks % (pp * tp):
+            raise click.UsageError(f"--ranks {ranks} is not divisible by pp × tp = {pp * tp}")
+        dp = ranks // (pp * tp)
+    if ranks is not None and dp * pp * tp != ranks:
+        raise click.UsageError(f"--ranks {ranks} does not match dp × pp × tp = {dp * pp * tp}")
+    return dp, pp, tp
+
+
+@click.command()
+@click.option("--ranks", type=int, help="World size. Default: 16 (dp 4 × pp 2 × tp 2).")
+@click.option("--dp", type=int, help="Data-parallel degree.")
+@click.option("--pp", type=int, help="Pipeline-parallel degree (stages).")
+@click.option("--tp", type=int, help="Tensor-parallel degree.")
+@click.option("--steps", type=click.IntRange(1), default=200, show_default=True)
+@click.option("--fault", "faults", multiple=True, metavar="SPEC",
+              help="Inject a fault, e.g. slow-gpu:rank=13,factor=1.4 (repeatable). Kinds: "
+                   "slow-gpu, throttle, slow-link, dataloader-stall, gc-pause, "
+                   "stage-imbalance, seq-imbalance; all take start=STEP.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--job-id", default="demo-job", show_default=True)
+@click.option("--store", type=click.Path(path_type=Path),
+              help="chDB store directory. Default: under the user's data directory.")
+@click.option("--no-store", is_flag=True, help="Do not write to ClickHouse.")
+@click.option("--bus", "bus_url", default="memory", show_default=True,
+              help="memory, or kafka://HOST:PORT for a real broker.")
+@click.option("--window-s", type=click.FloatRange(min=0.1), default=15.0, show_default=True)
+@click.option("--threshold", type=click.FloatRange(0, 1), default=ALERT_THRESHOLD,
+              show_default=True, help="Alert threshold on finding scores.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def demo(
+    ranks: int | None, dp: int | None, pp: int | None, tp: int | None, steps: int,
+    faults: tuple[str, ...], seed: int, job_id: str, store: Path | None, no_store: bool,
+    bus_url: str, window_s: float, threshold: float, as_json: bool,
+) -> None:
+    """Run a simulated training job through the whole pipeline and diagnose it."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from trainscope.demo import run_demo
+    from trainscope.producers.simulate import ClusterSpec, FaultSpecError, parse_faults
+    from trainscope.sinks.clickhouse import ClickHouseSink, StoreError, default_store_dir
+    from trainscope.streams.bus import BusError
+
+    dp, pp, tp = resolve_layout(ranks, dp, pp, tp)
+    try:
+        parsed = parse_faults(list(faults))
+    except FaultSpecError as exc:
+        raise click.BadParameter(str(exc), param_hint="--fault") from None
+    spec = ClusterSpec(job_id=job_id, dp=dp, pp=pp, tp=tp, steps=steps, seed=seed,
+                       start_ns=(time.time_ns() // 10**9 - 2 * steps) * 10**9)
+    err = Console(stderr=True)
+    out = Console(stderr=as_json)
+    sink = None
+    if not no_store:
+        store = store or default_store_dir()
+        try:
+            sink = ClickHouseSink.open(store)
+        except StoreError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    seen: set[tuple[int, int, str]] = set()
+
+    def on_window(view, findings) -> None:
+        for f in findings:
+            key = (f.rank, f.pp_stage, f.category)
+            if f.score >= threshold and key not in seen:
+                seen.add(key)
+                out.print(f"[bold red]ALERT[/] [{f.score:.2f}] {f.message}", highlight=False)
+
+    progress = Progress(
+        TextColumn("[bold]simulating[/] {task.fields[layout]}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("steps"), TimeElapsedColumn(), console=err, transient=True,
+        disable=not err.is_terminal,
+    )
+    task = progress.add_task("steps", total=steps, layout=f"{dp}×{pp}×{tp}={dp * pp * tp} ranks")
+    try:
+        with progress:
+            result = run_demo(
+                spec, parsed, bus_url=bus_url, sink=sink, window_s=window_s,
+                threshold=threshold, on_window=on_window,
+                on_step=lambda s: progress.update(task, completed=s + 1),
+            )
+    except (ValueError, BusError) as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        if sink is not None:
+            sink.close()
+    for note in result.notes:
+        err.print(f"[yellow]warning:[/] {note}")
+    if as_json:
+        click.echo(json.dumps(result.as_json()))
+        return
+    _print_diagnosis(out, result, store if sink else None, threshold)
+
+
+def _print_diagnosis(console, result, store: Path | None, threshold: float) -> None:
+    from rich.table import Table
+
+    stats = result.stats
+    console.print(
+        f"\n[bold]{result.job_id}[/]: {result.ranks} ranks, {result.steps} steps, "
+        f"{result.events:,} span events in {result.windows} windows, "
+        f"{result.elapsed_s:.1f} s ({result.events / max(result.elapsed_s, 1e-9):,.0f} events/s)"
+    )
+    console.print(
+        f"messages: {stats.decode.received} received, {stats.decode.rejected} rejected; "
+        f"late events: {stats.window.dropped}; rejected events: {stats.window.rejected}; "
+        f"findings: {stats.detect.emitted}"
+    )
+    if not result.suspects:
+        console.print(f"[green]Diagnosis: healthy[/] — no finding reached the alert threshold "
+                      f"({threshold}).")
+    else:
+        table = Table(title="Diagnosis (most suspect first)")
+        for column in ("#", "rank(s)", "category", "function", "score", "windows", "victims"):
+            table.add_column(column)
+        for i, s in enumerate(result.suspects, 1):
+            who = (f"stage {s.pp_stage}" if s.category == "stage-imbalance"
+                   else ("job" if s.rank < 0 else str(s.rank)))
+            table.add_row(str(i), who, s.category, f"{s.layer}/{s.function}".strip("/"),
+                          f"{s.score:.2f}", str(len(s.scores)), str(len(s.victims)))
+        console.print(table)
+        console.print(f"[bold]Prime suspect:[/] {result.suspects[0].message}", highlight=False)
+    if store is not None:
+        console.print(f"store: {store}  (try: trainscope sql \"SELECT category, count() "
+                      f"FROM findings GROUP BY category\" --store {store})")
+
+
+@click.command()
+@click.option("--bus", "bus_url", required=True, help="kafka://HOST:PORT of the broker.")
+@click.option("--store", type=click.Path(path_type=Path), help="chDB store directory.")
+@click.option("--url", help="ClickHouse server URL instead of a store.")
+@click.option("--group", default="trainscope-pipeline", show_default=True)
+@click.option("--window-s", type=click.FloatRange(min=0.1), default=15.0, show_default=True)
+@click.option("--lateness-s", type=click.FloatRange(min=0), default=5.0, show_default=True)
+@click.option("--idle-exit-s", type=float, default=None,
+              help="Exit after this many seconds without messages (default: run until Ctrl-C).")
+def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, window_s: float,
+             lateness_s: float, idle_exit_s: float | None) -> None:
+    """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job)."""
+    from trainscope.sinks.clickhouse import ClickHouseSink, StoreError
+    from trainscope.streams.bus import BusError, open_bus
+    from trainscope.streams.pipeline import Pipeline
+
+    try:
+        sink = ClickHouseSink.open(store, url)
+        bus = open_bus(bus_url)
+    except (StoreError, BusError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+    def on_window(view, findings) -> None:
+        for f in findings:
+            if f.score >= ALERT_THRESHOLD:
+                click.echo(f"ALERT [{f.score:.2f}] {view.job_id}: {f.message}")
+
+    p = Pipeline(bus, group=group, window_s=window_s, lateness_s=lateness_s, sink=sink,
+                 on_window=on_window)
+    click.echo(f"consuming {bus_url} as group {group}; Ctrl-C to stop", err=True)
+    try:
+        p.run(idle_timeout_s=idle_exit_s if idle_exit_s is not None else float("inf"))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        p.finish()
+        bus.close()
+        sink.close()
+        click.echo(json.dumps(p.stats().as_dict()), err=True)
+        sys.stderr.flush()

@@ -1,0 +1,100 @@
+"""Per-rank tables derived from a window, shared by the built-in detectors.
+
+Times are normalised *per step* (a window may hold 9 steps of one rank and 10 of another), and
+peers are compared with robust statistics (median and MAD) so one straggler cannot drag the
+reference it is compared with.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from trainscope.detectors.base import WindowView
+
+# Layers whose time a rank spends on its own account; collective time can be waiting for peers.
+OWN_WORK_CATEGORY = {
+    "torch_op": "gpu-compute",
+    "cuda_kernel": "gpu-compute",
+    "python": "gpu-compute",
+    "cuda_api": "gpu-compute",
+    "memcpy": "pcie",
+    "dataloader": "dataloader",
+    "gc": "python-gc",
+    "sched": "cpu-contention",
+}
+WAIT_LAYERS = frozenset({"collective"})
+MAD_TO_SIGMA = 1.4826
+
+
+def steps_per_rank(view: WindowView) -> pd.Series:
+    """Steps each rank ran in the window (at least 1, so per-step figures stay finite)."""
+    if not view.steps.empty:
+        counts = view.steps.groupby("rank").size()
+    else:
+        s = view.summaries
+        counts = s[s["layer"] == "step"].groupby("rank")["count"].sum()
+    ranks = pd.Index(sorted(set(view.summaries["rank"]) | set(counts.index)), name="rank")
+    return counts.reindex(ranks, fill_value=0).clip(lower=1).astype(float)
+
+
+def step_time_ns(view: WindowView) -> float:
+    """Median step duration of the job in this window (NaN if unknown)."""
+    if not view.steps.empty:
+        return float(view.steps["duration_ns"].median())
+    s = view.summaries[view.summaries["layer"] == "step"]
+    if s.empty:
+        return float("nan")
+    return float((s["total_ns"] / s["count"].clip(lower=1)).median())
+
+
+def per_step_times(view: WindowView) -> pd.DataFrame:
+    """ns per step, index rank, one column per ``layer/name`` (call paths summed)."""
+    s = view.summaries
+    if s.empty:
+        return pd.DataFrame()
+    table = s.pivot_table(
+        index="rank", columns=["layer", "name"], values="total_ns", aggfunc="sum", fill_value=0
+    )
+    table = table.div(steps_per_rank(view).reindex(table.index, fill_value=1.0), axis=0)
+    return table
+
+
+def per_call_bandwidth(view: WindowView) -> pd.DataFrame:
+    """Achieved bytes/s per rank and function, for functions that move bytes."""
+    s = view.summaries
+    moving = s[(s["bytes_total"] > 0) & (s["total_ns"] > 0)]
+    if moving.empty:
+        return pd.DataFrame()
+    sums = moving.groupby(["rank", "layer", "name"])[["bytes_total", "total_ns"]].sum()
+    bandwidth = sums["bytes_total"] / (sums["total_ns"] / 1e9)
+    return bandwidth.unstack(["layer", "name"])
+
+
+def metric_means(view: WindowView) -> pd.DataFrame:
+    """Mean of each metric per rank over the window (index rank, one column per metric)."""
+    m = view.metrics
+    if m.empty:
+        return pd.DataFrame()
+    m = m[m["rank"] >= 0]
+    return m.pivot_table(index="rank", columns="name", values="value", aggfunc="mean")
+
+
+def robust_z(
+    values: pd.Series, groups: pd.Series | None, floor: float, rel_floor: float = 0.02
+) -> tuple[pd.Series, pd.Series]:
+    """(z, reference) of each value against the median of its peer group.
+
+    The scale is the MAD, but never below ``rel_floor`` of the median nor ``floor``: a group
+    of near-identical peers must not turn a 0.1% wobble into a 50-sigma outlier. Groups with
+    fewer than 3 members give NaN (no robust reference).
+    """
+    frame = pd.DataFrame({"v": values, "g": 0 if groups is None else groups})
+    grouped = frame.groupby("g")["v"]
+    median = grouped.transform("median")
+    mad = (frame["v"] - median).abs().groupby(frame["g"]).transform("median")
+    size = grouped.transform("size")
+    scale = np.maximum(np.maximum(MAD_TO_SIGMA * mad, rel_floor * median.abs()), floor)
+    z = (frame["v"] - median) / scale
+    z[size < 3] = np.nan
+    return z, median

@@ -1,0 +1,154 @@
+"""Per-rank multivariate anomaly scoring with river's Half-Space Trees.
+
+Each window, every rank becomes one vector: step time, shares of compute / collective /
+data-loader / GC time, and its hardware metrics (SM clock, utilisation, power, NIC and PCIe
+throughput). Why Half-Space Trees: it scores a point by how little *mass* sits around it, so a
+rank that stands apart is found whichever features moved, without a threshold per metric; it
+learns online in constant time and memory per point (the job drifts, the model follows) and is
+picklable for checkpoints. Features are min-max scaled first because HST assumes [0, 1] inputs.
+
+HST scores are not calibrated probabilities, so a rank is reported only when its score stands
+out from the other ranks' in the same window (robust z) and the feature that deviates most is
+named — with the category that feature points to.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from trainscope.detectors.base import WindowView
+from trainscope.detectors.features import (
+    OWN_WORK_CATEGORY,
+    WAIT_LAYERS,
+    metric_means,
+    per_step_times,
+    robust_z,
+    step_time_ns,
+)
+from trainscope.schemas import metrics as m
+from trainscope.schemas.records import Finding
+
+# Feature → the category a deviation of that feature points to (None: symptom only).
+FEATURES: dict[str, str | None] = {
+    "step_ns": None,
+    "compute_share": "gpu-compute",
+    "collective_share": None,
+    "dataloader_share": "dataloader",
+    "gc_share": "python-gc",
+    m.SM_CLOCK_MHZ: "gpu-throttle",
+    m.SM_UTIL_PCT: "gpu-compute",
+    m.POWER_W: "gpu-throttle",
+    m.NIC_TX_BYTES_PER_S: "network",
+    m.PCIE_TX_BYTES_PER_S: "pcie",
+}
+
+
+class RankAnomalyDetector:
+    name = "multivariate"
+
+    def __init__(
+        self,
+        n_trees: int = 25,
+        height: int = 8,
+        window_size: int = 256,
+        z_min: float = 8.0,
+        grace_windows: int = 2,
+        seed: int = 42,
+    ) -> None:
+        self.n_trees = n_trees
+        self.height = height
+        self.window_size = window_size
+        self.z_min = z_min
+        self.grace_windows = grace_windows
+        self.seed = seed
+        self._model = None
+        self._seen = 0
+
+    def _new_model(self):
+        from river import anomaly, compose, preprocessing
+
+        return compose.Pipeline(
+            preprocessing.MinMaxScaler(),
+            anomaly.HalfSpaceTrees(
+                n_trees=self.n_trees,
+                height=self.height,
+                window_size=self.window_size,
+                seed=self.seed,
+            ),
+        )
+
+    def features(self, window: WindowView) -> pd.DataFrame:
+        table = per_step_times(window)
+        if table.empty:
+            return pd.DataFrame()
+        total = table.sum(axis=1).replace(0, np.nan)
+        layer = table.columns.get_level_values(0)
+        own = [OWN_WORK_CATEGORY.get(x) for x in layer]
+        frame = pd.DataFrame(index=table.index)
+        frame["step_ns"] = step_time_ns(window)
+        def share(mask: list[bool]) -> pd.Series:
+            return table.loc[:, mask].sum(axis=1) / total
+
+        frame["compute_share"] = share([c == "gpu-compute" for c in own])
+        frame["collective_share"] = share([x in WAIT_LAYERS for x in layer])
+        frame["dataloader_share"] = share([c == "dataloader" for c in own])
+        frame["gc_share"] = share([c == "python-gc" for c in own])
+        means = metric_means(window)
+        for metric in FEATURES:
+            if metric in means.columns:
+                frame[metric] = means[metric].reindex(frame.index)
+        return frame.fillna(0.0)
+
+    def detect(self, window: WindowView) -> list[Finding]:
+        frame = self.features(window)
+        if frame.empty:
+            return []
+        if self._model is None:
+            self._model = self._new_model()
+        rows = frame.to_dict(orient="index")
+        scores = pd.Series({rank: self._model.score_one(x) for rank, x in rows.items()})
+        for x in rows.values():
+            self._model.learn_one(x)
+        self._seen += 1
+        if self._seen <= self.grace_windows or len(frame) < 4:
+            return []
+        z, reference = robust_z(scores, None, floor=0.02, rel_floor=0.0)
+        findings = []
+        for rank in scores.index[(z >= self.z_min).to_numpy()]:
+            feature, feature_z = _most_deviant(frame, rank)
+            category = FEATURES.get(feature)
+            if category is None:
+                continue
+            score = round(float(min(1.0, scores[rank])) * min(1.0, float(z[rank]) / 20.0), 4)
+            findings.append(
+                window.finding(
+                    self.name,
+                    rank=int(rank),
+                    ranks=[int(rank)],
+                    category=category,
+                    score=score,
+                    evidence={
+                        "anomaly_score": float(scores[rank]),
+                        "peer_median_score": float(reference[rank]),
+                        "z": float(z[rank]),
+                        f"feature:{feature}": float(frame.loc[rank, feature]),
+                        "feature_z": feature_z,
+                    },
+                    message=(
+                        f"{category}: rank {rank} stands apart from its peers (anomaly score "
+                        f"{scores[rank]:.2f} vs {reference[rank]:.2f}); most deviant: {feature}"
+                    ),
+                )
+            )
+        return findings
+
+
+def _most_deviant(frame: pd.DataFrame, rank: int) -> tuple[str, float]:
+    best, best_z = "", 0.0
+    for column in frame.columns:
+        z, _ = robust_z(frame[column], None, floor=1e-9)
+        value = abs(float(z[rank])) if np.isfinite(z[rank]) else 0.0
+        if value > best_z:
+            best, best_z = column, value
+    return best, best_z

@@ -1,0 +1,425 @@
+"""Differential peer comparison: who is different, and what is it spending the time on?
+
+For each function a rank runs on its own account (compute, data loading, GC, copies), the rank's
+time per step is compared with its peers — the ranks of the same pipeline stage, which run the
+same code on the same layers — and with its own recent history. Collective time is never taken
+as a cause: in a synchronous job it is where the *victims* of a straggler spend their wait. The
+cause is the rank whose own work grew; the victims are the ranks sharing a communication group
+with it whose collective time grew instead.
+
+Compute is compared per token when producers report tokens, so a rank that simply had longer
+sequences this step is not mistaken for a slow GPU (that is sequence imbalance, another
+detector's finding). A rank whose point-to-point sends or NIC throughput fall behind its peers
+is a network suspect; a whole stage whose compute exceeds the other stages' is stage imbalance.
+
+Score: ``confidence × share``, where share is the suspect's excess time per step over the
+job's step-time excess (estimated from history, or from all suspects together when the job was
+slow from the start), and confidence grows with the robust z-score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from trainscope.detectors.base import WindowView
+from trainscope.detectors.features import (
+    MAD_TO_SIGMA,
+    OWN_WORK_CATEGORY,
+    WAIT_LAYERS,
+    metric_means,
+    per_call_bandwidth,
+    per_step_times,
+    robust_z,
+    step_time_ns,
+)
+from trainscope.schemas import metrics as m
+from trainscope.schemas.records import Finding
+
+MAX_VICTIMS = 64
+
+
+@dataclass
+class _Suspect:
+    rank: int
+    layer: str
+    name: str
+    category: str
+    excess_ns: float
+    z: float
+    value_ns: float
+    reference_ns: float
+    source: str  # "peers" or "history"
+    ranks: tuple[int, ...] = ()
+    pp_stage: int = -1
+    evidence: dict[str, float] | None = None
+
+
+class PeerDiffDetector:
+    name = "peer-diff"
+
+    def __init__(
+        self,
+        z_min: float = 6.0,
+        z_full: float = 12.0,
+        min_excess_frac: float = 0.01,
+        excess_floor_frac: float = 0.03,
+        stage_imbalance_frac: float = 0.10,
+        throughput_drop_frac: float = 0.2,
+        history_windows: int = 8,
+    ) -> None:
+        self.z_min = z_min
+        self.z_full = z_full
+        self.min_excess_frac = min_excess_frac
+        self.excess_floor_frac = excess_floor_frac
+        self.stage_imbalance_frac = stage_imbalance_frac
+        self.throughput_drop_frac = throughput_drop_frac
+        self.history_windows = history_windows
+        self._history: list[pd.DataFrame] = []
+        self._step_history: list[float] = []
+
+    # -- entry point ------------------------------------------------------------------------
+
+    def detect(self, window: WindowView) -> list[Finding]:
+        table = per_step_times(window)
+        if table.empty:
+            return []
+        step_ns = step_time_ns(window)
+        if not np.isfinite(step_ns):
+            step_ns = float(table.sum(axis=1).median())
+        layout = window.rank_layout().reindex(table.index)
+        stage = layout["pp_stage"].fillna(0).astype(int)
+        tokens = self._tokens_per_step(window, table.index)
+
+        suspects = self._own_work_suspects(table, stage, tokens, step_ns)
+        stage_suspects = self._stage_suspects(table, stage, step_ns)
+        for s in stage_suspects:  # a stage-wide slowdown is one finding, not one per rank
+            suspects = [
+                x for x in suspects
+                if not (x.category == "gpu-compute" and stage.get(x.rank) == s.pp_stage
+                        and x.source == "history")
+            ]
+        suspects += stage_suspects
+        suspects += self._network_suspects(window, table, stage, step_ns)
+        self._categorise_compute(window, suspects)
+        findings = self._findings(window, table, layout, suspects, step_ns)
+        self._remember(table, step_ns)
+        return findings
+
+    # -- suspects ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _tokens_per_step(window: WindowView, ranks: pd.Index) -> pd.Series | None:
+        steps = window.steps
+        if steps.empty or (steps["tokens"] <= 0).all():
+            return None
+        per_rank = steps.groupby("rank")["tokens"].mean().reindex(ranks)
+        return per_rank if per_rank.notna().all() and (per_rank > 0).all() else None
+
+    def _history_reference(self, table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+        if len(self._history) < 3:
+            return None
+        stack = np.stack(
+            [h.reindex(index=table.index, columns=table.columns).to_numpy(float)
+             for h in self._history]
+        )
+        with np.errstate(all="ignore"):
+            median = np.nanmedian(stack, axis=0)
+            mad = np.nanmedian(np.abs(stack - median), axis=0)
+        frame = lambda a: pd.DataFrame(a, index=table.index, columns=table.columns)  # noqa: E731
+        return frame(median), frame(mad)
+
+    def _own_work_suspects(
+        self, table: pd.DataFrame, stage: pd.Series, tokens: pd.Series | None, step_ns: float
+    ) -> list[_Suspect]:
+        floor = 0.002 * step_ns
+        history = self._history_reference(table)
+        suspects: list[_Suspect] = []
+        for layer, name in table.columns:
+            category = OWN_WORK_CATEGORY.get(layer)
+            if category is None:
+                continue
+            x = table[(layer, name)]
+            # Compare compute per token: longer sequences are not a slower GPU.
+            scale = tokens / tokens.median() if tokens is not None and category == "gpu-compute" \
+                else pd.Series(1.0, index=x.index)
+            normalised = x / scale
+            z_peer, ref_peer = robust_z(normalised, stage, floor)
+            excess_peer = (normalised - ref_peer) * scale
+            z_hist = pd.Series(np.nan, index=x.index)
+            excess_hist = pd.Series(np.nan, index=x.index)
+            if history is not None:
+                h_med, h_mad = history[0][(layer, name)], history[1][(layer, name)]
+                spread = np.maximum(np.maximum(MAD_TO_SIGMA * h_mad, 0.02 * h_med.abs()), floor)
+                z_hist = (x - h_med) / spread
+                excess_hist = x - h_med
+            use_hist = z_hist.fillna(-np.inf) > z_peer.fillna(-np.inf)
+            z = z_peer.where(~use_hist, z_hist)
+            excess = excess_peer.where(~use_hist, excess_hist)
+            flagged = (z >= self.z_min) & (excess >= self.min_excess_frac * step_ns)
+            # History alone cannot tell a straggler from a job-wide change: if most of a
+            # stage moved together, it is not one rank's problem.
+            hist_only = flagged & use_hist
+            crowd = hist_only.groupby(stage).transform("mean") >= 0.5
+            flagged &= ~(hist_only & crowd)
+            for rank in x.index[flagged.fillna(False)]:
+                hist = bool(use_hist[rank])
+                suspects.append(
+                    _Suspect(
+                        rank=int(rank),
+                        layer=layer,
+                        name=name,
+                        category=category,
+                        excess_ns=float(excess[rank]),
+                        z=float(z[rank]),
+                        value_ns=float(x[rank]),
+                        reference_ns=float(x[rank] - excess[rank]),
+                        source="history" if hist else "peers",
+                    )
+                )
+        return suspects
+
+    def _stage_suspects(
+        self, table: pd.DataFrame, stage: pd.Series, step_ns: float
+    ) -> list[_Suspect]:
+        compute_cols = [c for c in table.columns if OWN_WORK_CATEGORY.get(c[0]) == "gpu-compute"]
+        if stage.nunique() < 2 or not compute_cols:
+            return []
+        compute = table[compute_cols].sum(axis=1)
+        stage_median = compute.groupby(stage).median()
+        suspects = []
+        for s, value in stage_median.items():
+            others = float(stage_median.drop(s).median())
+            if others <= 0:
+                continue
+            frac = value / others - 1.0
+            excess = value - others
+            if frac < self.stage_imbalance_frac or excess < self.min_excess_frac * step_ns:
+                continue
+            ranks = tuple(int(r) for r in stage.index[stage == s])
+            main = table.loc[list(ranks), compute_cols].median().idxmax()
+            suspects.append(
+                _Suspect(
+                    rank=min(ranks),
+                    layer=main[0],
+                    name=main[1],
+                    category="stage-imbalance",
+                    excess_ns=float(excess),
+                    # Map the relative excess onto the z scale: 1× threshold → z_min.
+                    z=float(self.z_min * frac / self.stage_imbalance_frac),
+                    value_ns=float(value),
+                    reference_ns=others,
+                    source="stages",
+                    ranks=ranks,
+                    pp_stage=int(s),
+                    evidence={"stage_excess_frac": float(frac)},
+                )
+            )
+        return suspects
+
+    def _network_suspects(
+        self, window: WindowView, table: pd.DataFrame, stage: pd.Series, step_ns: float
+    ) -> list[_Suspect]:
+        signals: dict[int, tuple[float, float, str]] = {}  # rank → (z, drop, signal)
+
+        def consider(values: pd.Series, groups: pd.Series | None, signal: str) -> None:
+            values = values.dropna()
+            if values.empty:
+                return
+            z, ref = robust_z(-values, None if groups is None else groups.reindex(values.index),
+                              floor=0.0)
+            drop = 1.0 - values / (-ref)
+            hit = (z >= self.z_min) & (drop >= self.throughput_drop_frac)
+            for rank in values.index[hit.fillna(False)]:
+                if rank not in signals or z[rank] > signals[rank][0]:
+                    signals[int(rank)] = (float(z[rank]), float(drop[rank]), signal)
+
+        bandwidth = per_call_bandwidth(window)
+        for layer, name in bandwidth.columns:
+            # Point-to-point sends are transfer-bound; receives and collectives include waits.
+            if layer in WAIT_LAYERS and "send" in name:
+                consider(bandwidth[(layer, name)], stage, f"{name} throughput")
+        means = metric_means(window)
+        for metric in (m.NIC_TX_BYTES_PER_S, m.NIC_RX_BYTES_PER_S):
+            if metric in means.columns:
+                consider(means[metric], None, metric)
+        if not signals:
+            return []
+        wait_cols = [c for c in table.columns if c[0] in WAIT_LAYERS]
+        healthy = table[wait_cols].groupby(stage).transform(lambda c: c.quantile(0.25))
+        wait_excess = (table[wait_cols] - healthy).clip(lower=0).sum(axis=1)
+        suspects = []
+        for rank, (z, drop, signal) in signals.items():
+            excess = float(wait_excess.get(rank, 0.0))
+            if excess < self.min_excess_frac * step_ns:
+                continue
+            worst = (table.loc[rank, wait_cols] - healthy.loc[rank]).idxmax()
+            suspects.append(
+                _Suspect(
+                    rank=rank,
+                    layer=worst[0],
+                    name=worst[1],
+                    category="network",
+                    excess_ns=excess,
+                    z=z,
+                    value_ns=float(table.loc[rank, worst]),
+                    reference_ns=float(healthy.loc[rank, worst]),
+                    source="peers",
+                    evidence={"throughput_drop_frac": drop, f"signal:{signal}": 1.0},
+                )
+            )
+        return suspects
+
+    @staticmethod
+    def _categorise_compute(window: WindowView, suspects: list[_Suspect]) -> None:
+        """A compute suspect whose SM clock dropped (or NVML reports throttling) is throttled."""
+        means = metric_means(window)
+        if means.empty or m.SM_CLOCK_MHZ not in means.columns:
+            return
+        clock = means[m.SM_CLOCK_MHZ]
+        reference = float(clock.median())
+        reasons = means.get(m.THROTTLE_REASONS)
+        for s in suspects:
+            if s.category != "gpu-compute" or s.rank not in clock.index:
+                continue
+            ratio = float(clock[s.rank]) / reference if reference > 0 else 1.0
+            throttled = reasons is not None and float(reasons.get(s.rank, 0.0)) > 0
+            s.evidence = {**(s.evidence or {}), "sm_clock_ratio": ratio}
+            if ratio <= 0.9 or throttled:
+                s.category = "gpu-throttle"
+
+    # -- findings ---------------------------------------------------------------------------
+
+    def _findings(
+        self,
+        window: WindowView,
+        table: pd.DataFrame,
+        layout: pd.DataFrame,
+        suspects: list[_Suspect],
+        step_ns: float,
+    ) -> list[Finding]:
+        if not suspects:
+            return []
+        merged: dict[tuple[int, str], _Suspect] = {}
+        totals: dict[tuple[int, str], float] = {}
+        for s in suspects:  # one finding per rank and cause, naming its costliest function
+            key = (s.rank, s.category)
+            totals[key] = totals.get(key, 0.0) + s.excess_ns
+            if key not in merged or s.excess_ns > merged[key].excess_ns:
+                merged[key] = s
+        step_excess = max(
+            self._step_excess(step_ns),
+            sum(totals.values()),
+            self.excess_floor_frac * step_ns,
+        )
+        wait_cols = [c for c in table.columns if c[0] in WAIT_LAYERS]
+        waits = table[wait_cols].sum(axis=1) if wait_cols else pd.Series(0.0, index=table.index)
+        findings = []
+        for key, s in merged.items():
+            excess = totals[key]
+            share = min(1.0, excess / step_excess)
+            confidence = float(np.clip(
+                0.5 + 0.5 * (s.z - self.z_min) / (self.z_full - self.z_min), 0.5, 1.0
+            ))
+            ranks = list(s.ranks) or [s.rank]
+            victims = _victims(layout, waits, ranks, excess, s.category == "network")
+            evidence = {
+                "excess_ns_per_step": excess,
+                "value_ns_per_step": s.value_ns,
+                "reference_ns_per_step": s.reference_ns,
+                "z": s.z,
+                "step_ns": step_ns,
+                "share_of_step_excess": share,
+                **(s.evidence or {}),
+            }
+            findings.append(
+                window.finding(
+                    self.name,
+                    rank=s.rank,
+                    ranks=ranks,
+                    victims=victims,
+                    pp_stage=s.pp_stage,
+                    layer=s.layer,
+                    function=s.name,
+                    category=s.category,
+                    score=round(confidence * share, 4),
+                    evidence=evidence,
+                    message=_message(s, layout, excess, share, len(victims)),
+                )
+            )
+        findings.sort(key=lambda f: f.score, reverse=True)
+        return findings
+
+    def _step_excess(self, step_ns: float) -> float:
+        if len(self._step_history) < 3:
+            return 0.0
+        return max(0.0, step_ns - float(np.median(self._step_history)))
+
+    def _remember(self, table: pd.DataFrame, step_ns: float) -> None:
+        self._history = [*self._history, table][-self.history_windows :]
+        if np.isfinite(step_ns):
+            self._step_history = [*self._step_history, step_ns][-self.history_windows :]
+
+
+def _victims(
+    layout: pd.DataFrame,
+    waits: pd.Series,
+    culprits: list[int],
+    excess: float,
+    culprit_waits_too: bool = False,
+) -> list[int]:
+    """Ranks sharing a TP, DP or PP group with a culprit whose collective time is inflated."""
+    if waits.empty:
+        return []
+    # Everyone in a synchronous job waits for a straggler, so the healthy reference is the
+    # culprit's own wait: it arrives last and waits least. A slow link is the exception: the
+    # culprit sits in the slow collective too, so compare with the job's lower quartile.
+    present = [r for r in culprits if r in waits.index]
+    if present and not culprit_waits_too:
+        baseline = float(waits[present].min())
+    else:
+        baseline = float(waits.quantile(0.25))
+    culprit_rows = layout.loc[[r for r in culprits if r in layout.index]]
+    related = pd.Series(False, index=layout.index)
+    for _, c in culprit_rows.iterrows():
+        same_stage = layout["pp_stage"] == c["pp_stage"]
+        related |= same_stage & (layout["dp_rank"] == c["dp_rank"])  # TP group
+        related |= same_stage & (layout["tp_rank"] == c["tp_rank"])  # DP group
+        related |= (layout["dp_rank"] == c["dp_rank"]) & (layout["tp_rank"] == c["tp_rank"])  # PP
+    related[[r for r in culprits if r in related.index]] = False
+    inflated = waits.reindex(layout.index).fillna(0.0) >= baseline + 0.25 * excess
+    return [int(r) for r in layout.index[related & inflated]][:MAX_VICTIMS]
+
+
+def _message(s: _Suspect, layout: pd.DataFrame, excess: float, share: float, victims: int) -> str:
+    ms = 1e-6
+    if s.category == "stage-imbalance":
+        who = f"pipeline stage {s.pp_stage} ({len(s.ranks)} ranks)"
+        what = (
+            f"{s.layer}/{s.name} compute {s.value_ns * ms:.0f} ms/step vs "
+            f"{s.reference_ns * ms:.0f} ms on other stages"
+        )
+    else:
+        where = ""
+        if s.rank in layout.index:
+            row = layout.loc[s.rank]
+            where = f" (dp {row['dp_rank']}, stage {row['pp_stage']}, tp {row['tp_rank']})"
+        who = f"rank {s.rank}{where}"
+        if s.category == "network":
+            drop = (s.evidence or {}).get("throughput_drop_frac", 0.0)
+            what = (
+                f"network throughput {drop:.0%} below peers; {s.layer}/{s.name} "
+                f"{s.value_ns * ms:.0f} ms/step vs {s.reference_ns * ms:.0f} ms"
+            )
+        else:
+            against = "its history" if s.source == "history" else "peers"
+            what = (
+                f"{s.layer}/{s.name} {s.value_ns * ms:.0f} ms/step vs "
+                f"{s.reference_ns * ms:.0f} ms on {against}"
+            )
+    return (
+        f"{s.category}: {who}: {what} (+{excess * ms:.0f} ms/step, {share:.0%} of the step-time "
+        f"excess); {victims} rank(s) wait on it"
+    )

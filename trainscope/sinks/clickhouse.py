@@ -1,0 +1,180 @@
+"""The ClickHouse writer: summaries, step records, metric samples, findings, dead letters.
+
+One client API for both deployments: an embedded chDB engine at a store directory
+(``chdb:///abs/path`` through clickhouse-connect) or any ClickHouse server over HTTP. Writes are
+batched per closed window (one insert per table), and replay-safe: the tables deduplicate
+re-sent blocks and collapse equal keys on merge (see :mod:`trainscope.schemas.ddl`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from trainscope.detectors.base import WindowView
+from trainscope.schemas.ddl import TABLES, all_ddl
+from trainscope.schemas.records import SCHEMA_VERSION, Finding, Topology
+
+# Server credentials come from the environment, never from code or command lines.
+PASSWORD_ENV = "TRAINSCOPE_CLICKHOUSE_PASSWORD"
+USER_ENV = "TRAINSCOPE_CLICKHOUSE_USER"
+
+
+class StoreError(RuntimeError):
+    """The store cannot be opened or refused a statement; the text says why."""
+
+
+def default_store_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "trainscope" / "store"
+
+
+def connect(store: Path | str | None = None, url: str | None = None) -> Any:
+    """A clickhouse-connect client for a chDB store directory or a server URL."""
+    import clickhouse_connect
+
+    if url:
+        try:
+            return clickhouse_connect.get_client(
+                dsn=url,
+                username=os.environ.get(USER_ENV, "default"),
+                password=os.environ.get(PASSWORD_ENV, ""),
+            )
+        except Exception as exc:
+            raise StoreError(f"cannot connect to ClickHouse at {url}: {_first_line(exc)}") from None
+    path = Path(store or default_store_dir()).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"store path {path} is a file, expected a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create store directory {path}: {exc.strerror}") from None
+    try:
+        return clickhouse_connect.get_client(dsn=f"chdb://{path}")
+    except Exception as exc:
+        raise StoreError(f"cannot open store {path}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def run_query(client: Any, sql: str) -> tuple[list[str], list[Sequence[Any]]]:
+    try:
+        result = client.query(sql)
+    except Exception as exc:
+        raise StoreError(_first_line(exc)) from None
+    return list(result.column_names), result.result_rows
+
+
+@dataclass
+class SinkStats:
+    windows: int = 0
+    rows_written: int = 0
+    dead_letters: int = 0
+    errors: int = 0
+
+
+class ClickHouseSink:
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.stats = SinkStats()
+        for ddl in all_ddl():
+            self._command(ddl)
+
+    @classmethod
+    def open(cls, store: Path | str | None = None, url: str | None = None) -> ClickHouseSink:
+        return cls(connect(store, url))
+
+    def _command(self, sql: str) -> None:
+        try:
+            self.client.command(sql)
+        except Exception as exc:
+            raise StoreError(_first_line(exc)) from None
+
+    def _insert(self, table: str, frame: pd.DataFrame) -> None:
+        if frame.empty:
+            return
+        columns = [c for c in TABLES[table].columns() if "MATERIALIZED" not in
+                   TABLES[table].columns()[c]]
+        missing = [c for c in columns if c not in frame.columns]
+        if missing:
+            raise StoreError(f"rows for {table} lack columns {missing}")
+        try:
+            self.client.insert_df(table, frame[columns])
+        except Exception as exc:
+            self.stats.errors += 1
+            raise StoreError(f"insert into {table} failed: {_first_line(exc)}") from None
+        self.stats.rows_written += len(frame)
+
+    def write_window(self, view: WindowView, findings: list[Finding]) -> None:
+        job = {"v": SCHEMA_VERSION, "job_id": view.job_id}
+        if not view.summaries.empty:
+            summaries = view.summaries.assign(
+                **job, window_start_ns=view.window_start_ns, window_end_ns=view.window_end_ns
+            )
+            self._insert("function_summaries", summaries)
+        if not view.steps.empty:
+            self._insert("step_records", view.steps.assign(**job))
+        if not view.metrics.empty:
+            self._insert("metric_samples", view.metrics.assign(**job))
+        self.write_findings(findings)
+        self.stats.windows += 1
+
+    def write_findings(self, findings: list[Finding]) -> None:
+        if findings:
+            columns = TABLES["findings"].columns()
+            self._insert(
+                "findings",
+                pd.DataFrame({c: [getattr(f, c) for f in findings] for c in columns}),
+            )
+
+    def write_topology(self, topology: Topology) -> None:
+        w = topology.workers
+        self._insert(
+            "topologies",
+            pd.DataFrame(
+                [
+                    {
+                        "v": topology.v,
+                        "job_id": topology.job_id,
+                        "dp_size": topology.dp_size,
+                        "pp_size": topology.pp_size,
+                        "tp_size": topology.tp_size,
+                        "cp_size": topology.cp_size,
+                        "ranks": [x.rank for x in w],
+                        "hosts": [x.host for x in w],
+                        "dp_ranks": [x.dp_rank for x in w],
+                        "pp_stages": [x.pp_stage for x in w],
+                        "tp_ranks": [x.tp_rank for x in w],
+                        "cp_ranks": [x.cp_rank for x in w],
+                    }
+                ]
+            ),
+        )
+
+    def write_dead_letter(
+        self, topic: str, partition: int, offset: int, error: str, payload: bytes
+    ) -> None:
+        try:
+            self.client.insert(
+                "dead_letters",
+                [[time.time_ns(), topic, partition, offset, error, payload.hex()]],
+                column_names=["received_ns", "topic", "partition", "offset", "error", "payload"],
+            )
+        except Exception as exc:
+            self.stats.errors += 1
+            raise StoreError(f"insert into dead_letters failed: {_first_line(exc)}") from None
+        self.stats.dead_letters += 1
+
+    def close(self) -> None:
+        close = getattr(self.client, "close", None)
+        if close is not None:
+            close()
