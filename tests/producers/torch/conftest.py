@@ -1,0 +1,42 @@
+"""Fixtures for the in-process PyTorch producer: a fresh bus and an attachment torn down after."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from trainscope.producers.torch import api
+from trainscope.producers.torch.runtime import Attachment
+from trainscope.streams.memory_bus import MemoryBus
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def memory_bus() -> MemoryBus:
+    return MemoryBus()
+
+
+@pytest.fixture
+def attach(memory_bus: MemoryBus) -> Iterator[Callable[..., Attachment]]:
+    made: list[Attachment] = []
+
+    def _attach(**options: Any) -> Attachment:
+        options.setdefault("bus", memory_bus)
+        options.setdefault("job_id", "test-job")
+        options.setdefault("window_s", 1.0)
+        att = api.attach(**options)
+        assert att is not None
+        made.append(att)
+        return att
+
+    yield _attach
+    for att in made:
+        att.detach()
+    assert api.current() is None

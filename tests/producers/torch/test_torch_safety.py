@@ -1,0 +1,115 @@
+"""Safety: nothing raises into training, full queues drop and count, a lost bus is survived."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import pytest
+import torch
+from torch_producer_helpers import TinyModel, by_type, read_records, train
+
+from trainscope.producers.torch.control import wait_until
+from trainscope.schemas.records import StepRecord
+from trainscope.streams.bus import BusError
+from trainscope.streams.memory_bus import MemoryBus
+
+
+class FlakyBus(MemoryBus):
+    """A bus that refuses everything while ``down`` is set, like a stopped broker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = threading.Event()
+
+    def publish(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+        if self.down.is_set():
+            raise BusError("broker unreachable (test)")
+        super().publish(topic, value, key)
+
+
+def test_a_failing_hook_is_counted_and_logged_once_but_never_raises(
+    attach, monkeypatch, caplog
+) -> None:
+    att = attach()
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ZeroDivisionError("bug inside trainscope")
+
+    monkeypatch.setattr(att.recorder, "add", broken)
+    monkeypatch.setattr(att.steps, "add_samples", broken)
+    with caplog.at_level(logging.WARNING, logger="trainscope"):
+        train(TinyModel(), steps=5)  # must not raise
+    stats = att.stats()
+    assert stats["steps"] == 5
+    assert stats["errors"] >= 5 * 3  # forward, backward, optimizer, dataloader each step
+    assert {"record", "forward hook"} <= set(stats["errors_by_kind"])
+    warnings = [r for r in caplog.records if "ZeroDivisionError" in r.getMessage()]
+    kinds = {r.getMessage().split(" failed")[0] for r in warnings}
+    assert len(warnings) == len(kinds)  # once per kind, not once per failure
+
+
+def test_a_full_queue_drops_and_counts_instead_of_blocking(attach) -> None:
+    bus = FlakyBus()
+    bus.down.set()
+    att = attach(bus=bus, queue_size=5)
+    train(TinyModel(), steps=20)
+    stats = att.stats()
+    assert stats["steps"] == 20
+    assert stats["records_dropped"] >= 20 + 1 - 5  # steps + topology, at most 5 held
+    assert stats["records_queued"] <= 5
+    assert stats["records_sent"] == 0
+
+
+def test_sending_resumes_after_the_bus_comes_back(attach) -> None:
+    bus = FlakyBus()
+    att = attach(bus=bus, window_s=0.2)
+    att.sender.backoff_initial_s = att.sender._backoff_s = 0.05
+    att.sender.flush_interval_s = 0.05
+    train(TinyModel(), steps=3)
+    assert wait_until(lambda: att.stats()["records_sent"] >= 4, timeout_s=10)
+    bus.down.set()
+    train(TinyModel(), steps=3)
+    assert wait_until(lambda: att.stats()["bus_errors"] >= 1, timeout_s=10)
+    assert not att.stats()["bus_up"]
+    bus.down.clear()
+    train(TinyModel(), steps=3)
+    assert wait_until(lambda: att.stats()["bus_up"] and att.stats()["records_queued"] == 0,
+                      timeout_s=10)
+    att.detach()
+    steps = by_type(read_records(bus), StepRecord)
+    # Nothing was dropped (the queue was large enough), so every step arrived, in order.
+    assert att.stats()["records_dropped"] == 0
+    assert sorted({r.step for r in steps}) == list(range(9))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_records_nothing_and_the_parent_goes_on(attach) -> None:
+    att = attach()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: the attachment is switched off, hooks are harmless no-ops
+        ok = not att.active and att.sender._thread is None
+        train(TinyModel(), steps=2)
+        ok = ok and att.recorder._open == {}
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1" and status == 0
+    os.close(read)
+    train(TinyModel(), steps=2)
+    assert att.active and att.stats()["steps"] == 2
+
+
+def test_a_data_loader_with_forked_workers_trains_normally(attach, memory_bus) -> None:
+    att = attach()
+    data = torch.utils.data.TensorDataset(torch.randn(32, 16), torch.randn(32, 1))
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=8, num_workers=2, multiprocessing_context="fork"
+    )
+    train(TinyModel(), steps=4, loader=loader)
+    att.detach()
+    assert att.stats()["errors"] == 0
+    assert len(by_type(read_records(memory_bus), StepRecord)) == 4

@@ -1,0 +1,106 @@
+"""``attach()`` and ``step()``: the two functions a training script calls.
+
+One attachment per process; ``attach()`` is idempotent and returns the existing one. A forked
+child (a DataLoader worker) inherits the hooks but its attachment is switched off at fork.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+from trainscope import env
+from trainscope.producers.torch.options import disabled, resolve
+from trainscope.producers.torch.runtime import Attachment, set_log_level
+from trainscope.producers.torch.safety import log
+
+_lock = threading.Lock()
+_current: Attachment | None = None
+_fork_handler_installed = False
+
+
+def attach(**options: Any) -> Attachment | None:
+    """Start observing this training process; returns the handle (``.stats()``, ``.detach()``).
+
+    Options (each also settable by its environment variable, see :mod:`trainscope.env`):
+    ``bus`` (URL or a Bus object), ``job_id``, ``rank``, ``world_size``, ``local_rank``,
+    ``host``, ``window_s``, ``queue_size``, ``profile_budget_s``, ``profile_max_steps``,
+    ``optrace``, ``pp_size``, ``tp_size``. Bad option values raise ``ValueError`` here, at
+    attach time; after that nothing trainscope does raises into training.
+    Returns None when disabled by ``TRAINSCOPE_DISABLE``.
+    """
+    global _current, _fork_handler_installed
+    set_log_level(os.environ.get(env.TRAINSCOPE_LOG_LEVEL))
+    if disabled():
+        log.info("trainscope: disabled by %s", env.TRAINSCOPE_DISABLE)
+        return None
+    with _lock:
+        if _current is not None and _current.active and _current._pid == os.getpid():
+            return _current
+        bus = options.pop("bus", None)
+        resolved = resolve(**options)
+        attachment = Attachment(resolved, bus)
+        _current = attachment
+        if not _fork_handler_installed:
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _fork_handler_installed = True
+    attachment.start()
+    return attachment
+
+
+def current() -> Attachment | None:
+    att = _current
+    return att if att is not None and att.active else None
+
+
+def forget(attachment: Attachment) -> None:
+    global _current
+    with _lock:
+        if _current is attachment:
+            _current = None
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()
+    if _current is not None:
+        _current.after_fork_in_child()
+
+
+class step:
+    """Marks one training step for loops without an optimizer (or to pass samples/tokens).
+
+    Once used, these blocks — not optimizer steps — define step boundaries. A no-op when
+    trainscope is not attached.
+    """
+
+    __slots__ = ("samples", "tokens")
+
+    def __init__(self, samples: int | None = None, tokens: int | None = None) -> None:
+        self.samples = samples
+        self.tokens = tokens
+
+    def __enter__(self) -> step:
+        att = _current
+        if att is not None and att.active:
+            try:
+                att.begin_explicit_step()
+            except Exception as exc:
+                att.guard.report("step", exc)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        att = _current
+        if att is not None and att.active:
+            try:
+                att.end_step(time.time_ns(), self.samples, self.tokens)
+            except Exception as error:
+                att.guard.report("step", error)

@@ -1,0 +1,193 @@
+"""torch.distributed collectives (op, bytes, duration, group) and DDP's gradient all-reduce.
+
+Collectives are timed by wrapping the functions of the ``torch.distributed`` namespace (what
+``dist.all_reduce(...)`` resolves to). A blocking call is timed around the call; an
+``async_op=True`` call from its issue to its completion (a callback on the work's future), so
+the duration always includes waiting for the slowest peer — which is why detectors read
+``collective`` time as "possibly waiting", not as this rank's own work.
+
+DDP reduces gradients in C++ without these functions; a communication hook that performs the
+same averaging all-reduce as DDP's default times each bucket as ``ddp_allreduce``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from trainscope.producers.torch.runtime import Attachment
+
+Uninstall = Callable[[], None]
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def group_label(group: Any) -> str:
+    """The name suffix for a collective on a sub-group ("" for the default group).
+
+    Every member of a group computes the same label, so peers compare like with like.
+    """
+    import torch.distributed as dist
+
+    if group is None or group is dist.group.WORLD:
+        return ""
+    desc = getattr(group, "group_desc", "") or ""
+    if desc and desc not in ("undefined", "default_pg"):
+        return f"[{desc}]"
+    try:
+        return f"[size={group.size()}]"
+    except Exception:
+        return "[group]"
+
+
+def _payload_bytes(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    if op == "barrier":
+        return 0
+    # The first positional argument is the tensor (or output list) for every op listed.
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if op in ("all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+              "all_to_all", "all_to_all_single"):
+        # The output buffer: what every rank ends up moving in or out.
+        return _nbytes(first) or _nbytes(args[1] if len(args) > 1 else None)
+    return _nbytes(first)
+
+
+def install_collective_hooks(att: Attachment) -> Uninstall:
+    import torch.distributed as dist
+
+    originals: dict[str, Callable[..., Any]] = {}
+    for op in COLLECTIVES:
+        fn = getattr(dist, op, None)
+        if fn is None or getattr(fn, "__trainscope_original__", None) is not None:
+            continue
+        originals[op] = fn
+        setattr(dist, op, _wrap(att, op, fn))
+    att.original_all_reduce = originals.get("all_reduce", dist.all_reduce)
+
+    def uninstall() -> None:
+        for op, fn in originals.items():
+            current = getattr(dist, op, None)
+            if getattr(current, "__trainscope_original__", None) is fn:
+                setattr(dist, op, fn)
+
+    return uninstall
+
+
+def _wrap(att: Attachment, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    measure = att.guard.wrap("collective hook", _describe)
+    compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if compiling():
+            return fn(*args, **kwargs)
+        start = time.time_ns()
+        result = fn(*args, **kwargs)
+        end = time.time_ns()
+        described = measure(op, args, kwargs)
+        if described is None:
+            return result
+        name, nbytes = described
+        if result is not None and hasattr(result, "get_future"):
+            _record_on_completion(att, name, start, nbytes, result)
+        else:
+            att.record("collective", name, start, end - start, nbytes)
+        return result
+
+    wrapper.__name__ = op
+    wrapper.__qualname__ = op
+    wrapper.__doc__ = fn.__doc__
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    wrapper.__trainscope_original__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _describe(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, int]:
+    group = kwargs.get("group")
+    return op + group_label(group), _payload_bytes(op, args, kwargs)
+
+
+def _record_on_completion(att: Attachment, name: str, start: int, nbytes: int, work: Any) -> None:
+    try:
+        future = work.get_future()
+    except Exception:
+        # Some backends' works have no future (e.g. p2p on older gloo): count issue time only.
+        att.record("collective", name, start, time.time_ns() - start, nbytes)
+        return
+
+    def done(_future: Any) -> None:
+        try:
+            att.record("collective", name, start, time.time_ns() - start, nbytes)
+        except Exception as exc:
+            att.guard.report("collective hook", exc)
+
+    future.add_done_callback(done)
+
+
+def install_ddp_comm_hook(att: Attachment, ddp: Any) -> bool:
+    """Time DDP's bucket all-reduces; False when the model already has a comm hook."""
+    import torch.distributed as dist
+
+    all_reduce = att.original_all_reduce or dist.all_reduce
+    all_reduce = getattr(all_reduce, "__trainscope_original__", all_reduce)
+
+    def hook(process_group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        # Same arithmetic as DDP's default (divide, then sum-all-reduce) so results are unchanged.
+        group = process_group if process_group is not None else dist.group.WORLD
+        tensor = bucket.buffer()
+        start = time.time_ns()
+        tensor.div_(group.size())
+        nbytes = tensor.numel() * tensor.element_size()
+        future = all_reduce(tensor, group=group, async_op=True).get_future()
+
+        def done(fut: Any) -> torch.Tensor:
+            try:
+                att.record("collective", "ddp_allreduce", start, time.time_ns() - start, nbytes)
+                att.on_ddp_allreduce(start, time.time_ns())
+            except Exception as exc:
+                att.guard.report("ddp comm hook", exc)
+            return fut.value()[0]
+
+        return future.then(done)
+
+    # DDP validates the hook's annotations against dist.GradBucket/Future objects; with
+    # postponed (string) annotations that check fails, so the hook presents none.
+    hook.__annotations__ = {}
+    try:
+        ddp.register_comm_hook(None, hook)
+    except RuntimeError as exc:
+        att.guard.warn_once(
+            "ddp comm hook",
+            "trainscope: DDP gradient all-reduce not timed: %s (a comm hook is already set)",
+            exc,
+        )
+        return False
+    return True

@@ -1,0 +1,304 @@
+"""The attachment: one per process, owns the hooks, the recorder and the sender.
+
+``attach()`` builds it, installs the hooks and returns it as the user's handle
+(``.stats()``, ``.detach()``). Hook bodies call its ``record``/``on_*`` methods; everything they
+do is cheap on the training thread and guarded against raising.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from trainscope.producers.torch.options import Options
+from trainscope.producers.torch.safety import Guard, log
+from trainscope.producers.torch.sender import Sender
+from trainscope.producers.torch.steps import StepTracker
+from trainscope.producers.torch.windows import WindowRecorder
+from trainscope.schemas.records import ControlMessage, Topology, WorkerInfo
+from trainscope.streams.bus import Bus, open_bus, rank_key
+
+# A window is condensed this long after its end so spans still running at the boundary
+# (a collective, a GC pause) usually land in it; later ones become a second, mergeable summary.
+WINDOW_GRACE_S = 0.5
+
+
+class Attachment:
+    def __init__(self, options: Options, bus: Bus | str | None = None) -> None:
+        self.options = options
+        self.guard = Guard()
+        self.active = True
+        self._pid = os.getpid()
+        self.recorder = WindowRecorder(
+            options.window_ns, int(min(WINDOW_GRACE_S, options.window_s / 4) * 1e9)
+        )
+        self.steps = StepTracker(options.job_id, options.rank)
+        self.bus_url, factory, owns = _bus_factory(bus if bus is not None else options.bus_url)
+        self._bus_factory = factory
+        self._owns_bus = owns
+        self.sender = Sender(
+            bus_factory=factory,
+            owns_bus=owns,
+            key=rank_key(options.job_id, options.rank),
+            guard=self.guard,
+            capacity=options.queue_size,
+            producers=[self._closed_windows],
+        )
+        from trainscope.producers.torch.profiling import ProfileController
+
+        self.profiler = ProfileController(
+            self, options.profile_budget_s, options.profile_max_steps
+        )
+        self.control: Any = None
+        self.optrace: Any = None
+        self.original_all_reduce: Callable[..., Any] | None = None
+        self._uninstall: list[Callable[[], None]] = []
+        self._ddp_seen: set[int] = set()
+        self.attached_ns = time.time_ns()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        from trainscope.producers.torch import collectives, hooks
+
+        self.model_hooks = hooks.ModelHooks(self)
+        installers: list[tuple[str, Callable[[], Callable[[], None]]]] = [
+            ("model hooks", self.model_hooks.install),
+            ("optimizer hooks", lambda: hooks.install_optimizer_hooks(self)),
+            ("dataloader hook", lambda: hooks.install_dataloader_hook(self)),
+            ("gc hook", lambda: hooks.install_gc_hook(self)),
+            ("collective hooks", lambda: collectives.install_collective_hooks(self)),
+        ]
+        for kind, install in installers:
+            try:
+                self._uninstall.append(install())
+            except Exception as exc:
+                self.guard.report(kind, exc)
+        if self.options.optrace:
+            from trainscope.producers.torch.optrace import OpTraceRecorder
+
+            self.optrace = OpTraceRecorder(self)
+        if self._bus_factory is None:
+            log.warning(
+                "trainscope: no bus configured (argument bus= or env TRAINSCOPE_BUS); "
+                "measurements are condensed in this process and nothing is sent"
+            )
+        else:
+            self._start_control()
+        # Without a bus the sender still condenses (and discards) closed windows, so memory
+        # stays bounded however long the job runs.
+        self.sender.start()
+        self.submit(self._topology())
+
+    def _start_control(self) -> None:
+        from trainscope.producers.torch.control import ControlListener
+
+        assert self._bus_factory is not None
+        self.control = ControlListener(
+            bus_factory=self._bus_factory,
+            owns_bus=self._owns_bus,
+            job_id=self.options.job_id,
+            rank=self.options.rank,
+            on_request=self._on_control,
+            guard=self.guard,
+            not_before_ns=self.attached_ns - 5_000_000_000,
+        )
+        self.control.start()
+
+    def detach(self, timeout_s: float = 5.0) -> None:
+        """Remove every hook, send what is left (up to ``timeout_s``) and stop the threads."""
+        if not self.active:
+            return
+        self.active = False
+        for uninstall in reversed(self._uninstall):
+            try:
+                uninstall()
+            except Exception as exc:
+                self.guard.report("detach", exc)
+        self._uninstall = []
+        self.profiler.abort()
+        if self.control is not None:
+            self.control.stop()
+        self.sender.stop(timeout_s)
+        from trainscope.producers.torch import api
+
+        api.forget(self)
+
+    def after_fork_in_child(self) -> None:
+        """A forked child (a DataLoader worker) records nothing and owns no threads."""
+        self.active = False
+        self.guard.reset_after_fork()
+        self.recorder.reset_after_fork()
+        self.sender.reset_after_fork()
+        self.control = None
+
+    # -- what hooks call ----------------------------------------------------------------------
+    def record(
+        self, layer: str, name: str, start_ns: int, duration_ns: int, bytes_moved: int = 0
+    ) -> None:
+        if self.active:
+            # Guarded here as well as in each hook, so a failure to record one span never
+            # skips the rest of a hook (e.g. the step boundary after optimizer.step).
+            try:
+                self.recorder.add(layer, name, start_ns, duration_ns, bytes_moved)
+            except Exception as exc:
+                self.guard.report("record", exc)
+
+    def submit(self, record: Any) -> None:
+        if self.active:
+            self.sender.submit(record)
+
+    def on_next_batch(self, start_ns: int, end_ns: int) -> None:
+        self.steps.activity(start_ns)
+        self.record("dataloader", "next_batch", start_ns, end_ns - start_ns)
+
+    def on_forward_begin(self, module: Any) -> None:
+        key = id(module)
+        if key in self._ddp_seen:
+            return
+        self._ddp_seen.add(key)
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(module, DistributedDataParallel):
+            from trainscope.producers.torch.collectives import install_ddp_comm_hook
+
+            install_ddp_comm_hook(self, module)
+
+    def on_forward_end(self, start_ns: int, end_ns: int) -> None:
+        if self.optrace is not None:
+            self.optrace.add("forward-compute", start_ns, end_ns)
+
+    def on_backward_end(self, start_ns: int, end_ns: int) -> None:
+        if self.optrace is not None:
+            self.optrace.add("backward-compute", start_ns, end_ns)
+
+    def on_ddp_allreduce(self, start_ns: int, end_ns: int) -> None:
+        if self.optrace is not None:
+            self.optrace.add("separate-grads-all-reduce", start_ns, end_ns)
+
+    def on_optimizer_step(self, optimizer: Any, start_ns: int, end_ns: int) -> None:
+        if self.optrace is not None:
+            self.optrace.add("optimizer", start_ns, end_ns)
+        steps = self.steps
+        if steps.explicit:
+            return
+        pacer = steps.pacer() if steps.pacer is not None else None
+        if pacer is None:  # first optimizer, or the pacing one was replaced by a new one
+            steps.pacer = weakref.ref(optimizer)
+            pacer = optimizer
+        if pacer is optimizer:
+            self.end_step(end_ns)
+
+    def begin_explicit_step(self) -> None:
+        if not self.steps.explicit:
+            self.steps.explicit = True
+        self.steps.activity(time.time_ns())
+
+    def end_step(self, now_ns: int, samples: int | None = None, tokens: int | None = None) -> None:
+        if not self.active:
+            return
+        record = self.steps.end(now_ns, samples, tokens)
+        self.submit(record)
+        if self.optrace is not None:
+            self.optrace.end_step(record.step)
+        self.model_hooks.on_step_end()
+        self.profiler.on_step_end(now_ns)
+
+    # -- sender thread ------------------------------------------------------------------------
+    def _closed_windows(self, final: bool) -> list[Any]:
+        recorder = self.recorder
+        taken = recorder.take_all() if final else recorder.take_closed(time.time_ns())
+        out: list[Any] = []
+        for window_start, functions in taken:
+            out.extend(
+                recorder.summaries(self.options.job_id, self.options.rank, window_start, functions)
+            )
+        return out
+
+    # -- control thread -----------------------------------------------------------------------
+    def _on_control(self, message: ControlMessage) -> None:
+        if message.action == "profile":
+            self.profiler.request(message)
+        else:
+            self.guard.warn_once(
+                f"control {message.action}", "trainscope: unknown control action %r", message.action
+            )
+
+    # -- the handle ---------------------------------------------------------------------------
+    def _topology(self) -> Topology:
+        o = self.options
+        return Topology(
+            job_id=o.job_id,
+            dp_size=o.dp_size,
+            pp_size=o.pp_size,
+            tp_size=o.tp_size,
+            workers=[
+                WorkerInfo(
+                    rank=o.rank,
+                    host=o.host,
+                    local_rank=o.local_rank,
+                    dp_rank=o.dp_rank,
+                    pp_stage=o.pp_stage,
+                    tp_rank=o.tp_rank,
+                )
+            ],
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Counts of what was recorded, sent, dropped and what failed (never raises)."""
+        sender = self.sender.stats()
+        return {
+            "job_id": self.options.job_id,
+            "rank": self.options.rank,
+            "bus": self.bus_url,
+            "active": self.active,
+            "steps": self.steps.step,
+            "spans_recorded": self.recorder.recorded,
+            "records_sent": sender["sent"],
+            "records_dropped": sender["dropped"],
+            "records_queued": sender["queued"],
+            "bus_up": sender["bus_up"],
+            "bus_errors": sender["bus_errors"],
+            "connects": sender["connects"],
+            "records_unsent": sender["unsent"],
+            "errors": self.guard.total(),
+            "errors_by_kind": dict(self.guard.errors),
+            "profile": dict(self.profiler.counts),
+            "control": dict(self.control.counts) if self.control is not None else {},
+        }
+
+    def __repr__(self) -> str:
+        o = self.options
+        return f"<trainscope attachment job={o.job_id!r} rank={o.rank} bus={self.bus_url!r}>"
+
+
+def _bus_factory(
+    bus: Bus | str | None,
+) -> tuple[str | None, Callable[[], Bus] | None, bool]:
+    """(description, factory, whether we own what it returns)."""
+    if bus is None or bus == "":
+        return None, None, False
+    if isinstance(bus, str):
+        url = bus
+        if url in ("memory", "memory://"):
+            # One in-process bus for the process's lifetime, or consumers would see nothing.
+            shared = open_bus(url)
+            return url, lambda: shared, False
+        open_bus_checked = _validated(url)
+        return url, open_bus_checked, True
+    return type(bus).__name__, lambda: bus, False
+
+
+def _validated(url: str) -> Callable[[], Bus]:
+    if not url.startswith("kafka://") or not url.removeprefix("kafka://").strip("/"):
+        raise ValueError(f"unknown bus URL {url!r}: expected 'memory' or 'kafka://HOST:PORT'")
+    return lambda: open_bus(url)
+
+
+def set_log_level(level: str | None) -> None:
+    if level:
+        logging.getLogger("trainscope").setLevel(level.upper())
+

@@ -1,0 +1,101 @@
+"""In-process per-window accumulation of function durations.
+
+The training thread only appends integers under a lock; condensing a closed window into
+:class:`FunctionSummary` records (numpy, sketch) happens on the sender thread. Windows are
+aligned to the epoch (``window_start_ns = start_ns // window_ns * window_ns``) and a span
+belongs to the window in which it *started*, like step records.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from trainscope.schemas.records import FunctionSummary
+from trainscope.streams.summaries import summarize
+
+FunctionKey = tuple[str, str, int]  # layer, name, callpath_id
+
+
+class _Durations:
+    __slots__ = ("bytes_total", "durations_ns")
+
+    def __init__(self) -> None:
+        self.durations_ns: list[int] = []
+        self.bytes_total = 0
+
+
+class WindowRecorder:
+    def __init__(self, window_ns: int, grace_ns: int) -> None:
+        if window_ns <= 0:
+            raise ValueError(f"window_ns must be > 0, got {window_ns}")
+        self.window_ns = window_ns
+        # A window is closed this long after its end, so spans that started in it and are
+        # still running at the boundary (a collective, a GC pause) are usually counted in it.
+        self.grace_ns = grace_ns
+        self.recorded = 0
+        self._open: dict[int, dict[FunctionKey, _Durations]] = {}
+        self._lock = threading.Lock()
+
+    def window_of(self, ts_ns: int) -> int:
+        return ts_ns // self.window_ns * self.window_ns
+
+    def add(
+        self,
+        layer: str,
+        name: str,
+        start_ns: int,
+        duration_ns: int,
+        bytes_moved: int = 0,
+        callpath_id: int = 0,
+    ) -> None:
+        window = start_ns // self.window_ns * self.window_ns
+        key = (layer, name, callpath_id)
+        with self._lock:
+            functions = self._open.get(window)
+            if functions is None:
+                functions = self._open[window] = {}
+            acc = functions.get(key)
+            if acc is None:
+                acc = functions[key] = _Durations()
+            acc.durations_ns.append(duration_ns if duration_ns > 0 else 0)
+            acc.bytes_total += bytes_moved
+            self.recorded += 1
+
+    def take_closed(self, now_ns: int) -> list[tuple[int, dict[FunctionKey, _Durations]]]:
+        """Remove and return windows that ended at least ``grace_ns`` ago."""
+        with self._lock:
+            closed = [w for w in self._open if w + self.window_ns + self.grace_ns <= now_ns]
+            return [(w, self._open.pop(w)) for w in sorted(closed)]
+
+    def take_all(self) -> list[tuple[int, dict[FunctionKey, _Durations]]]:
+        with self._lock:
+            taken = sorted(self._open.items())
+            self._open = {}
+            return taken
+
+    def reset_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._open = {}
+
+    def summaries(
+        self,
+        job_id: str,
+        rank: int,
+        window_start_ns: int,
+        functions: dict[FunctionKey, _Durations],
+    ) -> list[FunctionSummary]:
+        out = []
+        for (layer, name, callpath_id), acc in functions.items():
+            summary = summarize(
+                acc.durations_ns,
+                job_id=job_id,
+                rank=rank,
+                layer=layer,
+                name=name,
+                callpath_id=callpath_id,
+                window_start_ns=window_start_ns,
+                window_end_ns=window_start_ns + self.window_ns,
+                bytes_moved=[acc.bytes_total],
+            )
+            out.append(summary)
+        return out
