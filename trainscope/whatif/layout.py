@@ -52,73 +52,69 @@ def build_layout(df: pd.DataFrame, meta: JobMeta, source: str = "trace") -> Layo
     dp = df["dp_rank"].to_numpy(np.int64)
     op = df["op"].to_numpy(np.int64)
     seq = df["seq_id"].to_numpy(np.int64)
-    start = df["start_ts"].to_numpy(np.float64)
-    step_ids, step_idx = np.unique(df["step"].to_numpy(), return_inverse=True)
-    n_steps = len(step_ids)
-
-    seq_span = int(seq.max()) + 1
     if seq.min() < 0:
         raise TraceError(f"{source}: negative seq_id {int(seq.min())}")
-    raw_key = (stage * len(OPTYPES) + op) * seq_span + seq
-    keys, first_row, key_idx = np.unique(raw_key, return_index=True, return_inverse=True)
+    # Hash-based factorising: sorting tens of millions of rows would dominate the analysis.
+    step_codes, step_values = pd.factorize(df["step"].to_numpy(np.int64), sort=True)
+    step_ids = np.asarray(step_values, dtype=np.int64)
+    n_steps = len(step_ids)
+    seq_span = int(seq.max()) + 1
+    key_idx, keys = pd.factorize((stage * len(OPTYPES) + op) * seq_span + seq)
+    keys = np.asarray(keys, dtype=np.int64)
     n_keys = len(keys)
-    inst = (step_idx * pp_size + stage) * dp_size + dp
-
-    _check_duplicates(inst, key_idx, n_keys, step_ids, pp_size, dp_size, keys, seq_span, source)
-
-    # Template order: the mean position of each op within its worker's step, so one odd
-    # instance with reordered ops does not change the schedule of the whole stage.
-    order = np.lexsort((start, inst))
-    inst_sorted = inst[order]
-    boundaries = np.flatnonzero(np.diff(inst_sorted)) + 1
-    run_starts = np.concatenate(([0], boundaries))
-    run_lengths = np.diff(np.concatenate((run_starts, [len(inst_sorted)])))
-    position = np.empty(len(inst), dtype=np.float64)
-    position[order] = np.arange(len(inst)) - np.repeat(run_starts, run_lengths)
-    mean_pos = np.bincount(key_idx, weights=position, minlength=n_keys) / np.bincount(
-        key_idx, minlength=n_keys
-    )
+    # factorize numbers keys in order of first appearance: a key's first row is where the
+    # running maximum of the codes first reaches it.
+    running = np.maximum.accumulate(key_idx)
+    first_row = np.flatnonzero(np.diff(running, prepend=-1) > 0)
     key_stage = stage[first_row]
-    node_order = np.lexsort((keys, mean_pos, key_stage))
-    node_of_key = np.empty(n_keys, dtype=np.int64)
-    node_of_key[node_order] = np.arange(n_keys)
-    stage_offsets = np.searchsorted(key_stage[node_order], np.arange(pp_size + 1))
+    key_op = op[first_row]
 
-    template_len = np.diff(stage_offsets)
-    counts = np.bincount(inst, minlength=n_steps * pp_size * dp_size).reshape(
-        n_steps, pp_size, dp_size
-    )
-    complete = counts == template_len[None, :, None]
+    flat = (key_idx * n_steps + step_codes) * dp_size + dp
+    counts = np.bincount(flat, minlength=n_keys * n_steps * dp_size)
+    if counts.max() > 1:
+        _raise_duplicate(int(np.argmax(counts)), keys, step_ids, n_steps, dp_size, seq_span, source)
+    present = counts.reshape(n_keys, n_steps, dp_size).astype(bool)
+    del counts
+    complete = np.ones((n_steps, pp_size, dp_size), dtype=bool)
+    for s in range(pp_size):
+        complete[:, s, :] = present[key_stage == s].all(axis=0)
     bad_steps = np.flatnonzero(~complete.all(axis=(1, 2)))
     warnings = [
-        _drop_message(int(s), step_ids, complete, inst, op, counts, template_len) for s in bad_steps
+        _drop_message(int(b), step_ids, complete, present, key_stage, key_op) for b in bad_steps
     ]
-    dropped = [int(step_ids[s]) for s in bad_steps]
+    dropped = [int(step_ids[b]) for b in bad_steps]
     if len(bad_steps) == n_steps:
         raise TraceError(f"{source}: no complete step to analyse ({warnings[0]})")
+    keep = np.ones(n_steps, dtype=bool)
+    keep[bad_steps] = False
 
-    keep_step = np.ones(n_steps, dtype=bool)
-    keep_step[bad_steps] = False
-    new_step = np.cumsum(keep_step) - 1
-    rows = keep_step[step_idx]
-    n_kept = int(keep_step.sum())
-    node = node_of_key[key_idx[rows]]
-    s_idx = new_step[step_idx[rows]]
-    d_idx = dp[rows]
-    shape = (n_keys, n_kept, dp_size)
-    start_abs = np.empty(shape, dtype=np.float64)
-    start_abs[node, s_idx, d_idx] = start[rows]
-    duration = np.empty(shape, dtype=np.float64)
-    duration[node, s_idx, d_idx] = df["duration"].to_numpy(np.float64)[rows]
+    def dense(column: str) -> np.ndarray:
+        out = np.empty(n_keys * n_steps * dp_size, dtype=np.float64)
+        out[flat] = df[column].to_numpy(np.float64)
+        return out.reshape(n_keys, n_steps, dp_size)[:, keep, :]
+
+    start_k = dense("start_ts")
+    # Template order: each op's mean rank within its worker's step, so one odd instance with
+    # reordered ops does not change the schedule of the whole stage.
+    mean_pos = np.empty(n_keys)
+    for s in range(pp_size):
+        mine = np.flatnonzero(key_stage == s)
+        ranks = np.argsort(np.argsort(start_k[mine], axis=0), axis=0)
+        mean_pos[mine] = ranks.reshape(len(mine), -1).mean(axis=1)
+    node_order = np.lexsort((keys, mean_pos, key_stage))
+    stage_offsets = np.searchsorted(key_stage[node_order], np.arange(pp_size + 1))
+    start_abs = start_k[node_order]
+    del start_k
+    duration = dense("duration")[node_order]
     origin = start_abs.min(axis=(0, 2))
     start_abs -= origin[None, :, None]
 
     picked = first_row[node_order]
     return Layout(
         meta=meta,
-        step_ids=step_ids[keep_step],
+        step_ids=step_ids[keep],
         node_stage=key_stage[node_order],
-        node_op=op[picked],
+        node_op=key_op[node_order],
         node_seq=seq[picked],
         node_mc=df["mc"].to_numpy(np.int64)[picked],
         node_gmc=df["gmc"].to_numpy(np.int64)[picked],
@@ -132,33 +128,24 @@ def build_layout(df: pd.DataFrame, meta: JobMeta, source: str = "trace") -> Layo
     )
 
 
-def _check_duplicates(inst, key_idx, n_keys, step_ids, pp_size, dp_size, keys, seq_span, source):
-    combo = inst * n_keys + key_idx
-    combo.sort()
-    dup = np.flatnonzero(np.diff(combo) == 0)
-    if len(dup) == 0:
-        return
-    value = combo[dup[0]]
-    instance, key = divmod(int(value), n_keys)
-    step, rest = divmod(instance, pp_size * dp_size)
-    stage, dp = divmod(rest, dp_size)
-    op_code, seq = divmod(int(keys[key]) % (len(OPTYPES) * seq_span), seq_span)
+def _raise_duplicate(index, keys, step_ids, n_steps, dp_size, seq_span, source):
+    key, rest = divmod(index, n_steps * dp_size)
+    step, dp = divmod(rest, dp_size)
+    stage, rest = divmod(int(keys[key]), len(OPTYPES) * seq_span)
+    op_code, seq = divmod(rest, seq_span)
     raise TraceError(
         f"{source}: step {int(step_ids[step])}: worker (dp_rank {dp}, stage {stage}) has "
         f"{OPTYPES[op_code]} seq_id {seq} more than once"
     )
 
 
-def _drop_message(s, step_ids, complete, inst, op, counts, template_len) -> str:
-    pp_size, dp_size = complete.shape[1:]
-    stage, dp = (int(x[0]) for x in np.nonzero(~complete[s]))
-    instance = (s * pp_size + stage) * dp_size + dp
-    has_optimizer = bool(np.any(op[inst == instance] == OPTIMIZER))
+def _drop_message(b, step_ids, complete, present, key_stage, key_op) -> str:
+    stage, dp = (int(x[0]) for x in np.nonzero(~complete[b]))
+    mine = key_stage == stage
+    has = present[mine, b, dp]
     worker = f"worker (dp_rank {dp}, stage {stage})"
-    if not has_optimizer:
+    if not has[key_op[mine] == OPTIMIZER].any():
         what = f"{worker} has no optimizer op"
     else:
-        what = f"{worker} has {counts[s, stage, dp]} ops where its stage's schedule has " + str(
-            template_len[stage]
-        )
-    return f"step {int(step_ids[s])}: {what}; step dropped"
+        what = f"{worker} has {int(has.sum())} ops where its stage's schedule has {len(has)}"
+    return f"step {int(step_ids[b])}: {what}; step dropped"
