@@ -72,7 +72,7 @@ def demo(
     try:
         parsed = parse_faults(list(faults))
     except FaultSpecError as exc:
-        raise click.BadParameter(str(exc), param_hint="--fault") from None
+        raise click.ClickException(f"bad --fault: {exc}") from None
     spec = ClusterSpec(job_id=job_id, dp=dp, pp=pp, tp=tp, steps=steps, seed=seed,
                        start_ns=(time.time_ns() // 10**9 - 2 * steps) * 10**9)
     err = Console(stderr=True)

@@ -1,0 +1,83 @@
+"""Each fault of the simulated cluster is pinned on the right rank (or stage) and cause."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainscope.detectors.diagnosis import diagnose
+from trainscope.detectors.multivariate import RankAnomalyDetector
+from trainscope.detectors.peer import PeerDiffDetector
+from trainscope.detectors.steptime import StepTimeDetector
+from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
+from trainscope.streams.pipeline import EmbeddedPipeline
+
+
+def diagnose_run(faults: list[str], steps: int = 120, seed: int = 11, **layout: int):
+    spec = ClusterSpec(steps=steps, seed=seed, **({"dp": 4, "pp": 2, "tp": 2} | layout))
+    pipeline = EmbeddedPipeline(
+        [PeerDiffDetector(), StepTimeDetector(), RankAnomalyDetector()], window_s=15.0
+    )
+    for records in SimulatedCluster(spec, parse_faults(faults)).batches():
+        pipeline.process_records(records)
+    pipeline.finish()
+    return diagnose(pipeline.findings), pipeline
+
+
+@pytest.mark.parametrize(
+    ("fault", "rank", "category"),
+    [
+        ("slow-gpu:rank=13,factor=1.4", 13, "gpu-compute"),
+        ("throttle:rank=5,mhz=1300", 5, "gpu-throttle"),
+        ("slow-link:rank=6,factor=3", 6, "network"),
+        ("dataloader-stall:rank=9,ms=150", 9, "dataloader"),
+        ("gc-pause:rank=3,ms=300,every=5", 3, "python-gc"),
+    ],
+)
+def test_rank_faults_are_localised(fault: str, rank: int, category: str) -> None:
+    suspects, _ = diagnose_run([fault])
+    assert suspects, f"{fault}: no alert"
+    top = suspects[0]
+    assert (top.rank, top.category) == (rank, category), [s.as_json() for s in suspects]
+
+
+def test_victims_are_named_and_are_not_suspects() -> None:
+    suspects, _ = diagnose_run(["slow-gpu:rank=2,factor=1.5"])
+    assert suspects[0].rank == 2
+    assert suspects[0].victims, "the slow rank's TP/DP/PP peers wait on it"
+    assert 2 not in suspects[0].victims
+    assert all(s.rank == 2 for s in suspects if s.rank >= 0)
+
+
+def test_stage_imbalance_names_the_stage() -> None:
+    suspects, _ = diagnose_run(["stage-imbalance:stage=2,factor=1.3"], pp=4, dp=2)
+    top = suspects[0]
+    assert (top.category, top.pp_stage) == ("stage-imbalance", 2)
+    assert sorted(top.ranks) == [8, 9, 10, 11]
+
+
+def test_seq_imbalance_is_not_blamed_on_a_rank() -> None:
+    suspects, _ = diagnose_run(["seq-imbalance"])
+    assert suspects[0].category == "seq-imbalance"
+    assert not [s for s in suspects if s.category in ("gpu-compute", "gpu-throttle")]
+
+
+def test_fault_starting_mid_run_is_found_after_it_starts() -> None:
+    suspects, pipeline = diagnose_run(["dataloader-stall:rank=4,ms=200,start=60"], steps=120)
+    assert (suspects[0].rank, suspects[0].category) == (4, "dataloader")
+    fault_start_ns = ClusterSpec().start_ns + 55 * 10**9  # step 60 is ~66 s in
+    assert all(
+        f.window_end_ns > fault_start_ns for f in pipeline.findings
+        if f.rank == 4 and f.score >= 0.5
+    )
+
+
+def test_healthy_run_of_200_steps_raises_no_alert() -> None:
+    suspects, pipeline = diagnose_run([], steps=200, seed=2)
+    assert pipeline.windows >= 10
+    assert suspects == [], [s.as_json() for s in suspects]
+    assert all(f.score < 0.5 for f in pipeline.findings)
+
+
+def test_healthy_larger_layout_raises_no_alert() -> None:
+    suspects, _ = diagnose_run([], steps=200, seed=4, dp=8, pp=4, tp=2)
+    assert suspects == [], [s.as_json() for s in suspects]

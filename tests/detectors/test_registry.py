@@ -1,0 +1,66 @@
+"""Plugins through entry points: loaded by name, broken ones reported and isolated."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from trainscope.detectors.base import WindowView
+from trainscope.detectors.registry import DetectorRunner, UnknownDetector, available, load
+
+
+@pytest.fixture
+def plugin_dist(tmp_path, monkeypatch):
+    """A real installed distribution (dist-info on sys.path) declaring two detector plugins."""
+    pkg = tmp_path / "acme_detectors.py"
+    pkg.write_text(textwrap.dedent("""
+        class Good:
+            name = "acme-good"
+            def detect(self, window):
+                return [window.finding(self.name, category="hang", score=0.9, message="acme")]
+
+        class Exploding:
+            name = "acme-exploding"
+            def detect(self, window):
+                raise RuntimeError("boom")
+
+        raise_on_import = False
+    """))
+    (tmp_path / "broken_plugin.py").write_text("raise ImportError('missing dependency xyz')\n")
+    dist = tmp_path / "acme_detectors-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-detectors\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[trainscope.detectors]\n"
+        "acme-good = acme_detectors:Good\n"
+        "acme-exploding = acme_detectors:Exploding\n"
+        "acme-broken = broken_plugin:Detector\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("acme_detectors", None)
+
+
+def test_builtins_are_registered() -> None:
+    assert {"peer-diff", "step-time", "multivariate"} <= set(available())
+
+
+def test_broken_plugin_is_reported_and_skipped(plugin_dist) -> None:
+    result = load(["acme-good", "acme-broken", "peer-diff"])
+    assert [d.name for d in result.detectors] == ["acme-good", "peer-diff"]
+    assert "missing dependency xyz" in result.errors["acme-broken"]
+
+
+def test_unknown_detector_name_is_a_loud_error() -> None:
+    with pytest.raises(UnknownDetector, match="unknown detector.*no-such"):
+        load(["no-such"])
+
+
+def test_a_raising_detector_is_isolated(plugin_dist) -> None:
+    runner = DetectorRunner(load(["acme-exploding", "acme-good"]).detectors)
+    window = WindowView("job", 0, 10**9)
+    findings = runner.run(window) + runner.run(window)
+    assert [f.detector for f in findings] == ["acme-good", "acme-good"]
+    assert runner.errors == {"acme-exploding": 2}

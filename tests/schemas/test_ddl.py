@@ -1,0 +1,48 @@
+"""The ClickHouse DDL against the structs, checked on the real engine (chDB).
+
+chDB allows one store per process, so the engine work runs in a child process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import typing
+
+from trainscope.schemas.ddl import TABLES, clickhouse_type
+
+SCRIPT = """
+import json, sys
+import clickhouse_connect
+from trainscope.schemas.ddl import all_ddl, TABLES
+client = clickhouse_connect.get_client(dsn="chdb://" + sys.argv[1])
+for ddl in all_ddl():
+    client.command(ddl)
+out = {}
+for name in TABLES:
+    rows = client.query(f"DESCRIBE TABLE {name}").result_rows
+    out[name] = {row[0]: row[1] for row in rows}
+print(json.dumps(out))
+"""
+
+
+def test_tables_on_the_engine_match_the_structs(tmp_path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "store")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    described = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, table in TABLES.items():
+        hints = typing.get_type_hints(table.struct)
+        columns = described[name]
+        for field in table.struct.__struct_fields__:
+            if field in table.skip:
+                assert field not in columns
+                continue
+            assert field in columns, f"{name} lacks column {field}"
+            expected = table.types.get(field) or clickhouse_type(hints[field])
+            assert columns[field] == expected, (name, field)
+        extra = set(columns) - set(table.struct.__struct_fields__)
+        assert extra == set(table.extra), (name, extra)
