@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +13,9 @@ import torch
 from trainscope.producers.torch import api
 from trainscope.producers.torch.runtime import Attachment
 from trainscope.streams.memory_bus import MemoryBus
+
+# The helper module next to this file is imported by the tests as a top-level module.
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(autouse=True)
