@@ -54,7 +54,7 @@ def test_broken_plugin_is_reported_and_skipped(plugin_dist) -> None:
 
 
 def test_unknown_detector_name_is_a_loud_error() -> None:
-    with pytest.raises(UnknownDetector, match="unknown detector.*no-such"):
+    with pytest.raises(UnknownDetector, match=r"unknown detector.*no-such"):
         load(["no-such"])
 
 

@@ -31,7 +31,9 @@ def sample_windows(steps: int = 60, seed: int = 5) -> list[WindowView]:
     return views
 
 
-def check_detector(factory: Callable[[], Detector], windows: list[WindowView] | None = None) -> None:
+def check_detector(
+    factory: Callable[[], Detector], windows: list[WindowView] | None = None
+) -> None:
     """Raise AssertionError naming the broken promise."""
     windows = windows if windows is not None else sample_windows()
     detector = factory()

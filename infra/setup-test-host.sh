@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Prepares a machine to run the whole test suite: the system parts the tests use for real
+# (bcc for the eBPF agent tests, matching kernel headers, tracefs). Python packages come from
+# `pip install -e '.[dev]'`. Idempotent; needs root (apt-get, /lib/modules, mounts).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+if [ "$(id -u)" -ne 0 ]; then
+    echo "setup-test-host: needs root (apt-get, kernel headers, tracefs); rerun with sudo" >&2
+    exit 1
+fi
+bash "$here/ebpf-host-setup.sh"
