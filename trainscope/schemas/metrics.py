@@ -29,3 +29,10 @@ PROCESS_GPU_UTIL_PCT = "process_gpu_util_pct"
 PROCESS_GPU_MEM_BYTES = "process_gpu_mem_bytes"
 ECC_ERRORS = "ecc_errors"
 XID_EVENTS = "xid_events"
+# Cumulative NVLink CRC + replay + recovery error count of a device (all links).
+NVLINK_ERROR_COUNT = "nvlink_error_count"
+# Host-level counters of the agent (rank -1): CPU busy share over all cores, NIC bytes per second
+# averaged over the interval (all non-loopback interfaces).
+HOST_CPU_UTIL_PCT = "host_cpu_util_pct"
+HOST_NET_TX_BYTES_PER_S = "host_net_tx_bytes_per_s"
+HOST_NET_RX_BYTES_PER_S = "host_net_rx_bytes_per_s"
