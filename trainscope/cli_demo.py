@@ -44,6 +44,9 @@ def resolve_layout(
                    "slow-gpu, throttle, slow-link, dataloader-stall, gc-pause, "
                    "stage-imbalance, seq-imbalance; all take start=STEP.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--start-s", type=int, default=None,
+              help="Start time of the simulated job, Unix seconds (default: so that it ends "
+                   "about now). Fix it, with --seed, for byte-identical reruns.")
 @click.option("--job-id", default="demo-job", show_default=True)
 @click.option("--store", type=click.Path(path_type=Path),
               help="chDB store directory. Default: under the user's data directory.")
@@ -54,10 +57,14 @@ def resolve_layout(
 @click.option("--threshold", type=click.FloatRange(0, 1), default=ALERT_THRESHOLD,
               show_default=True, help="Alert threshold on finding scores.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option("--optrace", type=click.Path(file_okay=False, path_type=Path),
+              help="Also write the job's op trace (optrace.parquet + optrace.yaml) into this "
+                   "directory, for trainscope whatif.")
 def demo(
     ranks: int | None, dp: int | None, pp: int | None, tp: int | None, steps: int,
-    faults: tuple[str, ...], seed: int, job_id: str, store: Path | None, no_store: bool,
-    bus_url: str, window_s: float, threshold: float, as_json: bool,
+    faults: tuple[str, ...], seed: int, start_s: int | None, job_id: str, store: Path | None,
+    no_store: bool,
+    bus_url: str, window_s: float, threshold: float, as_json: bool, optrace: Path | None,
 ) -> None:
     """Run a simulated training job through the whole pipeline and diagnose it."""
     from rich.console import Console
@@ -73,8 +80,10 @@ def demo(
         parsed = parse_faults(list(faults))
     except FaultSpecError as exc:
         raise click.ClickException(f"bad --fault: {exc}") from None
+    if start_s is None:
+        start_s = time.time_ns() // 10**9 - 2 * steps  # steps take ~1-2 s of simulated time
     spec = ClusterSpec(job_id=job_id, dp=dp, pp=pp, tp=tp, steps=steps, seed=seed,
-                       start_ns=(time.time_ns() // 10**9 - 2 * steps) * 10**9)
+                       start_ns=start_s * 10**9)
     err = Console(stderr=True)
     out = Console(stderr=as_json)
     sink = None
@@ -100,12 +109,14 @@ def demo(
         disable=not err.is_terminal,
     )
     task = progress.add_task("steps", total=steps, layout=f"{dp}×{pp}×{tp}={dp * pp * tp} ranks")
+    op_frames: list = []
     try:
         with progress:
             result = run_demo(
                 spec, parsed, bus_url=bus_url, sink=sink, window_s=window_s,
                 threshold=threshold, on_window=on_window,
                 on_step=lambda s: progress.update(task, completed=s + 1),
+                ops_sink=op_frames.append if optrace is not None else None,
             )
     except (ValueError, BusError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -114,10 +125,28 @@ def demo(
             sink.close()
     for note in result.notes:
         err.print(f"[yellow]warning:[/] {note}")
+    if optrace is not None:
+        _write_optrace(optrace, op_frames, spec.op_trace_meta())
     if as_json:
         click.echo(json.dumps(result.as_json()))
         return
     _print_diagnosis(out, result, store if sink else None, threshold)
+
+
+def _write_optrace(directory: Path, frames: list, meta: dict[str, int]) -> None:
+    import pandas as pd
+
+    from trainscope.whatif.generate import write
+
+    trace, meta_path = directory / "optrace.parquet", directory / "optrace.yaml"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        write(pd.concat(frames, ignore_index=True), meta, trace, meta_path)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the op trace to {directory}: {exc}") from None
+    # Plain echo, not rich: the command must stay on one line to be copied.
+    click.echo(f"op trace: {trace} ({sum(len(f) for f in frames):,} ops); analyse it with:\n"
+               f"  trainscope whatif --trace {trace} --meta {meta_path}", err=True)
 
 
 def _print_diagnosis(console, result, store: Path | None, threshold: float) -> None:
