@@ -1,0 +1,1 @@
+"""Replay producers: publish existing traces (Kineto/torch.profiler, op traces) as if live."""

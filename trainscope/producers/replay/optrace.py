@@ -1,0 +1,91 @@
+"""Op traces (the what-if analysis input) on the bus.
+
+The bus codec carries the streaming records; op traces use the what-if structs
+(:mod:`trainscope.schemas.whatif`) in their own envelope on their own topic, one message per
+rank and chunk, each carrying the job's parallel sizes so any message can be analysed alone.
+The same envelope is what the live producer sends with ``attach(optrace=True)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pandas as pd
+
+from trainscope.schemas.whatif import OpTraceJob, OpTraceRecord
+from trainscope.streams.bus import rank_key
+from trainscope.whatif.optypes import OPTYPES
+
+OPTRACE_TOPIC = "trainscope.optrace"
+CHUNK_OPS = 5_000
+
+
+class OpTraceBatch(msgspec.Struct, tag="optrace", kw_only=True, frozen=True):
+    job: OpTraceJob
+    records: list[OpTraceRecord]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(OpTraceBatch)
+
+
+def read_optrace(trace: Path, meta: Path, job_id: str) -> tuple[OpTraceJob, pd.DataFrame]:
+    """Load and validate a trace file and its metadata (raises ``TraceError``)."""
+    from trainscope.whatif.trace import load_trace, read_meta
+
+    job_meta = read_meta(meta)
+    frame = load_trace(trace, job_meta)
+    return OpTraceJob(job_id=job_id, **job_meta.to_dict()), frame
+
+
+def records_of(job: OpTraceJob, frame: pd.DataFrame) -> list[OpTraceRecord]:
+    """Rows of a validated trace frame (``op`` codes) as records."""
+    columns = {c: frame[c].tolist() for c in ("dp_rank", "stage", "rank", "step", "start_ts",
+                                                "duration", "seq_id", "mc", "gmc", "mb_id")}
+    ops = frame["op"].tolist()
+    return [
+        OpTraceRecord(
+            job_id=job.job_id,
+            dp_rank=columns["dp_rank"][i],
+            stage=columns["stage"][i],
+            rank=columns["rank"][i],
+            step=columns["step"][i],
+            optype=OPTYPES[ops[i]],
+            start_ts=columns["start_ts"][i],
+            duration=columns["duration"][i],
+            seq_id=columns["seq_id"][i],
+            mc=columns["mc"][i],
+            gmc=columns["gmc"][i],
+            mb_id=int(columns["mb_id"][i]),
+        )
+        for i in range(len(frame))
+    ]
+
+
+def encode_records(job: OpTraceJob, records: list[OpTraceRecord]) -> list[tuple[bytes, bytes]]:
+    """(key, payload) messages: per rank, in chunks."""
+    by_rank: dict[int, list[OpTraceRecord]] = {}
+    for record in records:
+        by_rank.setdefault(record.rank, []).append(record)
+    out = []
+    for rank, items in sorted(by_rank.items()):
+        for lo in range(0, len(items), CHUNK_OPS):
+            batch = OpTraceBatch(job=job, records=items[lo : lo + CHUNK_OPS])
+            out.append((rank_key(job.job_id, rank), _encoder.encode(batch)))
+    return out
+
+
+def encode_optrace(job: OpTraceJob, frame: pd.DataFrame) -> list[tuple[bytes, bytes]]:
+    return encode_records(job, records_of(job, frame))
+
+
+def decode_optrace(payload: bytes) -> OpTraceBatch:
+    return _decoder.decode(payload)
+
+
+def to_frame(batches: list[OpTraceBatch]) -> pd.DataFrame:
+    """Op-trace messages back into a trace table (the columns of a trace file)."""
+    rows = [msgspec.structs.asdict(r) for b in batches for r in b.records]
+    frame = pd.DataFrame(rows)
+    return frame.drop(columns=["v", "job_id"], errors="ignore")
