@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +94,11 @@ def run_demo(
     on_step: Callable[[int], None] | None = None,
     on_window: Callable[[WindowView, list[Finding]], None] | None = None,
     kafka_timeout_s: float = 120.0,
+    ops_sink: Callable[[Any], None] | None = None,
 ) -> DemoResult:
+    """``ops_sink``, if given, receives each step's op-trace frame (for the what-if analysis)."""
+    if ops_sink is not None and not spec.record_ops:
+        spec = replace(spec, record_ops=True)
     cluster = SimulatedCluster(spec, faults)
     bus = open_bus(bus_url)
     group = f"trainscope-demo-{spec.job_id}-{time.time_ns()}"
@@ -111,6 +115,8 @@ def run_demo(
             for output in cluster.run():
                 published += publish_step(bus, cluster, output, output.step == 0)
                 events += output.span_count
+                if ops_sink is not None and output.ops is not None:
+                    ops_sink(output.ops)
                 while pipeline.poll_once(timeout_s=0.0):
                     pass
                 if on_step:
@@ -125,6 +131,8 @@ def run_demo(
                     for output in cluster.run():
                         published += publish_step(bus, cluster, output, output.step == 0)
                         events += output.span_count
+                        if ops_sink is not None and output.ops is not None:
+                            ops_sink(output.ops)
                         if on_step:
                             on_step(output.step)
                     bus.flush()

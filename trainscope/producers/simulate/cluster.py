@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +25,11 @@ from trainscope.producers.simulate.faults import Fault
 from trainscope.producers.simulate.layout import Layout
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import MetricSample, Record, SpanBatch, StepRecord
+from trainscope.whatif.optypes import CODE as OPTYPE_CODE
+from trainscope.whatif.optypes import OPTYPES
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 FUNCTIONS: tuple[tuple[str, str], ...] = (
     ("step", "train_step"),
@@ -70,10 +76,24 @@ class ClusterSpec:
     dataloader_ms: float = 6.0
     healthy_gc_probability: float = 0.03
     jitter: float = 0.02
+    # Also emit the Megatron-style op trace of every step (StepOutput.ops) for the what-if
+    # analysis. Off by default: it costs a few array appends per op that nothing else needs.
+    record_ops: bool = False
 
     @property
     def layout(self) -> Layout:
         return Layout(self.dp, self.pp, self.tp, self.gpus_per_host)
+
+    def op_trace_meta(self) -> dict[str, int]:
+        """Job metadata of the op trace (the what-if analysis' YAML)."""
+        return {
+            "dp_size": self.dp,
+            "pp_size": self.pp,
+            "tp_size": self.tp,
+            "dsp_size": 1,
+            "vpp_size": 1,
+            "world_size": self.dp * self.pp * self.tp,
+        }
 
 
 @dataclass
@@ -82,6 +102,8 @@ class StepOutput:
     spans: list[SpanBatch] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     metrics: list[MetricSample] = field(default_factory=list)
+    # Op-trace rows of this step (what-if trace columns) when ClusterSpec.record_ops is set.
+    ops: pd.DataFrame | None = None
 
     @property
     def span_count(self) -> int:
@@ -119,6 +141,72 @@ class _Emitter:
         self.start.append(np.broadcast_to(start, duration.shape).ravel())
         self.duration.append(duration.ravel())
         self.bytes.append(np.full(ranks.size, nbytes, dtype=np.int64))
+
+
+class _OpRecorder:
+    """Op-trace rows of one step in the Megatron timer model, one append per op for all DP ranks
+    of a stage.
+
+    One worker is one (dp_rank, stage) pair seen from its tp_rank 0: the tensor-parallel peers
+    are inside each op, so a compute op lasts until its TP all-reduce is done, as a Megatron
+    timer around the layer's forward/backward records it.
+    """
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.stage: list[int] = []
+        self.code: list[int] = []
+        self.seq: list[int] = []
+        self.mb: list[int] = []
+        self.start: list[np.ndarray] = []  # (dp,) ns each
+        self.end: list[np.ndarray] = []
+        self._next_seq: dict[tuple[int, int], int] = {}
+
+    def add(
+        self, optype: str, stage: int, start: np.ndarray, end: np.ndarray, mb: int = -1
+    ) -> None:
+        """``start``/``end``: (dp, tp) or (dp,) arrays of ns; only tp_rank 0 is kept."""
+        code = OPTYPE_CODE[optype]
+        # Ops of a stage are simulated in schedule order, which is each worker's start order.
+        key = (stage, code)
+        seq = self._next_seq.get(key, 0)
+        self._next_seq[key] = seq + 1
+        self.stage.append(stage)
+        self.code.append(code)
+        self.seq.append(seq)
+        self.mb.append(mb)
+        self.start.append(start[:, 0] if start.ndim == 2 else start)
+        self.end.append(end[:, 0] if end.ndim == 2 else end)
+
+    def frame(self, step: int) -> pd.DataFrame:
+        import pandas as pd
+
+        dp, tp = self.spec.dp, self.spec.tp
+        n_ops = len(self.code)
+
+        def per_op(values: list[int]) -> np.ndarray:
+            return np.repeat(np.asarray(values, dtype=np.int32), dp)
+
+        start = np.stack(self.start)
+        stage = per_op(self.stage)
+        dp_rank = np.tile(np.arange(dp, dtype=np.int32), n_ops)
+        mb = per_op(self.mb)
+        return pd.DataFrame(
+            {
+                "dp_rank": dp_rank,
+                "stage": stage,
+                "rank": (dp_rank.astype(np.int64) + dp * stage) * tp,  # tp_rank 0
+                "step": np.full(n_ops * dp, step, dtype=np.int64),
+                "optype": pd.Categorical.from_codes(per_op(self.code), list(OPTYPES)),
+                "start_ts": start.ravel() / 1e9,
+                # Subtract in ns first: seconds near the epoch keep only ~0.2 µs.
+                "duration": (np.stack(self.end) - start).ravel() / 1e9,
+                "seq_id": per_op(self.seq),
+                "mc": np.zeros(n_ops * dp, dtype=np.int32),  # no virtual stages: vpp_size 1
+                "gmc": stage,
+                "mb_id": pd.arrays.IntegerArray(np.maximum(mb, 0), mb < 0),
+            }
+        )
 
 
 class SimulatedCluster:
@@ -213,6 +301,7 @@ class SimulatedCluster:
     def _step(self, step: int, start: np.ndarray) -> tuple[StepOutput, np.ndarray]:
         spec, layout = self.spec, self.layout
         emit = _Emitter()
+        ops = _OpRecorder(spec) if spec.record_ops else None
         compute = self._compute_factor(step)
         link = self._link_factor(step)
         tokens = self._tokens(step)
@@ -257,7 +346,7 @@ class SimulatedCluster:
                     ready[s] = self._run_op(
                         emit, s, mb, forward, ready[s], arrivals.pop((s, mb), None),
                         compute, link, token_factor, busy,
-                        fwd_arrival if forward else bwd_arrival,
+                        fwd_arrival if forward else bwd_arrival, ops,
                     )
                     position[s] += 1
                     remaining -= 1
@@ -276,6 +365,11 @@ class SimulatedCluster:
             emit.add("dp_all_reduce", grid, t, np.broadcast_to(done, t.shape) - t, spec.grad_bytes)
             optimizer = spec.optimizer_ms * _MS * compute[grid] * self._jitter(grid.shape)
             emit.add("optimizer.step", grid, np.broadcast_to(done, t.shape), optimizer)
+            if ops is not None:
+                # Plain data-parallel gradient sync (no distributed optimizer): one all-reduce.
+                done_all = np.broadcast_to(done, t.shape)
+                ops.add("separate-grads-all-reduce", s, t, done_all)
+                ops.add("optimizer", s, done_all, done_all + optimizer)
             busy[grid] += optimizer
             end[grid] = done + optimizer
         emit.add("train_step", np.arange(layout.world_size), start, end - start)
@@ -284,6 +378,8 @@ class SimulatedCluster:
         output.spans = self._span_batches(emit, step)
         output.steps = self._step_records(step, start, end, tokens)
         output.metrics = self._metrics(step, start, end, busy, compute, link)
+        if ops is not None:
+            output.ops = ops.frame(step)
         return output, end
 
     def _run_op(
@@ -299,13 +395,18 @@ class SimulatedCluster:
         token_factor: np.ndarray,
         busy: np.ndarray,
         out_arrivals: dict[tuple[int, int], np.ndarray],
+        ops: _OpRecorder | None = None,
     ) -> np.ndarray:
         spec = self.spec
         grid = self._grids[s]
+        direction = "forward" if forward else "backward"
         if arrival is not None:
             got = np.maximum(t, arrival)
             emit.add("pp_recv", grid, t, got - t, spec.activation_bytes)
+            if ops is not None:
+                ops.add(f"{direction}-recv", s, t, got)
             t = got
+        compute_start = t
         base = spec.forward_ms * _MS * (1.0 if forward else 2.0)
         duration = base * compute[grid] * token_factor[:, mb : mb + 1] * self._jitter(grid.shape)
         emit.add("forward" if forward else "backward", grid, t, duration)
@@ -318,6 +419,8 @@ class SimulatedCluster:
             )
             emit.add("tp_all_reduce", grid, t, np.broadcast_to(done, t.shape) - t)
             t = np.broadcast_to(done, t.shape).copy()
+        if ops is not None:
+            ops.add(f"{direction}-compute", s, compute_start, t, mb)
         dst = s + 1 if forward else s - 1
         if 0 <= dst < spec.pp:
             slowest = np.maximum(link[grid], link[self._grids[dst]])
@@ -326,6 +429,8 @@ class SimulatedCluster:
                 * self._jitter(grid.shape)
             )
             emit.add("pp_send", grid, t, transfer, spec.activation_bytes)
+            if ops is not None:
+                ops.add(f"{direction}-send", s, t, t + transfer)
             t = t + transfer
             out_arrivals[(dst, mb)] = t
         return t
