@@ -1,0 +1,138 @@
+"""``trainscope agent``: the host daemon's command line.
+
+The main CLI registers this command with ``cli.add_command(agent)``; ``python -m
+trainscope.producers.agent`` runs it on its own (the systemd unit and the DaemonSet do).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from types import FrameType
+
+import click
+
+from trainscope.producers.agent.base import Collector
+from trainscope.producers.agent.daemon import Agent, AgentSettings
+
+log = logging.getLogger("trainscope.agent")
+
+
+def _configure_logging(verbose: bool) -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(stream=sys.stderr, format="trainscope agent: %(message)s")
+    # Our own loggers only: third-party libraries keep their levels.
+    level = logging.DEBUG if verbose else logging.INFO
+    for name in ("trainscope.agent", "trainscope.producers.agent"):
+        logging.getLogger(name).setLevel(level)
+
+
+def build_collectors(
+    settings: AgentSettings, *, nvml: bool, ebpf: bool, pids: tuple[int, ...]
+) -> list[Collector]:
+    from trainscope.producers.agent.ebpf import EbpfCollector
+    from trainscope.producers.agent.host import HostCollector
+    from trainscope.producers.agent.nvml import NvmlSampler
+
+    collectors: list[Collector] = [HostCollector(host=settings.host, job_id=settings.job_id)]
+    if nvml:
+        collectors.append(NvmlSampler(host=settings.host, default_job_id=settings.job_id))
+    if ebpf:
+        collectors.append(EbpfCollector(default_job_id=settings.job_id, pids=pids or None))
+    return collectors
+
+
+@click.command("agent")
+@click.option(
+    "--bus",
+    "bus_url",
+    default="memory",
+    show_default=True,
+    envvar="TRAINSCOPE_BUS",
+    help="Where to publish: 'memory' (nothing leaves this host) or kafka://HOST:PORT.",
+)
+@click.option(
+    "--interval",
+    "interval_s",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Seconds between two reads of the collectors.",
+)
+@click.option(
+    "--window",
+    "window_s",
+    type=float,
+    default=15.0,
+    show_default=True,
+    help="Seconds between two publications of condensed records.",
+)
+@click.option("--no-ebpf", is_flag=True, help="Do not trace CUDA/NCCL calls and scheduling.")
+@click.option("--no-nvml", is_flag=True, help="Do not sample GPUs through NVML.")
+@click.option(
+    "--job-id",
+    default="unknown",
+    show_default=True,
+    envvar="TRAINSCOPE_JOB_ID",
+    help="Job id for processes whose environment names none.",
+)
+@click.option(
+    "--pid",
+    "pids",
+    type=int,
+    multiple=True,
+    help="Trace only this process (repeatable); default: every CUDA/NCCL process.",
+)
+@click.option(
+    "--duration",
+    "duration_s",
+    type=float,
+    default=None,
+    help="Stop after this many seconds (default: run until SIGTERM/SIGINT).",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Log every published window.")
+def agent(
+    bus_url: str,
+    interval_s: float,
+    window_s: float,
+    no_ebpf: bool,
+    no_nvml: bool,
+    job_id: str,
+    pids: tuple[int, ...],
+    duration_s: float | None,
+    verbose: bool,
+) -> None:
+    """Observe the training processes of this host without touching them (NVML, eBPF)."""
+    from trainscope.streams.bus import open_bus
+
+    _configure_logging(verbose)
+    try:
+        settings = AgentSettings(interval_s=interval_s, window_s=window_s, job_id=job_id)
+        bus = open_bus(bus_url)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if bus_url in ("memory", "memory://"):
+        log.warning(
+            "bus 'memory': records stay inside this process and nothing leaves the "
+            "host; pass --bus kafka://HOST:PORT to ship them"
+        )
+    collectors = build_collectors(settings, nvml=not no_nvml, ebpf=not no_ebpf, pids=pids)
+    daemon = Agent(settings, bus, collectors)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s: stopping", signal.Signals(signum).name)
+        daemon.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    daemon.start()
+    if duration_s is not None:
+        signal.signal(signal.SIGALRM, on_signal)
+        signal.setitimer(signal.ITIMER_REAL, duration_s)
+    try:
+        stats = daemon.run()
+    finally:
+        bus.close()
+    log.info("stopped; stats: %s", json.dumps(stats.as_dict(), sort_keys=True))
