@@ -1,0 +1,117 @@
+"""The consumer side of the Kafka bus: one member of a consumer group, driven synchronously."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.protocol.group import LeaveGroupRequest
+
+from trainscope.streams._kafka_support import EventLoopThread, start_client
+from trainscope.streams.bus import BusError, Message
+
+log = logging.getLogger(__name__)
+
+LEAVE_TIMEOUT_S = 2.0
+
+
+async def start_consumer(
+    topics: list[str],
+    group: str,
+    *,
+    bootstrap_servers: str,
+    client_id: str,
+    session_timeout_ms: int,
+    request_timeout_ms: int,
+) -> AIOKafkaConsumer:
+    consumer = AIOKafkaConsumer(
+        *topics,
+        bootstrap_servers=bootstrap_servers,
+        client_id=client_id,
+        group_id=group,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        session_timeout_ms=session_timeout_ms,
+        heartbeat_interval_ms=max(100, session_timeout_ms // 5),
+        rebalance_timeout_ms=session_timeout_ms,
+        request_timeout_ms=request_timeout_ms,
+    )
+    await start_client(consumer, bootstrap_servers)
+    return consumer
+
+
+class KafkaConsumer:
+    """One member of a consumer group; positions advance only on :meth:`commit`."""
+
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        thread: EventLoopThread,
+        bootstrap_servers: str,
+        call_timeout_s: float,
+    ) -> None:
+        self._consumer = consumer
+        self._thread = thread
+        self._servers = bootstrap_servers
+        self._call_timeout_s = call_timeout_s
+        self._closed = False
+
+    def poll(self, max_records: int = 10_000, timeout_s: float = 0.1) -> list[Message]:
+        if self._closed:
+            raise BusError("poll on a closed consumer")
+        batches = self._call(
+            self._consumer.getmany(timeout_ms=int(timeout_s * 1000), max_records=max_records),
+            timeout_s + self._call_timeout_s,
+            "poll",
+        )
+        return [
+            Message(r.topic, r.partition, r.offset, r.key, r.value or b"", r.timestamp)
+            for records in batches.values()
+            for r in records
+        ]
+
+    def commit(self) -> None:
+        """Commit the position after the last polled message of every assigned partition."""
+        if self._closed:
+            raise BusError("commit on a closed consumer")
+        self._call(self._consumer.commit(), self._call_timeout_s, "commit")
+
+    def close(self) -> None:
+        """Leave the group; positions not committed are re-read by the next member."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(_leave_and_stop(self._consumer), self._call_timeout_s, "close")
+        except BusError as exc:
+            log.warning("%s", exc)
+
+    def _call(self, coro: Coroutine[Any, Any, Any], timeout_s: float, action: str) -> Any:
+        what = f"{action} on Kafka at {self._servers}"
+        try:
+            return self._thread.run(coro, timeout_s, what)
+        except BusError:
+            raise
+        except Exception as exc:
+            raise BusError(f"{what} failed: {exc or type(exc).__name__}") from exc
+
+
+async def _leave_and_stop(consumer: AIOKafkaConsumer) -> None:
+    """Stop, leaving the group explicitly even in generation 0.
+
+    aiokafka sends LeaveGroup only for generations > 0, but some Kafka-protocol brokers (Tansu)
+    number a group's first generation 0; without the LeaveGroup the next member of the group
+    waits for this one's session to time out.
+    """
+    coordinator = getattr(consumer, "_coordinator", None)
+    if coordinator is not None and getattr(coordinator, "generation", None) == 0:
+        try:
+            request = LeaveGroupRequest(coordinator.group_id, coordinator.member_id)
+            await asyncio.wait_for(coordinator._send_req(request), LEAVE_TIMEOUT_S)
+            coordinator.reset_generation()
+        except Exception:
+            log.debug("explicit LeaveGroup failed", exc_info=True)
+    await consumer.stop()
