@@ -26,9 +26,8 @@ from trainscope.detectors.registry import DetectorRunner
 from trainscope.detectors.steptime import StepTimeDetector
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.schemas.codec import decode_batch, encode_batch
-from trainscope.schemas.records import MetricSample, SpanBatch, StepRecord
 from trainscope.sinks.clickhouse import ClickHouseSink
-from trainscope.streams.windows import WindowEngine
+from trainscope.streams.pipeline import EmbeddedPipeline
 
 SIZES = {64: (8, 4, 2), 1024: (64, 8, 2)}
 
@@ -53,25 +52,16 @@ def produce(ranks: int, steps: int) -> tuple[list[bytes], int, float]:
 
 
 def window_pass(payloads: list[bytes]) -> tuple[list, float]:
-    engine = WindowEngine(window_s=15.0)
-    views = []
-    started = time.perf_counter()
+    """Decode + window + close, through the pipeline's own routing, with no detectors."""
+    views: list = []
+    pipeline = EmbeddedPipeline([], window_s=15.0, on_window=lambda v, f: views.append(v))
     chunk = 256  # messages per poll, as the bus pipeline hands them over
+    started = time.perf_counter()
     for i in range(0, len(payloads), chunk):
-        spans, steps, metrics = [], [], []
-        for payload in payloads[i : i + chunk]:
-            for record in decode_batch(payload):
-                if isinstance(record, SpanBatch):
-                    spans.append(record)
-                elif isinstance(record, StepRecord):
-                    steps.append(record)
-                elif isinstance(record, MetricSample):
-                    metrics.append(record)
-        engine.add_spans(spans)
-        engine.add_steps(steps)
-        engine.add_metrics(metrics)
-        views += engine.close_ready()
-    views += engine.close_all()
+        pipeline.process_records(
+            [r for payload in payloads[i : i + chunk] for r in decode_batch(payload)]
+        )
+    pipeline.finish()
     return views, time.perf_counter() - started
 
 
