@@ -82,7 +82,10 @@ def test_ddp_gradient_all_reduce_is_timed_and_results_are_unchanged(
     assert sum(s.bytes_total for s in ddp_allreduce) == 4 * grad_bytes
     # DDP's own reduction does not go through dist.all_reduce twice.
     assert "all_reduce" not in names
+    # "forward" is the wrapped model's own compute; DDP's work before it is apart.
     assert sum(s.count for s in names["forward"]) == 4
+    assert sum(s.count for s in names["ddp_pre_forward"]) == 4
+    assert all(s.layer == "collective" for s in names["ddp_pre_forward"])
     assert sum(s.count for s in names["backward"]) == 4
 
 

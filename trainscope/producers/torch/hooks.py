@@ -71,12 +71,21 @@ class ModelHooks:
         self._current: torch.nn.Module | None = None
         self._forward_start_ns = 0
         self._forwards_in_step = 0
+        # DDP wrappers are looked through: "forward" is the wrapped model's own compute, and
+        # the wrapper's work before it (buffer broadcast, bucket rebuilds: waiting on peers)
+        # is recorded apart as collective/ddp_pre_forward.
+        self._wrappers: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._wrapper_start_ns = 0
+        from torch.nn.parallel import DistributedDataParallel
+
+        self._wrapper_types: tuple[type, ...] = (DistributedDataParallel,)
         g = att.guard
         self._global_pre = g.wrap("forward hook", self._global_pre_impl)
         self._global_post = g.wrap("forward hook", self._global_post_impl)
         self._module_pre = g.wrap("forward hook", self._module_pre_impl)
         self._module_post = g.wrap("forward hook", self._module_post_impl)
         self._backward_start = g.wrap("backward hook", self._backward_start_impl)
+        self._wrapper_pre = g.wrap("forward hook", self._wrapper_pre_impl)
 
     def install(self) -> Uninstall:
         self._install_global()
@@ -111,12 +120,15 @@ class ModelHooks:
                 handle.remove()
             self._module_handles = []
             self._tops = weakref.WeakSet()
+            self._wrappers = weakref.WeakSet()
             self._install_global()
 
     def _settle(self) -> None:
         for handle in self._global_handles:
             handle.remove()
         self._global_handles = []
+        for wrapper in list(self._wrappers):
+            self._module_handles.append(wrapper.register_forward_pre_hook(self._wrapper_pre))
         for module in list(self._tops):
             self._module_handles.append(
                 module.register_forward_pre_hook(self._module_pre, with_kwargs=True)
@@ -137,6 +149,10 @@ class ModelHooks:
         ident = threading.get_ident()
         if self._thread and ident != self._thread:
             return
+        if self._current is None and isinstance(module, self._wrapper_types):
+            self._wrappers.add(module)
+            self._wrapper_pre_impl(module, args)
+            return
         if self._depth == 0 and self._is_trainable(module):
             self._thread = ident
             self._tops.add(module)
@@ -150,6 +166,11 @@ class ModelHooks:
         self._depth -= 1
         if self._depth == 0 and module is self._current:
             self._end(output)
+
+    def _wrapper_pre_impl(self, module: torch.nn.Module, args: Any) -> None:
+        if self._current is None:
+            self._wrapper_start_ns = time.time_ns()
+            self.att.on_forward_begin(module)
 
     # -- settled phase: hooks on the top-level modules only -------------------------------------
 
@@ -168,6 +189,9 @@ class ModelHooks:
         self._depth = 0
         self._forward_start_ns = now
         att = self.att
+        wrapper_start, self._wrapper_start_ns = self._wrapper_start_ns, 0
+        if wrapper_start:
+            att.record("collective", "ddp_pre_forward", wrapper_start, now - wrapper_start)
         att.steps.activity(now)
         first = _first_tensor(args, kwargs)
         if first is not None and first.dim() >= 1:

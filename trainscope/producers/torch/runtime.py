@@ -7,6 +7,7 @@ do is cheap on the training thread and guarded against raising.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from trainscope.streams.bus import Bus, open_bus, rank_key
 # A window is condensed this long after its end so spans still running at the boundary
 # (a collective, a GC pause) usually land in it; later ones become a second, mergeable summary.
 WINDOW_GRACE_S = 0.5
+FULL_LAYOUT_MAX_RANKS = 4096
 
 
 class Attachment:
@@ -229,22 +231,29 @@ class Attachment:
 
     # -- the handle ---------------------------------------------------------------------------
     def _topology(self) -> Topology:
+        """The job's layout as this rank knows it: every rank's coordinates follow from the
+        sizes; only this rank's host is known here. Each rank sends one, so a consumer that
+        keeps the last one still sees every rank (and merging them by rank keeps every host).
+        Past ``FULL_LAYOUT_MAX_RANKS`` a rank describes only itself, to bound the message.
+        """
         o = self.options
-        return Topology(
-            job_id=o.job_id,
-            dp_size=o.dp_size,
-            pp_size=o.pp_size,
-            tp_size=o.tp_size,
-            workers=[
+        ranks = range(o.world_size) if o.world_size <= FULL_LAYOUT_MAX_RANKS else [o.rank]
+        workers = []
+        for rank in ranks:
+            peer = dataclasses.replace(o, rank=rank)
+            workers.append(
                 WorkerInfo(
-                    rank=o.rank,
-                    host=o.host,
-                    local_rank=o.local_rank,
-                    dp_rank=o.dp_rank,
-                    pp_stage=o.pp_stage,
-                    tp_rank=o.tp_rank,
+                    rank=rank,
+                    host=o.host if rank == o.rank else "",
+                    local_rank=o.local_rank if rank == o.rank else 0,
+                    dp_rank=peer.dp_rank,
+                    pp_stage=peer.pp_stage,
+                    tp_rank=peer.tp_rank,
                 )
-            ],
+            )
+        return Topology(
+            job_id=o.job_id, dp_size=o.dp_size, pp_size=o.pp_size, tp_size=o.tp_size,
+            workers=workers,
         )
 
     def stats(self) -> dict[str, Any]:
