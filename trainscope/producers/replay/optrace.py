@@ -13,22 +13,17 @@ from pathlib import Path
 import msgspec
 import pandas as pd
 
+from trainscope.producers.torch.optrace import (
+    OPTRACE_TOPIC,
+    OpTraceBatch,
+    decode_optrace,
+    encode_records,
+)
 from trainscope.schemas.whatif import OpTraceJob, OpTraceRecord
-from trainscope.streams.bus import rank_key
 from trainscope.whatif.optypes import OPTYPES
 
-OPTRACE_TOPIC = "trainscope.optrace"
-CHUNK_OPS = 5_000
-
-
-class OpTraceBatch(msgspec.Struct, tag="optrace", kw_only=True, frozen=True):
-    job: OpTraceJob
-    records: list[OpTraceRecord]
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(OpTraceBatch)
-
+__all__ = ["OPTRACE_TOPIC", "OpTraceBatch", "decode_optrace", "encode_optrace", "read_optrace",
+           "records_of", "to_frame"]
 
 def read_optrace(trace: Path, meta: Path, job_id: str) -> tuple[OpTraceJob, pd.DataFrame]:
     """Load and validate a trace file and its metadata (raises ``TraceError``)."""
@@ -63,25 +58,8 @@ def records_of(job: OpTraceJob, frame: pd.DataFrame) -> list[OpTraceRecord]:
     ]
 
 
-def encode_records(job: OpTraceJob, records: list[OpTraceRecord]) -> list[tuple[bytes, bytes]]:
-    """(key, payload) messages: per rank, in chunks."""
-    by_rank: dict[int, list[OpTraceRecord]] = {}
-    for record in records:
-        by_rank.setdefault(record.rank, []).append(record)
-    out = []
-    for rank, items in sorted(by_rank.items()):
-        for lo in range(0, len(items), CHUNK_OPS):
-            batch = OpTraceBatch(job=job, records=items[lo : lo + CHUNK_OPS])
-            out.append((rank_key(job.job_id, rank), _encoder.encode(batch)))
-    return out
-
-
 def encode_optrace(job: OpTraceJob, frame: pd.DataFrame) -> list[tuple[bytes, bytes]]:
     return encode_records(job, records_of(job, frame))
-
-
-def decode_optrace(payload: bytes) -> OpTraceBatch:
-    return _decoder.decode(payload)
 
 
 def to_frame(batches: list[OpTraceBatch]) -> pd.DataFrame:

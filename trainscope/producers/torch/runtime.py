@@ -122,6 +122,11 @@ class Attachment:
                 self.guard.report("detach", exc)
         self._uninstall = []
         self.profiler.abort()
+        if self.optrace is not None:
+            try:
+                self.optrace.flush()
+            except Exception as exc:
+                self.guard.report("op trace", exc)
         if self.control is not None:
             self.control.stop()
         self.sender.stop(timeout_s)
@@ -205,7 +210,10 @@ class Attachment:
         record = self.steps.end(now_ns, samples, tokens)
         self.submit(record)
         if self.optrace is not None:
-            self.optrace.end_step(record.step)
+            try:
+                self.optrace.end_step(record.step)
+            except Exception as exc:
+                self.guard.report("op trace", exc)
         self.model_hooks.on_step_end()
         self.profiler.on_step_end(now_ns)
 

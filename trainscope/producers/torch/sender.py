@@ -54,7 +54,7 @@ class Sender:
         self._producers = producers or []
         self._tasks: deque[Callable[[], list[Any]]] = deque()
         self._queue: list[Any] = []
-        self._outbox: deque[tuple[bytes, int]] = deque()  # (payload, records in it)
+        self._outbox: deque[tuple[str, bytes, int]] = deque()  # (topic, payload, records)
         self._outbox_records = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -83,6 +83,17 @@ class Sender:
             self.counts["submitted"] += 1
             if len(self._queue) >= MAX_BATCH_RECORDS:
                 self._cond.notify()
+        return True
+
+    def submit_encoded(self, topic: str, payload: bytes, records: int) -> bool:
+        """An already-encoded message for another topic (e.g. the op trace); same bound."""
+        with self._cond:
+            if self._outbox_records + len(self._queue) + records > self.capacity:
+                self.counts["dropped"] += records
+                return False
+            self._outbox.append((topic, payload, records))
+            self._outbox_records += records
+            self.counts["submitted"] += records
         return True
 
     def submit_task(self, task: Callable[[], list[Any]]) -> None:
@@ -177,7 +188,7 @@ class Sender:
                 self._outbox_records += len(chunk)
             payload = encode_batch(chunk)
             with self._cond:
-                self._outbox.append((payload, len(chunk)))
+                self._outbox.append((EVENTS_TOPIC, payload, len(chunk)))
 
     def _deliver(self, final: bool) -> None:
         if not self._outbox:
@@ -193,15 +204,15 @@ class Sender:
             return
         try:
             pending = list(self._outbox)
-            for payload, _ in pending:
-                bus.publish(EVENTS_TOPIC, payload, self._key)
+            for topic, payload, _ in pending:
+                bus.publish(topic, payload, self._key)
             bus.flush(timeout_s=FLUSH_TIMEOUT_S)
         except Exception as exc:
             self._bus_failed(exc)
             return
         with self._cond:
             for _ in pending:
-                _, n = self._outbox.popleft()
+                _, _, n = self._outbox.popleft()
                 self._outbox_records -= n
                 self.counts["sent"] += n
                 self.counts["batches_sent"] += 1
