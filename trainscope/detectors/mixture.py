@@ -1,0 +1,306 @@
+"""A Gaussian-mixture detector over several metrics of a rank at once (in the eACGM spirit).
+
+Each window, every rank becomes one vector: its step time, SM clock, utilisation, power,
+temperature, PCIe/NIC/NVLink throughput, and the shares of its time in collectives, off CPU,
+in the data loader and in GC — whichever the window holds. Each value is taken *relative to the
+rank's peers in the same window* (the median of its pipeline stage, or of the job), so a job
+that slows down as a whole, or a new phase of training, does not look anomalous, and one
+model serves every rank of the job.
+
+A Gaussian mixture (scikit-learn, number of components chosen by BIC) is fitted on healthy
+vectors and refitted as the job runs. What is healthy is decided before it can poison the
+model: vectors that the current model flags, or that sit far from their peers on any feature
+(a loose robust-z gate, needed when a fault is present from the first window), never enter the
+training set. A rank is flagged when its log-likelihood falls well below the low tail of the
+training vectors' log-likelihoods; the finding names the features that moved most (in standard
+deviations of the mixture component that explains the vector best) and maps them to a
+category, e.g. an SM clock drop to ``gpu-throttle``.
+
+Why a mixture rather than a threshold per metric: healthy ranks of one job differ in correlated
+ways (utilisation and power move together; stages spend different shares in collectives), and
+a mixture models those joint modes, so a combination that no healthy rank shows stands out
+while each metric alone may look ordinary.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from trainscope.detectors.base import WindowView
+from trainscope.detectors.features import metric_means, per_step_times, robust_z
+from trainscope.schemas import metrics as m
+from trainscope.schemas.records import Finding
+
+# Feature → {direction of the move: category it points to}. Features without an entry for a
+# direction are symptoms (a straggler's step time) rather than causes.
+CATEGORY_OF_MOVE: dict[str, dict[int, str]] = {
+    m.SM_CLOCK_MHZ: {-1: "gpu-throttle"},
+    m.POWER_W: {-1: "gpu-throttle"},
+    # A hotter GPU is also a busier one: temperature is evidence, not a cause on its own.
+    m.TEMPERATURE_C: {},
+    m.SM_UTIL_PCT: {-1: "gpu-compute", +1: "gpu-compute"},
+    m.PCIE_TX_BYTES_PER_S: {-1: "pcie"},
+    m.PCIE_RX_BYTES_PER_S: {-1: "pcie"},
+    m.NIC_TX_BYTES_PER_S: {-1: "network"},
+    m.NIC_RX_BYTES_PER_S: {-1: "network"},
+    m.NVLINK_TX_BYTES_PER_S: {-1: "nvlink"},
+    m.NVLINK_RX_BYTES_PER_S: {-1: "nvlink"},
+    "step_ns": {},
+    "collective_share": {+1: "network"},
+    "off_cpu_share": {+1: "cpu-contention"},
+    "dataloader_share": {+1: "dataloader"},
+    "gc_share": {+1: "python-gc"},
+}
+# Most specific causes first: which move names the category when several features moved.
+CATEGORY_PRIORITY: list[tuple[str, int]] = [
+    (m.SM_CLOCK_MHZ, -1),
+    (m.NIC_TX_BYTES_PER_S, -1),
+    (m.NIC_RX_BYTES_PER_S, -1),
+    (m.PCIE_TX_BYTES_PER_S, -1),
+    (m.PCIE_RX_BYTES_PER_S, -1),
+    (m.NVLINK_TX_BYTES_PER_S, -1),
+    (m.NVLINK_RX_BYTES_PER_S, -1),
+    ("off_cpu_share", +1),
+    ("dataloader_share", +1),
+    ("gc_share", +1),
+    (m.POWER_W, -1),
+    (m.SM_UTIL_PCT, -1),
+    (m.SM_UTIL_PCT, +1),
+    ("collective_share", +1),
+]
+METRIC_FEATURES = tuple(k for k in CATEGORY_OF_MOVE if not k.endswith(("_share", "_ns")))
+MAX_FEATURE_SETS = 8
+SHARE_LAYERS = {
+    "collective_share": ("collective", None),
+    "off_cpu_share": ("sched", "off_cpu"),
+    "dataloader_share": ("dataloader", None),
+    "gc_share": ("gc", None),
+}
+
+
+class MixtureDetector:
+    """Per-rank multivariate anomalies under a Gaussian mixture of healthy peer deviations."""
+
+    name = "mixture"
+
+    def __init__(
+        self,
+        max_components: int = 3,
+        min_train_vectors: int = 32,
+        grace_windows: int = 2,
+        history_vectors: int = 2048,
+        healthy_gate_z: float = 6.0,
+        gate_floor: float = 0.02,
+        tail_quantile: float = 0.01,
+        min_strength: float = 8.0,
+        variance_floor: float = 4e-4,
+        seed: int = 0,
+    ) -> None:
+        self.max_components = max_components
+        self.min_train_vectors = min_train_vectors
+        self.grace_windows = grace_windows
+        self.history_vectors = history_vectors
+        self.healthy_gate_z = healthy_gate_z
+        self.gate_floor = gate_floor
+        self.tail_quantile = tail_quantile
+        self.min_strength = min_strength
+        self.variance_floor = variance_floor
+        self.seed = seed
+        # Learned state, per feature set (a window without NIC metrics is another model).
+        self._history: dict[tuple[str, ...], deque[np.ndarray]] = {}
+        self._models: dict[tuple[str, ...], dict[str, Any]] = {}
+        self._typical_counts: dict[tuple[str, ...], np.ndarray] = {}
+        self._windows = 0
+
+    # -- features -----------------------------------------------------------------------------
+    def features(self, window: WindowView) -> pd.DataFrame:
+        """Raw per-rank features of a window (index rank), before peer normalisation."""
+        frame = pd.DataFrame()
+        means = metric_means(window)
+        for metric in METRIC_FEATURES:
+            if metric in means.columns:
+                frame[metric] = means[metric]
+        steps = window.steps
+        if not steps.empty:
+            frame = frame.reindex(frame.index.union(steps["rank"].unique()))
+            frame["step_ns"] = steps.groupby("rank")["duration_ns"].median()
+        table = per_step_times(window)
+        if not table.empty:
+            layers = table.columns.get_level_values(0)
+            names = table.columns.get_level_values(1)
+            total = table.drop(columns="step", level=0, errors="ignore").sum(axis=1)
+            total = total.replace(0, np.nan)
+            for feature, (layer, name) in SHARE_LAYERS.items():
+                mask = (layers == layer) & ((names == name) if name else True)
+                if mask.any():
+                    share = table.loc[:, mask].sum(axis=1) / total
+                    frame = frame.reindex(frame.index.union(share.index))
+                    frame[feature] = share
+        frame.index.name = "rank"
+        return frame.dropna(axis=1, how="any").sort_index()
+
+    def sample_counts(self, window: WindowView, raw: pd.DataFrame) -> pd.DataFrame:
+        """How many observations each feature of each rank averages: metric samples for the
+        metrics, steps for step time and shares (windows at the edges of a run hold fewer)."""
+        metrics = window.metrics[window.metrics["rank"] >= 0]
+        per_metric = metrics.groupby(["rank", "name"]).size().unstack("name")
+        steps = window.steps.groupby("rank").size() if not window.steps.empty else None
+        counts = pd.DataFrame(index=raw.index)
+        for column in raw.columns:
+            if column in METRIC_FEATURES:
+                counts[column] = per_metric[column].reindex(raw.index)
+            elif steps is not None:
+                counts[column] = steps.reindex(raw.index)
+            else:
+                counts[column] = 1.0
+        return counts.fillna(1.0).astype(float)
+
+    def deviations(self, window: WindowView, raw: pd.DataFrame) -> pd.DataFrame:
+        """Each feature relative to the peers' median: shares as differences, the rest as
+        fractions of the median. Peers are the rank's pipeline stage when it has 3+ ranks."""
+        layout = window.rank_layout().reindex(raw.index)
+        stage = layout["pp_stage"].fillna(0).astype(int)
+        groups = stage if stage.value_counts().min() >= 3 else pd.Series(0, index=raw.index)
+        median = raw.groupby(groups).transform("median")
+        out = raw - median
+        relative = [c for c in raw.columns if not c.endswith("_share")]
+        out[relative] = out[relative] / median[relative].abs().clip(lower=1e-9)
+        return out
+
+    # -- detection ----------------------------------------------------------------------------
+    def detect(self, window: WindowView) -> list[Finding]:
+        raw = self.features(window)
+        if len(raw) < 4 or raw.shape[1] == 0:
+            return []
+        self._windows += 1
+        dev = self.deviations(window, raw)
+        key = tuple(dev.columns)
+        # A mean of fewer observations than usual is noisier: shrink its deviation by
+        # sqrt(n / n_typical) so a short window at the end of a run is judged by the same
+        # yardstick (a real fault of tens of percent stays far outside it).
+        counts = self.sample_counts(window, raw).to_numpy()
+        typical = self._typical_counts.get(key)
+        if typical is None or self._windows <= self.grace_windows:
+            typical = np.maximum(counts.max(axis=0), typical if typical is not None else 0)
+            self._typical_counts[key] = typical
+        shrink = np.sqrt(np.minimum(counts, typical) / typical)
+        x = dev.to_numpy(dtype=np.float64) * shrink
+        dev = pd.DataFrame(x, index=dev.index, columns=dev.columns)
+        model = self._models.get(key)
+        findings: list[Finding] = []
+        flagged = np.zeros(len(dev), dtype=bool)
+        if model is not None and self._windows > self.grace_windows:
+            ll = model["gmm"].score_samples(x)
+            strength = (model["threshold"] - ll) / model["scale"]
+            flagged = strength >= self.min_strength
+            for i in np.flatnonzero(flagged):
+                findings.append(self._finding(window, raw, dev, model, i, ll[i], strength[i]))
+        self._learn(key, raw, dev, x, flagged)
+        return findings
+
+    def _learn(
+        self,
+        key: tuple[str, ...],
+        raw: pd.DataFrame,
+        dev: pd.DataFrame,
+        x: np.ndarray,
+        flagged: np.ndarray,
+    ) -> None:
+        healthy = ~flagged
+        # The loose gate against faults present from the first window: a deviation from the
+        # peers far beyond the others' spread (and beyond gate_floor) is not healthy.
+        for column in dev.columns:
+            z, _ = robust_z(dev[column], None, floor=self.gate_floor, rel_floor=0.0)
+            healthy &= ~(z.abs() > self.healthy_gate_z).fillna(False).to_numpy()
+        if key not in self._history and len(self._history) >= MAX_FEATURE_SETS:
+            oldest = next(iter(self._history))  # bounded: forget the oldest feature set
+            for state in (self._history, self._models, self._typical_counts):
+                state.pop(oldest, None)
+        history = self._history.setdefault(key, deque(maxlen=self.history_vectors))
+        history.extend(x[healthy])
+        if len(history) >= self.min_train_vectors:
+            self._models[key] = self._fit(np.array(history))
+
+    def _fit(self, train: np.ndarray) -> dict[str, Any]:
+        from sklearn.mixture import GaussianMixture  # imported on first fit only
+
+        best, best_bic = None, np.inf
+        for k in range(1, self.max_components + 1):
+            if len(train) < 10 * k:
+                break
+            gmm = GaussianMixture(
+                n_components=k,
+                covariance_type="diag",
+                reg_covar=self.variance_floor,
+                random_state=self.seed,
+            )
+            gmm.fit(train)
+            bic = gmm.bic(train)
+            if bic < best_bic:
+                best, best_bic = gmm, bic
+        assert best is not None  # len(train) >= min_train_vectors >= 10
+        ll = best.score_samples(train)
+        threshold = float(np.quantile(ll, self.tail_quantile))
+        scale = float(max(np.median(np.abs(ll - np.median(ll))) * 1.4826, 1.0))
+        return {"gmm": best, "threshold": threshold, "scale": scale, "n_train": len(train)}
+
+    def _finding(
+        self,
+        window: WindowView,
+        raw: pd.DataFrame,
+        dev: pd.DataFrame,
+        model: dict[str, Any],
+        i: int,
+        ll: float,
+        strength: float,
+    ) -> Finding:
+        gmm = model["gmm"]
+        x = dev.to_numpy(dtype=np.float64)[i]
+        component = int(gmm.predict(x[None, :])[0])
+        z = (x - gmm.means_[component]) / np.sqrt(gmm.covariances_[component])
+        order = np.argsort(-np.abs(z))
+        rank = int(raw.index[i])
+        moved = [str(dev.columns[j]) for j in order[:3]]
+        # The category comes from the most specific cause among the features that moved
+        # (|z| >= 3), not simply the largest move: a throttled GPU is also busier for longer
+        # (utilisation up) and waits less in collectives, but its SM clock drop is the cause.
+        category, best = "slowdown", len(CATEGORY_PRIORITY)
+        for j in order:
+            if abs(z[j]) < 3.0:
+                break
+            move = (str(dev.columns[j]), int(np.sign(z[j])))
+            if move in CATEGORY_PRIORITY and CATEGORY_PRIORITY.index(move) < best:
+                best = CATEGORY_PRIORITY.index(move)
+                category = CATEGORY_OF_MOVE[move[0]][move[1]]
+        peers = raw.drop(index=rank).median()
+        evidence = {
+            "log_likelihood": float(ll),
+            "threshold": model["threshold"],
+            "strength": float(strength),
+        }
+        parts = []
+        for feature in moved:
+            j = dev.columns.get_loc(feature)
+            evidence[f"z:{feature}"] = float(z[j])
+            evidence[f"value:{feature}"] = float(raw.iloc[i][feature])
+            evidence[f"peers:{feature}"] = float(peers[feature])
+            parts.append(f"{feature} {raw.iloc[i][feature]:.4g} vs peers {peers[feature]:.4g}")
+        # min_strength maps to 0.5 (the alert threshold), twice that to 0.75, and so on.
+        score = round(float(1.0 - 0.5 ** (strength / self.min_strength)), 4)
+        return window.finding(
+            self.name,
+            rank=rank,
+            ranks=[rank],
+            category=category,
+            score=score,
+            evidence=evidence,
+            message=(
+                f"{category}: rank {rank}'s metrics are jointly unlikely under the mixture "
+                f"fitted on healthy windows (log-likelihood {ll:.1f}, healthy tail "
+                f"{model['threshold']:.1f}); moved most: {'; '.join(parts)}"
+            ),
+        )
