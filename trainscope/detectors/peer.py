@@ -14,7 +14,10 @@ is a network suspect; a whole stage whose compute exceeds the other stages' is s
 
 Score: ``confidence × share``, where share is the suspect's excess time per step over the
 job's step-time excess (estimated from history, or from all suspects together when the job was
-slow from the start), and confidence grows with the robust z-score.
+slow from the start), and confidence grows with the robust z-score. Two guards keep noise from
+alerting: an excess below ``min_excess_ns`` per step is not actionable and never reported, and a
+suspect seen in fewer than ``confirm_windows`` consecutive windows is capped below the alert
+threshold — a straggler persists, a hiccup of a busy host does not.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding
 
 MAX_VICTIMS = 64
+# Score cap for a suspect that has not persisted yet: visible in the store, not an alert.
+UNCONFIRMED_SCORE_CAP = 0.45
 
 
 @dataclass
@@ -65,6 +70,8 @@ class PeerDiffDetector:
         z_min: float = 6.0,
         z_full: float = 12.0,
         min_excess_frac: float = 0.01,
+        min_excess_ns: float = 1e6,
+        confirm_windows: int = 2,
         excess_floor_frac: float = 0.03,
         stage_imbalance_frac: float = 0.10,
         throughput_drop_frac: float = 0.2,
@@ -73,6 +80,9 @@ class PeerDiffDetector:
         self.z_min = z_min
         self.z_full = z_full
         self.min_excess_frac = min_excess_frac
+        self.min_excess_ns = min_excess_ns
+        self.confirm_windows = confirm_windows
+        self._streaks: dict[tuple[int, str], int] = {}
         self.excess_floor_frac = excess_floor_frac
         self.stage_imbalance_frac = stage_imbalance_frac
         self.throughput_drop_frac = throughput_drop_frac
@@ -107,6 +117,9 @@ class PeerDiffDetector:
         findings = self._findings(window, table, layout, suspects, step_ns)
         self._remember(table, step_ns)
         return findings
+
+    def _min_excess(self, step_ns: float) -> float:
+        return max(self.min_excess_frac * step_ns, self.min_excess_ns)
 
     # -- suspects ---------------------------------------------------------------------------
 
@@ -158,7 +171,7 @@ class PeerDiffDetector:
             use_hist = z_hist.fillna(-np.inf) > z_peer.fillna(-np.inf)
             z = z_peer.where(~use_hist, z_hist)
             excess = excess_peer.where(~use_hist, excess_hist)
-            flagged = (z >= self.z_min) & (excess >= self.min_excess_frac * step_ns)
+            flagged = (z >= self.z_min) & (excess >= self._min_excess(step_ns))
             # History alone cannot tell a straggler from a job-wide change: if most of a
             # stage moved together, it is not one rank's problem.
             hist_only = flagged & use_hist
@@ -196,7 +209,7 @@ class PeerDiffDetector:
                 continue
             frac = value / others - 1.0
             excess = value - others
-            if frac < self.stage_imbalance_frac or excess < self.min_excess_frac * step_ns:
+            if frac < self.stage_imbalance_frac or excess < self._min_excess(step_ns):
                 continue
             ranks = tuple(int(r) for r in stage.index[stage == s])
             main = table.loc[list(ranks), compute_cols].median().idxmax()
@@ -253,7 +266,7 @@ class PeerDiffDetector:
         suspects = []
         for rank, (z, drop, signal) in signals.items():
             excess = float(wait_excess.get(rank, 0.0))
-            if excess < self.min_excess_frac * step_ns:
+            if excess < self._min_excess(step_ns):
                 continue
             worst = (table.loc[rank, wait_cols] - healthy.loc[rank]).idxmax()
             suspects.append(
@@ -301,6 +314,7 @@ class PeerDiffDetector:
         step_ns: float,
     ) -> list[Finding]:
         if not suspects:
+            self._streaks = {}
             return []
         merged: dict[tuple[int, str], _Suspect] = {}
         totals: dict[tuple[int, str], float] = {}
@@ -316,6 +330,7 @@ class PeerDiffDetector:
         )
         wait_cols = [c for c in table.columns if c[0] in WAIT_LAYERS]
         waits = table[wait_cols].sum(axis=1) if wait_cols else pd.Series(0.0, index=table.index)
+        self._streaks = {key: self._streaks.get(key, 0) + 1 for key in merged}
         findings = []
         for key, s in merged.items():
             excess = totals[key]
@@ -323,6 +338,9 @@ class PeerDiffDetector:
             confidence = float(np.clip(
                 0.5 + 0.5 * (s.z - self.z_min) / (self.z_full - self.z_min), 0.5, 1.0
             ))
+            score = confidence * share
+            if self._streaks[key] < self.confirm_windows:
+                score = min(score, UNCONFIRMED_SCORE_CAP)
             ranks = list(s.ranks) or [s.rank]
             victims = _victims(layout, waits, ranks, excess, s.category == "network")
             evidence = {
@@ -332,6 +350,7 @@ class PeerDiffDetector:
                 "z": s.z,
                 "step_ns": step_ns,
                 "share_of_step_excess": share,
+                "consecutive_windows": float(self._streaks[key]),
                 **(s.evidence or {}),
             }
             findings.append(
@@ -344,7 +363,7 @@ class PeerDiffDetector:
                     layer=s.layer,
                     function=s.name,
                     category=s.category,
-                    score=round(confidence * share, 4),
+                    score=round(score, 4),
                     evidence=evidence,
                     message=_message(s, layout, excess, share, len(victims)),
                 )
