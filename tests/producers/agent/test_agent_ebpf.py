@@ -262,3 +262,21 @@ def test_stop_detaches_every_probe(fake_cuda: FakeCuda) -> None:
     if events is not None:
         marker = str(fake_cuda.directory).replace("/", "_").replace(".", "_")
         assert marker not in events.read_text()
+
+
+def test_only_selected_functions_are_probed(fake_cuda: FakeCuda) -> None:
+    with pytest.raises(ValueError, match="cudaLunchKernel"):
+        EbpfCollector(functions=["cudaLunchKernel"])
+    items = ["cudaLaunchKernel:300:0:0:0", "cudaMemcpy:20:0:8:0", "ncclSend:5:0:1:0"]
+    with driver(fake_cuda, items) as proc:
+        collector = started(EbpfCollector(pids=[proc.pid], functions=["cudaMemcpy", "ncclSend"]))
+        try:
+            assert collector.probes_attached == 4
+            proc.go()
+            proc.wait_done()
+            got = by_name(collector.collect(*window()))
+        finally:
+            collector.stop(*window())
+        proc.release()
+    assert "cudaLaunchKernel" not in got
+    assert (got["cudaMemcpy"].count, got["ncclSend"].count) == (20, 5)

@@ -30,7 +30,12 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def build_collectors(
-    settings: AgentSettings, *, nvml: bool, ebpf: bool, pids: tuple[int, ...]
+    settings: AgentSettings,
+    *,
+    nvml: bool,
+    ebpf: bool,
+    pids: tuple[int, ...],
+    functions: list[str] | None = None,
 ) -> list[Collector]:
     from trainscope.producers.agent.ebpf import EbpfCollector
     from trainscope.producers.agent.host import HostCollector
@@ -40,7 +45,9 @@ def build_collectors(
     if nvml:
         collectors.append(NvmlSampler(host=settings.host, default_job_id=settings.job_id))
     if ebpf:
-        collectors.append(EbpfCollector(default_job_id=settings.job_id, pids=pids or None))
+        collectors.append(
+            EbpfCollector(default_job_id=settings.job_id, pids=pids or None, functions=functions)
+        )
     return collectors
 
 
@@ -86,6 +93,12 @@ def build_collectors(
     help="Trace only this process (repeatable); default: every CUDA/NCCL process.",
 )
 @click.option(
+    "--probes",
+    default=None,
+    help="Comma-separated CUDA/NCCL functions to probe (default: all of them; leave out "
+    "cudaLaunchKernel where launch rates are very high).",
+)
+@click.option(
     "--duration",
     "duration_s",
     type=float,
@@ -101,6 +114,7 @@ def agent(
     no_nvml: bool,
     job_id: str,
     pids: tuple[int, ...],
+    probes: str | None,
     duration_s: float | None,
     verbose: bool,
 ) -> None:
@@ -118,7 +132,13 @@ def agent(
             "bus 'memory': records stay inside this process and nothing leaves the "
             "host; pass --bus kafka://HOST:PORT to ship them"
         )
-    collectors = build_collectors(settings, nvml=not no_nvml, ebpf=not no_ebpf, pids=pids)
+    functions = None if probes is None else [f.strip() for f in probes.split(",") if f.strip()]
+    try:
+        collectors = build_collectors(
+            settings, nvml=not no_nvml, ebpf=not no_ebpf, pids=pids, functions=functions
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     daemon = Agent(settings, bus, collectors)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
