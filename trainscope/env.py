@@ -37,6 +37,19 @@ TRAINSCOPE_OPTRACE = "TRAINSCOPE_OPTRACE"
 TRAINSCOPE_LOG_LEVEL = "TRAINSCOPE_LOG_LEVEL"
 """Level of the ``trainscope`` logger inside training processes. Default WARNING."""
 
+TRAINSCOPE_STORE_DIR = "TRAINSCOPE_STORE_DIR"
+"""The embedded ClickHouse (chDB) store directory. Default: ``$XDG_DATA_HOME/trainscope/store``
+(``~/.local/share/trainscope/store``)."""
+
+TRAINSCOPE_CLICKHOUSE_URL = "TRAINSCOPE_CLICKHOUSE_URL"
+"""A ClickHouse server to use instead of the embedded store, e.g. ``http://host:8123``."""
+
+TRAINSCOPE_CLICKHOUSE_USER = "TRAINSCOPE_CLICKHOUSE_USER"
+"""User name for the ClickHouse server. Default ``default``."""
+
+TRAINSCOPE_CLICKHOUSE_PASSWORD = "TRAINSCOPE_CLICKHOUSE_PASSWORD"
+"""Password for the ClickHouse server; only ever read from the environment."""
+
 ALL: tuple[str, ...] = (
     TRAINSCOPE_BUS,
     TRAINSCOPE_JOB_ID,
@@ -47,6 +60,10 @@ ALL: tuple[str, ...] = (
     TRAINSCOPE_DISABLE,
     TRAINSCOPE_OPTRACE,
     TRAINSCOPE_LOG_LEVEL,
+    TRAINSCOPE_STORE_DIR,
+    TRAINSCOPE_CLICKHOUSE_URL,
+    TRAINSCOPE_CLICKHOUSE_USER,
+    TRAINSCOPE_CLICKHOUSE_PASSWORD,
 )
 
 # -- launcher variables (set by torchrun / torch.distributed.launch / SLURM wrappers) --------

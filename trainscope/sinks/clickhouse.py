@@ -17,13 +17,10 @@ from typing import Any
 
 import pandas as pd
 
+from trainscope import env
 from trainscope.detectors.base import WindowView
 from trainscope.schemas.ddl import TABLES, all_ddl
 from trainscope.schemas.records import SCHEMA_VERSION, Finding, Topology
-
-# Server credentials come from the environment, never from code or command lines.
-PASSWORD_ENV = "TRAINSCOPE_CLICKHOUSE_PASSWORD"
-USER_ENV = "TRAINSCOPE_CLICKHOUSE_USER"
 
 
 class StoreError(RuntimeError):
@@ -31,20 +28,26 @@ class StoreError(RuntimeError):
 
 
 def default_store_dir() -> Path:
+    configured = os.environ.get(env.TRAINSCOPE_STORE_DIR)
+    if configured:
+        return Path(configured)
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "trainscope" / "store"
 
 
 def connect(store: Path | str | None = None, url: str | None = None) -> Any:
-    """A clickhouse-connect client for a chDB store directory or a server URL."""
+    """A clickhouse-connect client for a chDB store directory or a server URL.
+
+    Server credentials come from the environment, never from code or command lines.
+    """
     import clickhouse_connect
 
     if url:
         try:
             return clickhouse_connect.get_client(
                 dsn=url,
-                username=os.environ.get(USER_ENV, "default"),
-                password=os.environ.get(PASSWORD_ENV, ""),
+                username=os.environ.get(env.TRAINSCOPE_CLICKHOUSE_USER, "default"),
+                password=os.environ.get(env.TRAINSCOPE_CLICKHOUSE_PASSWORD, ""),
             )
         except Exception as exc:
             raise StoreError(f"cannot connect to ClickHouse at {url}: {_first_line(exc)}") from None

@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from trainscope import env
 from trainscope.schemas.whatif import DDL, SCHEMA_VERSION, TABLE_STRUCTS
 from trainscope.whatif.analysis import WhatIf
 from trainscope.whatif.optypes import OPTYPES
@@ -28,16 +29,11 @@ TRACE_COLUMNS = [
 
 def connect(store_dir: str | Path | None = None, url: str | None = None) -> Any:
     """A clickhouse-connect client with the what-if tables created."""
-    import clickhouse_connect
+    from trainscope.sinks.clickhouse import connect as connect_store
 
     if (store_dir is None) == (url is None):
         raise ValueError("give exactly one of a store directory or a ClickHouse URL")
-    if store_dir is not None:
-        path = Path(store_dir).resolve()
-        path.mkdir(parents=True, exist_ok=True)
-        client = clickhouse_connect.get_client(dsn=f"chdb://{path}")
-    else:
-        client = clickhouse_connect.get_client(dsn=url)
+    client = connect_store(store_dir, url)
     for ddl in DDL.values():
         client.command(ddl)
     return client
@@ -123,4 +119,4 @@ def read_results(client: Any, job_id: str) -> list[dict[str, Any]]:
 
 def default_store() -> tuple[str | None, str | None]:
     """(store dir, URL) from the environment, for when neither option is given."""
-    return os.environ.get("TRAINSCOPE_STORE_DIR"), os.environ.get("TRAINSCOPE_CLICKHOUSE_URL")
+    return os.environ.get(env.TRAINSCOPE_STORE_DIR), os.environ.get(env.TRAINSCOPE_CLICKHOUSE_URL)
