@@ -31,25 +31,15 @@ from trainscope.producers.agent.base import (
     CollectorStats,
     CollectorUnavailable,
 )
+from trainscope.producers.agent.throttle import (  # noqa: F401 (re-exported)
+    THROTTLE_REASON_NAMES,
+    THROTTLING_MASK,
+    decode_throttle_reasons,
+)
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import MetricSample
 
 log = logging.getLogger(__name__)
-
-# NVML clocks-event (formerly "throttle") reason bits, as in nvml.h.
-THROTTLE_REASON_NAMES: dict[int, str] = {
-    0x001: "gpu_idle",
-    0x002: "applications_clocks_setting",
-    0x004: "sw_power_cap",
-    0x008: "hw_slowdown",
-    0x010: "sync_boost",
-    0x020: "sw_thermal_slowdown",
-    0x040: "hw_thermal_slowdown",
-    0x080: "hw_power_brake_slowdown",
-    0x100: "display_clock_setting",
-}
-# The reasons that mean "slower than it could be" (idle, application or sync settings do not).
-THROTTLING_MASK = 0x004 | 0x008 | 0x020 | 0x040 | 0x080
 
 _NOT_SUPPORTED = 3  # NVML_ERROR_NOT_SUPPORTED
 _NOT_FOUND = 6  # NVML_ERROR_NOT_FOUND
@@ -70,15 +60,6 @@ _EVENT_SINGLE_BIT_ECC = 0x1
 _EVENT_DOUBLE_BIT_ECC = 0x2
 _EVENT_XID = 0x8
 _MAX_EVENTS_PER_INTERVAL = 1000  # bounded: an event storm cannot stall the agent
-
-
-def decode_throttle_reasons(mask: int) -> list[str]:
-    """Names of the bits set in an NVML clocks-event reason mask (unknown bits by value)."""
-    names = [name for bit, name in THROTTLE_REASON_NAMES.items() if mask & bit]
-    unknown = mask & ~sum(THROTTLE_REASON_NAMES)
-    if unknown:
-        names.append(f"unknown_{unknown:#x}")
-    return names
 
 
 def _error_code(exc: BaseException) -> int | None:
