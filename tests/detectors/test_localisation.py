@@ -81,3 +81,12 @@ def test_healthy_run_of_200_steps_raises_no_alert() -> None:
 def test_healthy_larger_layout_raises_no_alert() -> None:
     suspects, _ = diagnose_run([], steps=200, seed=4, dp=8, pp=4, tp=2)
     assert suspects == [], [s.as_json() for s in suspects]
+
+
+def test_job_slowdown_is_reported_once_it_persists() -> None:
+    _, pipeline = diagnose_run(["slow-gpu:rank=6,factor=1.6,start=60"], steps=140)
+    slowdowns = [f for f in pipeline.findings if f.category == "slowdown"]
+    assert slowdowns, "a 1.6x slower GPU from step 60 slows the whole job"
+    # Steps last more than a second, so step 60 starts more than 60 s into the job.
+    assert all(f.window_end_ns > ClusterSpec().start_ns + 60 * 10**9 for f in slowdowns)
+    assert all(f.score >= 0.5 and f.evidence["frac"] >= 0.1 for f in slowdowns)

@@ -1,7 +1,10 @@
 """Step-time detection from step records: job slowdowns, hung ranks, sequence imbalance.
 
 - *Slowdown*: the job's median step time against its own recent history. A job-level symptom:
-  it says *that* the job got slower; the peer detector says who and why.
+  it says *that* the job got slower; the peer detector says who and why. The bar is the larger
+  of ``slowdown_frac`` and three times the job's own window-to-window spread, at least
+  ``min_slowdown_ns``, and the slowdown must hold for ``confirm_windows`` windows in a row: a
+  job whose steps always wobble by 15% has not slowed down when one window is 12% slower.
 - *Hang*: a rank that reported no step in a window while its peers kept stepping.
 - *Sequence imbalance*: data-parallel replicas get very different token counts in the same step,
   so the replica with the longest sequences sets the pace and the others wait — no rank is slow,
@@ -25,8 +28,13 @@ class StepTimeDetector:
         full_slowdown_frac: float = 0.20,
         token_cv: float = 0.05,
         history_windows: int = 8,
+        min_slowdown_ns: float = 5e6,
+        confirm_windows: int = 2,
     ) -> None:
         self.slowdown_frac = slowdown_frac
+        self.min_slowdown_ns = min_slowdown_ns
+        self.confirm_windows = confirm_windows
+        self._slow_streak = 0
         self.full_slowdown_frac = full_slowdown_frac
         self.token_cv = token_cv
         self.history_windows = history_windows
@@ -40,14 +48,21 @@ class StepTimeDetector:
         median = float(steps["duration_ns"].median())
         if len(self._medians) >= 3:
             baseline = float(np.median(self._medians))
+            spread = float(np.median(np.abs(np.array(self._medians) - baseline))) / baseline
             frac = median / baseline - 1.0
-            if frac >= self.slowdown_frac:
+            slow = (
+                frac >= max(self.slowdown_frac, 3 * 1.4826 * spread)
+                and median - baseline >= self.min_slowdown_ns
+            )
+            self._slow_streak = self._slow_streak + 1 if slow else 0
+            if self._slow_streak >= self.confirm_windows:
                 findings.append(
                     window.finding(
                         self.name,
                         category="slowdown",
                         score=round(min(1.0, frac / self.full_slowdown_frac) * 0.5 + 0.25, 4),
-                        evidence={"step_ns": median, "baseline_step_ns": baseline, "frac": frac},
+                        evidence={"step_ns": median, "baseline_step_ns": baseline, "frac": frac,
+                                  "baseline_spread_frac": spread},
                         message=(
                             f"slowdown: median step time {median / 1e6:.0f} ms is {frac:.0%} "
                             f"above the recent {baseline / 1e6:.0f} ms"
