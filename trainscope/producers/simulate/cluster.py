@@ -23,29 +23,17 @@ import numpy as np
 
 from trainscope.producers.simulate.faults import Fault
 from trainscope.producers.simulate.layout import Layout
+from trainscope.producers.simulate.records import (
+    OpRecorder,
+    SpanEmitter,
+    step_records,
+)
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import MetricSample, Record, SpanBatch, StepRecord
-from trainscope.whatif.optypes import CODE as OPTYPE_CODE
-from trainscope.whatif.optypes import OPTYPES
 
 if TYPE_CHECKING:
     import pandas as pd
 
-FUNCTIONS: tuple[tuple[str, str], ...] = (
-    ("step", "train_step"),
-    ("dataloader", "next_batch"),
-    ("gc", "gc.collect"),
-    ("torch_op", "forward"),
-    ("torch_op", "backward"),
-    ("torch_op", "optimizer.step"),
-    ("collective", "tp_all_reduce"),
-    ("collective", "pp_send"),
-    ("collective", "pp_recv"),
-    ("collective", "dp_all_reduce"),
-)
-_FN = {name: i for i, (_, name) in enumerate(FUNCTIONS)}
-_LAYERS = [layer for layer, _ in FUNCTIONS]
-_NAMES = [name for _, name in FUNCTIONS]
 _MS = 1e6
 
 NOMINAL_SM_CLOCK_MHZ = 1980.0
@@ -118,95 +106,6 @@ def one_f_one_b(pp: int, stage: int, microbatches: int) -> list[tuple[str, int]]
         order += [("F", warmup + i), ("B", i)]
     order += [("B", i) for i in range(microbatches - warmup, microbatches)]
     return order
-
-
-class _Emitter:
-    """Collects span columns of one step as arrays, one append per op for a whole stage."""
-
-    def __init__(self) -> None:
-        self.fn: list[np.ndarray] = []
-        self.rank: list[np.ndarray] = []
-        self.start: list[np.ndarray] = []
-        self.duration: list[np.ndarray] = []
-        self.bytes: list[np.ndarray] = []
-
-    def add(
-        self, fn: str, ranks: np.ndarray, start: np.ndarray, duration: np.ndarray, nbytes: int = 0
-    ) -> None:
-        ranks = ranks.ravel()
-        if ranks.size == 0:
-            return
-        self.fn.append(np.full(ranks.size, _FN[fn], dtype=np.int32))
-        self.rank.append(ranks)
-        self.start.append(np.broadcast_to(start, duration.shape).ravel())
-        self.duration.append(duration.ravel())
-        self.bytes.append(np.full(ranks.size, nbytes, dtype=np.int64))
-
-
-class _OpRecorder:
-    """Op-trace rows of one step in the Megatron timer model, one append per op for all DP ranks
-    of a stage.
-
-    One worker is one (dp_rank, stage) pair seen from its tp_rank 0: the tensor-parallel peers
-    are inside each op, so a compute op lasts until its TP all-reduce is done, as a Megatron
-    timer around the layer's forward/backward records it.
-    """
-
-    def __init__(self, spec: ClusterSpec) -> None:
-        self.spec = spec
-        self.stage: list[int] = []
-        self.code: list[int] = []
-        self.seq: list[int] = []
-        self.mb: list[int] = []
-        self.start: list[np.ndarray] = []  # (dp,) ns each
-        self.end: list[np.ndarray] = []
-        self._next_seq: dict[tuple[int, int], int] = {}
-
-    def add(
-        self, optype: str, stage: int, start: np.ndarray, end: np.ndarray, mb: int = -1
-    ) -> None:
-        """``start``/``end``: (dp, tp) or (dp,) arrays of ns; only tp_rank 0 is kept."""
-        code = OPTYPE_CODE[optype]
-        # Ops of a stage are simulated in schedule order, which is each worker's start order.
-        key = (stage, code)
-        seq = self._next_seq.get(key, 0)
-        self._next_seq[key] = seq + 1
-        self.stage.append(stage)
-        self.code.append(code)
-        self.seq.append(seq)
-        self.mb.append(mb)
-        self.start.append(start[:, 0] if start.ndim == 2 else start)
-        self.end.append(end[:, 0] if end.ndim == 2 else end)
-
-    def frame(self, step: int) -> pd.DataFrame:
-        import pandas as pd
-
-        dp, tp = self.spec.dp, self.spec.tp
-        n_ops = len(self.code)
-
-        def per_op(values: list[int]) -> np.ndarray:
-            return np.repeat(np.asarray(values, dtype=np.int32), dp)
-
-        start = np.stack(self.start)
-        stage = per_op(self.stage)
-        dp_rank = np.tile(np.arange(dp, dtype=np.int32), n_ops)
-        mb = per_op(self.mb)
-        return pd.DataFrame(
-            {
-                "dp_rank": dp_rank,
-                "stage": stage,
-                "rank": (dp_rank.astype(np.int64) + dp * stage) * tp,  # tp_rank 0
-                "step": np.full(n_ops * dp, step, dtype=np.int64),
-                "optype": pd.Categorical.from_codes(per_op(self.code), list(OPTYPES)),
-                "start_ts": start.ravel() / 1e9,
-                # Subtract in ns first: seconds near the epoch keep only ~0.2 µs.
-                "duration": (np.stack(self.end) - start).ravel() / 1e9,
-                "seq_id": per_op(self.seq),
-                "mc": np.zeros(n_ops * dp, dtype=np.int32),  # no virtual stages: vpp_size 1
-                "gmc": stage,
-                "mb_id": pd.arrays.IntegerArray(np.maximum(mb, 0), mb < 0),
-            }
-        )
 
 
 class SimulatedCluster:
@@ -300,8 +199,8 @@ class SimulatedCluster:
 
     def _step(self, step: int, start: np.ndarray) -> tuple[StepOutput, np.ndarray]:
         spec, layout = self.spec, self.layout
-        emit = _Emitter()
-        ops = _OpRecorder(spec) if spec.record_ops else None
+        emit = SpanEmitter()
+        ops = OpRecorder(spec.dp, spec.tp) if spec.record_ops else None
         compute = self._compute_factor(step)
         link = self._link_factor(step)
         tokens = self._tokens(step)
@@ -375,8 +274,10 @@ class SimulatedCluster:
         emit.add("train_step", np.arange(layout.world_size), start, end - start)
 
         output = StepOutput(step=step)
-        output.spans = self._span_batches(emit, step)
-        output.steps = self._step_records(step, start, end, tokens)
+        output.spans = emit.batches(spec.job_id, layout, step)
+        output.steps = step_records(
+            spec.job_id, layout, spec.microbatches, step, start, end, tokens
+        )
         output.metrics = self._metrics(step, start, end, busy, compute, link)
         if ops is not None:
             output.ops = ops.frame(step)
@@ -384,7 +285,7 @@ class SimulatedCluster:
 
     def _run_op(
         self,
-        emit: _Emitter,
+        emit: SpanEmitter,
         s: int,
         mb: int,
         forward: bool,
@@ -395,7 +296,7 @@ class SimulatedCluster:
         token_factor: np.ndarray,
         busy: np.ndarray,
         out_arrivals: dict[tuple[int, int], np.ndarray],
-        ops: _OpRecorder | None = None,
+        ops: OpRecorder | None = None,
     ) -> np.ndarray:
         spec = self.spec
         grid = self._grids[s]
@@ -436,56 +337,6 @@ class SimulatedCluster:
         return t
 
     # -- records ----------------------------------------------------------------------------
-
-    def _span_batches(self, emit: _Emitter, step: int) -> list[SpanBatch]:
-        rank = np.concatenate(emit.rank)
-        host = rank // self.spec.gpus_per_host
-        order = np.argsort(host, kind="stable")
-        cols = {
-            "rank": rank[order],
-            "fn": np.concatenate(emit.fn)[order],
-            "start_ns": np.rint(np.concatenate(emit.start)[order]).astype(np.int64),
-            "duration_ns": np.rint(np.concatenate(emit.duration)[order]).astype(np.int64),
-            "bytes_moved": np.concatenate(emit.bytes)[order],
-        }
-        bounds = np.flatnonzero(np.diff(host[order])) + 1
-        batches = []
-        for chunk in np.split(np.arange(len(order)), bounds):
-            first_rank = int(cols["rank"][chunk[0]])
-            batches.append(
-                SpanBatch.from_arrays(
-                    job_id=self.spec.job_id,
-                    host=self.layout.host(first_rank),
-                    layers=_LAYERS,
-                    names=_NAMES,
-                    step=np.full(len(chunk), step),
-                    **{k: v[chunk] for k, v in cols.items()},
-                )
-            )
-        return batches
-
-    def _step_records(
-        self, step: int, start: np.ndarray, end: np.ndarray, tokens: np.ndarray
-    ) -> list[StepRecord]:
-        spec = self.spec
-        records = []
-        for rank in range(self.layout.world_size):
-            dp_rank = (rank // spec.tp) % spec.dp
-            seq = tokens[dp_rank]
-            records.append(
-                StepRecord(
-                    job_id=spec.job_id,
-                    rank=rank,
-                    step=step,
-                    start_ns=int(start[rank]),
-                    duration_ns=int(end[rank] - start[rank]),
-                    samples=spec.microbatches,
-                    tokens=int(seq.sum()),
-                    seq_len_mean=float(seq.mean()),
-                    seq_len_max=int(seq.max()),
-                )
-            )
-        return records
 
     def _metrics(
         self,
