@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+from bpf_skip import cannot_load_bpf
 from fakecuda import FakeCuda
 
 from trainscope.producers.agent.aggregate import WindowAggregator
@@ -212,7 +212,7 @@ def test_agent_publishes_ebpf_summaries_to_the_bus(fake_cuda: FakeCuda) -> None:
         agent.start()
         state = agent.stats.collectors["ebpf"]
         if state.status != "running":
-            pytest.skip(f"BPF cannot load on this host ({state.kind}): {state.reason}")
+            cannot_load_bpf(f"({state.kind}): {state.reason}")
         proc.stdin.write("go\n")
         proc.stdin.flush()
         while proc.stdout.readline().strip() != "done":
@@ -256,7 +256,7 @@ def test_sigterm_detaches_probes_and_reports_what_was_traced(fake_cuda: FakeCuda
         head = wait_for_line(agent_proc, "collectors running:", timeout_s=60)
         if "collector ebpf not started" in "".join(head):
             agent_proc.kill()
-            pytest.skip(f"BPF cannot load on this host: {''.join(head)}")
+            cannot_load_bpf("".join(head))
         proc.stdin.write("go\n")
         proc.stdin.flush()
         while proc.stdout.readline().strip() != "done":

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from bpf_skip import cannot_load_bpf
 from fakecuda import FakeCuda
 
 from trainscope.producers.agent.base import CollectorUnavailable
@@ -90,7 +91,7 @@ def started(collector: EbpfCollector) -> EbpfCollector:
     try:
         collector.start()
     except CollectorUnavailable as exc:
-        pytest.skip(f"BPF cannot load on this host ({exc.kind}): {exc.reason}")
+        cannot_load_bpf(f"({exc.kind}): {exc.reason}")
     return collector
 
 
