@@ -129,3 +129,25 @@ def test_negative_durations_are_rejected_and_counted() -> None:
     assert engine.stats.rejected == 1
     (view,) = engine.close_all()
     assert view.summaries["count"].sum() == 1
+
+
+def test_call_paths_are_summarised_separately() -> None:
+    rng = np.random.default_rng(3)
+    n = 4_000
+    fn = rng.integers(0, 3, n)
+    paths = np.array([0, 17, 2**63 + 5, 2**64 - 1], dtype=np.uint64)  # ids use all 64 bits
+    callpath = paths[rng.integers(0, 4, n)]
+    batch = SpanBatch.from_arrays(
+        job_id="job", layers=["torch_op", "cuda_kernel", "python"], names=["mm", "gemm", "f"],
+        rank=np.zeros(n), fn=fn, step=np.zeros(n), start_ns=np.arange(n),
+        duration_ns=rng.integers(1, 1_000, n), callpath_id=callpath,
+    )
+    engine = WindowEngine(window_s=1.0)
+    engine.add_spans([batch])
+    (view,) = engine.close_all()
+    got = {(r.name, int(r.callpath_id)): r.count for r in view.summaries.itertuples()}
+    expected: dict[tuple[str, int], int] = {}
+    for e in batch.to_events():
+        key = (e.name, e.callpath_id)
+        expected[key] = expected.get(key, 0) + 1
+    assert got == expected

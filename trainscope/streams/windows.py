@@ -156,17 +156,16 @@ class WindowEngine:
             callpath = batch.column("callpath_id")
             local_fn = batch.column("fn")
             if batch.callpath_id and callpath.any():
-                pairs = {
-                    (int(f), int(c)): None for f, c in zip(local_fn, callpath, strict=True)
-                }
-                lookup = {
-                    (f, c): job.fid(batch.layers[f], batch.names[f], c) for f, c in pairs
-                }
-                fid = np.fromiter(
-                    (lookup[(int(f), int(c))] for f, c in zip(local_fn, callpath, strict=True)),
-                    dtype=np.int64,
-                    count=len(local_fn),
+                # Distinct (function, call path) pairs get ids; events map to them vectorised.
+                pairs, inverse = np.unique(
+                    np.stack([local_fn.astype(np.uint64), callpath]), axis=1, return_inverse=True
                 )
+                layers, names = batch.layers, batch.names
+                ids = np.array(
+                    [job.fid(layers[int(f)], names[int(f)], int(c)) for f, c in pairs.T],
+                    dtype=np.int64,
+                )
+                fid = ids[inverse.ravel()]
             else:
                 table = np.array(
                     [job.fid(layer, name, 0) for layer, name in zip(batch.layers, batch.names,
