@@ -11,6 +11,7 @@ from __future__ import annotations
 import types
 import typing
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import msgspec
 
@@ -36,6 +37,11 @@ class Table:
     skip: tuple[str, ...] = ()
     extra: dict[str, str] = field(default_factory=dict)
     partition_by: str = ""
+
+    @cached_property
+    def insert_columns(self) -> tuple[str, ...]:
+        """Columns a writer supplies: all but the ones ClickHouse computes itself."""
+        return tuple(c for c, t in self.columns().items() if "MATERIALIZED" not in t)
 
     def columns(self) -> dict[str, str]:
         cols: dict[str, str] = {}

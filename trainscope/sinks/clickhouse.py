@@ -105,8 +105,7 @@ class ClickHouseSink:
     def _insert(self, table: str, frame: pd.DataFrame) -> None:
         if frame.empty:
             return
-        columns = [c for c in TABLES[table].columns() if "MATERIALIZED" not in
-                   TABLES[table].columns()[c]]
+        columns = list(TABLES[table].insert_columns)
         missing = [c for c in columns if c not in frame.columns]
         if missing:
             raise StoreError(f"rows for {table} lack columns {missing}")
@@ -133,7 +132,7 @@ class ClickHouseSink:
 
     def write_findings(self, findings: list[Finding]) -> None:
         if findings:
-            columns = TABLES["findings"].columns()
+            columns = TABLES["findings"].insert_columns
             self._insert(
                 "findings",
                 pd.DataFrame({c: [getattr(f, c) for f in findings] for c in columns}),
