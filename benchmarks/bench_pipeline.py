@@ -20,33 +20,35 @@ from pathlib import Path
 
 import numpy as np
 
+from trainscope.demo import publish_step
 from trainscope.detectors.multivariate import RankAnomalyDetector
 from trainscope.detectors.peer import PeerDiffDetector
 from trainscope.detectors.registry import DetectorRunner
 from trainscope.detectors.steptime import StepTimeDetector
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
-from trainscope.schemas.codec import decode_batch, encode_batch
+from trainscope.schemas.codec import decode_batch
 from trainscope.sinks.clickhouse import ClickHouseSink
+from trainscope.streams.bus import EVENTS_TOPIC, METRICS_TOPIC
+from trainscope.streams.memory_bus import MemoryBus
 from trainscope.streams.pipeline import EmbeddedPipeline
 
 SIZES = {64: (8, 4, 2), 1024: (64, 8, 2)}
 
 
 def produce(ranks: int, steps: int) -> tuple[list[bytes], int, float]:
+    """The bus payloads of a simulated job, published exactly as the demo's producers do."""
     dp, pp, tp = SIZES[ranks]
     cluster = SimulatedCluster(ClusterSpec(dp=dp, pp=pp, tp=tp, steps=steps, seed=1),
                                parse_faults(["slow-gpu:rank=5,factor=1.3"]))
-    payloads, events, end_ns = [], 0, 0
+    bus = MemoryBus()
+    consumer = bus.consumer([EVENTS_TOPIC, METRICS_TOPIC], "bench")
+    payloads: list[bytes] = []
+    events, end_ns = 0, 0
     for output in cluster.run():
+        publish_step(bus, cluster, output, output.step == 0)
+        # Drained per step, as the live pipeline polls: metrics stay next to their step.
+        payloads += [m.value for m in consumer.poll(max_records=10**9, timeout_s=0)]
         events += output.span_count
-        by_host: dict[int, list] = {}
-        for record in output.steps:
-            by_host.setdefault(record.rank // 8, []).append(record)
-        for batch in output.spans:
-            host = int(batch.column("rank")[0]) // 8
-            payloads.append(encode_batch([batch, *by_host.get(host, [])]))
-        if output.metrics:
-            payloads.append(encode_batch(output.metrics))
         end_ns = max(r.start_ns + r.duration_ns for r in output.steps)
     return payloads, events, (end_ns - cluster.spec.start_ns) / 1e9
 
