@@ -151,3 +151,20 @@ def test_call_paths_are_summarised_separately() -> None:
         key = (e.name, e.callpath_id)
         expected[key] = expected.get(key, 0) + 1
     assert got == expected
+
+
+def test_topologies_from_each_rank_merge_by_rank() -> None:
+    from trainscope.schemas import Topology, WorkerInfo
+
+    def declared_by(rank: int) -> Topology:
+        return Topology(job_id="job", dp_size=3, workers=[
+            WorkerInfo(rank=r, dp_rank=r, host=f"host{r}" if r == rank else "") for r in range(3)
+        ])
+
+    engine = WindowEngine(window_s=1.0)
+    for rank in (2, 0, 1):
+        engine.add_topology(declared_by(rank))
+    engine.add_steps([StepRecord(job_id="job", rank=0, step=0, start_ns=0, duration_ns=5)])
+    (view,) = engine.close_all()
+    assert [(w.rank, w.host) for w in view.topology.workers] == [
+        (0, "host0"), (1, "host1"), (2, "host2")]

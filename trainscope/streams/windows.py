@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -140,7 +141,22 @@ class WindowEngine:
     # -- input ------------------------------------------------------------------------------
 
     def add_topology(self, topology: Topology) -> None:
-        self._job(topology.job_id).topology = topology
+        """Merge by rank: each rank may declare the layout, knowing only its own host."""
+        job = self._job(topology.job_id)
+        if job.topology is None:
+            job.topology = topology
+            return
+        workers = {w.rank: w for w in job.topology.workers}
+        for worker in topology.workers:
+            known = workers.get(worker.rank)
+            if known is not None and known.host and not worker.host:
+                worker = msgspec.structs.replace(
+                    worker, host=known.host, local_rank=known.local_rank
+                )
+            workers[worker.rank] = worker
+        job.topology = msgspec.structs.replace(
+            topology, workers=[workers[rank] for rank in sorted(workers)]
+        )
 
     def add_spans(self, batches: list[SpanBatch]) -> None:
         by_job: dict[str, list[SpanBatch]] = {}

@@ -240,8 +240,9 @@ class Attachment:
     # -- the handle ---------------------------------------------------------------------------
     def _topology(self) -> Topology:
         """The job's layout as this rank knows it: every rank's coordinates follow from the
-        sizes; only this rank's host is known here. Each rank sends one, so a consumer that
-        keeps the last one still sees every rank (and merging them by rank keeps every host).
+        sizes; only this rank's host is known here. Each rank sends one; the window engine merges
+        them by rank, so every rank is expected (a silent one shows as a hang) and every host
+        is kept.
         Past ``FULL_LAYOUT_MAX_RANKS`` a rank describes only itself, to bound the message.
         """
         o = self.options
