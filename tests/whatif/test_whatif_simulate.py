@@ -15,10 +15,10 @@ def reference_step_time(graph, eff, delay, step):
     while pending:
         progressed = False
         for n, d in sorted(pending):
-            p = graph.pred[n]
-            if p >= 0 and (p, d) not in end:
+            if any((p, d) not in end for p in graph.deps[n]):
                 continue
-            start[(n, d)] = (end[(p, d)] if p >= 0 else 0.0) + delay[n, step, d]
+            ready = max((end[(p, d)] for p in graph.deps[n]), default=0.0)
+            start[(n, d)] = ready + delay[n, step, d]
             ranks = range(dp_size) if graph.dp_wide[n] else [d]
             waits = [(q, r) for q in (n, *graph.peers[n]) for r in ranks]
             if all(w in start for w in waits):

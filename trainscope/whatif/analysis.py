@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from trainscope.whatif import optypes as ot
+from trainscope.whatif.fit import EARLY_END_S, model_fit
 from trainscope.whatif.graph import Graph, build_graph
 from trainscope.whatif.layout import Layout
 from trainscope.whatif.simulate import Mixed, gate_times, ready_times, simulate
@@ -22,7 +23,7 @@ from trainscope.whatif.simulate import Mixed, gate_times, ready_times, simulate
 # Scenarios replayed together are chunked so one chunk's time arrays stay near this many
 # float64 elements (~128 MiB each), whatever the job size.
 CHUNK_ELEMENTS = 1 << 24
-TOP_WORKER_SHARE = 0.03
+TOP_WORKER_SHARE = 0.03  # M_W fixes this share of the workers, rounded up
 # Below this relative excess over ideal there is nothing to characterise: float-second
 # timestamps near the epoch resolve ~0.2 µs, which alone moves S by about this much.
 NO_SLOWDOWN = 1e-4
@@ -48,6 +49,7 @@ class WhatIf:
     step_time_nodelay_s: float = 0.0  # mean simulated step time, launch delays removed
     step_time_ideal_s: float = 0.0
     top_workers: list[tuple[int, int]] = field(default_factory=list)  # (dp_rank, stage) for M_W
+    fit: int = 0  # 0: the trace fits the dependency model; else bits of fit.FIT_* (see there)
     # Per template op: the ideal run's duration (compute) or transfer duration (communication).
     ideal_effective_s: np.ndarray | None = field(default=None, repr=False)
 
@@ -72,6 +74,7 @@ class WhatIf:
             "step_time_nodelay_s": _num(self.step_time_nodelay_s),
             "step_time_ideal_s": _num(self.step_time_ideal_s),
             "top_workers": [{"dp_rank": d, "stage": s} for d, s in self.top_workers],
+            "fit": self.fit,
         }
 
 
@@ -87,32 +90,27 @@ class Observed:
     delay_s: np.ndarray  # launch delay
     step_time_s: np.ndarray  # (steps,) real step time
     ideal_s: np.ndarray  # (nodes,) the ideal run's effective duration per node
+    early_ends: int = 0  # communication ops that ended more than EARLY_END_S before a peer
 
 
 def layout_graph(layout: Layout) -> Graph:
-    return build_graph(
-        layout.node_stage,
-        layout.node_op,
-        layout.node_seq,
-        layout.node_mc,
-        layout.node_gmc,
-        layout.node_mb,
-        layout.stage_offsets,
-    )
+    return build_graph(layout.template())
 
 
 def observe(layout: Layout, graph: Graph) -> Observed:
     start = layout.start_s
     end = start + layout.duration_s
-    # Clock skew between hosts can make an op end before its last peer started; clamp.
-    effective = np.maximum(end - gate_times(graph, start), 0.0)
+    # A send may finish before its peer starts (the data sits in a buffer): no transfer time.
+    effective = end - gate_times(graph, start)
+    early = int((effective < -EARLY_END_S).sum())
+    np.maximum(effective, 0.0, out=effective)
     delay = np.maximum(start - ready_times(graph, end), 0.0)
     step_time = end[graph.final_nodes].max(axis=(0, 2))
     ideal_by_op = np.zeros(len(ot.OPTYPES))
     for code in np.unique(layout.node_op):
         values = effective[layout.node_op == code]
         ideal_by_op[code] = values.mean() if ot.is_compute(int(code)) else np.median(values)
-    return Observed(effective, delay, step_time, ideal_by_op[layout.node_op])
+    return Observed(effective, delay, step_time, ideal_by_op[layout.node_op], early)
 
 
 def analyse(
@@ -160,7 +158,7 @@ def analyse(
     ]
 
     say("characterising: workers vs stage partitioning")
-    n_top = max(1, int(TOP_WORKER_SHARE * scores.size))
+    n_top = max(1, math.ceil(TOP_WORKER_SHARE * scores.size - 1e-9))
     chosen = np.zeros((pp_size, dp_size), dtype=bool)
     top = [(w["dp_rank"], w["stage"]) for w in s_worker[:n_top]]
     for d, s in top:
@@ -178,6 +176,10 @@ def analyse(
     else:
         m_w, m_s = ((mean_real - t_removed) / excess).tolist()
 
+    error_median = float(np.median(sim_error))
+    error_p90 = float(np.percentile(sim_error, 90))
+    real_mean = float(obs.step_time_s.mean())
+    fit, fit_warnings = model_fit(error_median, error_p90, real_mean, mean_real, obs.early_ends)
     return WhatIf(
         S=mean_real / t_ideal,
         S_per_step=dict(zip(layout.step_ids.tolist(), (t_real / t_ideal).tolist(), strict=True)),
@@ -187,16 +189,17 @@ def analyse(
         S_worker=s_worker,
         M_W=float(m_w),
         M_S=float(m_s),
-        sim_error_median=float(np.median(sim_error)),
-        sim_error_p90=float(np.percentile(sim_error, 90)),
+        sim_error_median=error_median,
+        sim_error_p90=error_p90,
         steps=n_steps,
         workers=int(scores.size),
         steps_dropped=list(layout.dropped_steps),
-        warnings=list(layout.warnings),
-        step_time_real_s=float(obs.step_time_s.mean()),
+        warnings=fit_warnings + list(layout.warnings) + list(graph.notes),
+        step_time_real_s=real_mean,
         step_time_nodelay_s=mean_real,
         step_time_ideal_s=t_ideal,
         top_workers=top,
+        fit=fit,
         ideal_effective_s=obs.ideal_s,
     )
 

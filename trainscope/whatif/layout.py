@@ -1,7 +1,8 @@
 """Turn the op rows of a trace into dense arrays indexed by (op position, step, DP rank).
 
 Every worker of one pipeline stage runs the same schedule, so the ops of a stage form a
-*template* (one entry per ``(optype, seq_id)``, in the order the workers ran them). Stacking the
+*template* (one entry per ``(optype, seq_id)``, in the order DP rank 0 ran them in the first
+analysed step). Stacking the
 templates of all stages gives the node list of the dependency graph; each node's start and
 duration over all steps and DP ranks is one ``(steps, dp_size)`` slice of a 3-D array, which is
 what lets the simulator replay every step and rank at once.
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from trainscope.whatif.graph import Template
 from trainscope.whatif.optypes import OPTIMIZER, OPTYPES
 from trainscope.whatif.trace import JobMeta, TraceError
 
@@ -38,6 +40,21 @@ class Layout:
     @property
     def nodes(self) -> int:
         return len(self.node_op)
+
+    def template(self) -> Template:
+        """The dependency model's input: DP rank 0 in the first analysed step."""
+        start = self.start_s[:, 0, 0]
+        return Template(
+            stage=self.node_stage,
+            op=self.node_op,
+            seq=self.node_seq,
+            mc=self.node_mc,
+            start_s=start,
+            end_s=start + self.duration_s[:, 0, 0],
+            pp_size=self.meta.pp_size,
+            vpp_size=self.meta.vpp_size,
+            data_parallel=self.meta.dp_size * self.meta.dsp_size > 1,
+        )
 
     def describe(self, node: int) -> str:
         return (
@@ -94,14 +111,10 @@ def build_layout(df: pd.DataFrame, meta: JobMeta, source: str = "trace") -> Layo
         return out.reshape(n_keys, n_steps, dp_size)[:, keep, :]
 
     start_k = dense("start_ts")
-    # Template order: each op's mean rank within its worker's step, so one odd instance with
-    # reordered ops does not change the schedule of the whole stage.
-    mean_pos = np.empty(n_keys)
-    for s in range(pp_size):
-        mine = np.flatnonzero(key_stage == s)
-        ranks = np.argsort(np.argsort(start_k[mine], axis=0), axis=0)
-        mean_pos[mine] = ranks.reshape(len(mine), -1).mean(axis=1)
-    node_order = np.lexsort((keys, mean_pos, key_stage))
+    # Template order: start order on DP rank 0 in the first analysed step (the step the
+    # dependency model is built from); ties by op identity, so row order never matters.
+    seq_k = seq[first_row]
+    node_order = np.lexsort((seq_k, key_op, start_k[:, 0, 0], key_stage))
     stage_offsets = np.searchsorted(key_stage[node_order], np.arange(pp_size + 1))
     start_abs = start_k[node_order]
     del start_k
@@ -115,7 +128,7 @@ def build_layout(df: pd.DataFrame, meta: JobMeta, source: str = "trace") -> Layo
         step_ids=step_ids[keep],
         node_stage=key_stage[node_order],
         node_op=key_op[node_order],
-        node_seq=seq[picked],
+        node_seq=seq_k[node_order],
         node_mc=df["mc"].to_numpy(np.int64)[picked],
         node_gmc=df["gmc"].to_numpy(np.int64)[picked],
         node_mb=df["mb_id"].to_numpy(np.int64)[picked],

@@ -1,12 +1,15 @@
 """The Megatron-LM timer op types and how the dependency model treats each of them.
 
-Compute ops are replaced by the mean duration of their type in the ideal run; every other op is
+Compute-type ops (forward and backward compute, the optimizer and the host-side ``gc`` pause)
+are replaced by the mean duration of their type in the ideal run; every other op is
 communication and is replaced by the median *transfer* duration of its type (the time from the
-last peer's start to the op's end), because its observed duration includes waiting for peers.
+last group member's start to the op's end), because its observed duration includes waiting for
+peers.
 """
 
 from __future__ import annotations
 
+# Codes are positions in this tuple; new names go at the end so stored codes keep their meaning.
 OPTYPES: tuple[str, ...] = (
     "forward-compute",
     "backward-compute",
@@ -21,6 +24,7 @@ OPTYPES: tuple[str, ...] = (
     "embedding-grads-all-reduce",
     "optimizer-clip-main-grad",
     "optimizer",
+    "gc",
 )
 CODE: dict[str, int] = {name: i for i, name in enumerate(OPTYPES)}
 
@@ -30,21 +34,33 @@ FORWARD_SEND = CODE["forward-send"]
 FORWARD_RECV = CODE["forward-recv"]
 BACKWARD_SEND = CODE["backward-send"]
 BACKWARD_RECV = CODE["backward-recv"]
-OPTIMIZER = CODE["optimizer"]
-CLIP = CODE["optimizer-clip-main-grad"]
+PARAMS_ALL_GATHER = CODE["params-all-gather"]
+GRADS_REDUCE_SCATTER = CODE["grads-reduce-scatter"]
+SEPARATE_ALL_REDUCE = CODE["separate-grads-all-reduce"]
+LAYERNORM_ALL_REDUCE = CODE["layernorm-grads-all-reduce"]
 EMBEDDING_ALL_REDUCE = CODE["embedding-grads-all-reduce"]
+CLIP = CODE["optimizer-clip-main-grad"]
+OPTIMIZER = CODE["optimizer"]
+GC = CODE["gc"]
 
-COMPUTE: frozenset[int] = frozenset({FORWARD_COMPUTE, BACKWARD_COMPUTE, OPTIMIZER})
+COMPUTE: frozenset[int] = frozenset({FORWARD_COMPUTE, BACKWARD_COMPUTE, OPTIMIZER, GC})
+P2P: tuple[int, ...] = (FORWARD_SEND, FORWARD_RECV, BACKWARD_SEND, BACKWARD_RECV)
+# The compute op each point-to-point type belongs to: a recv feeds it, a send follows it.
+P2P_COMPUTE: dict[int, int] = {
+    FORWARD_SEND: FORWARD_COMPUTE,
+    FORWARD_RECV: FORWARD_COMPUTE,
+    BACKWARD_SEND: BACKWARD_COMPUTE,
+    BACKWARD_RECV: BACKWARD_COMPUTE,
+}
+# A send on stage s is received on stage s + direction by this type.
+P2P_PEER: dict[int, tuple[int, int]] = {
+    FORWARD_SEND: (FORWARD_RECV, 1),
+    BACKWARD_SEND: (BACKWARD_RECV, -1),
+}
 # Completes only when every data-parallel peer of the same stage has started it.
 DP_COLLECTIVES: frozenset[int] = frozenset(
-    CODE[n] for n in ("params-all-gather", "grads-reduce-scatter", "separate-grads-all-reduce")
+    {PARAMS_ALL_GATHER, GRADS_REDUCE_SCATTER, SEPARATE_ALL_REDUCE}
 )
-# Layernorm grads are all-reduced over the tensor-parallel group, whose peers are inside each
-# op of the trace, so this op waits for nobody outside its own worker.
-# The grad-norm all-reduce of gradient clipping spans the whole job: it is a global barrier.
-GLOBAL_COLLECTIVES: frozenset[int] = frozenset({CLIP})
-# Word embeddings are shared by the first and the last pipeline stage of a data-parallel rank.
-STAGE_COLLECTIVES: frozenset[int] = frozenset({EMBEDDING_ALL_REDUCE})
 
 
 def is_compute(code: int) -> bool:

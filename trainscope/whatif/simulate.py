@@ -2,7 +2,7 @@
 
 Times are arrays of shape ``(nodes, *batch)`` where the last batch axis is the DP rank; the
 leading batch axes are free (steps, scenarios). The Python loop runs over the graph's events
-(a few per template op), never over ranks or steps.
+(two per template op), never over ranks or steps. Time 0 is the step's earliest real start.
 """
 
 from __future__ import annotations
@@ -50,22 +50,20 @@ def simulate(
     """Replay one schedule.
 
     ``effective_s[n]``: compute duration, or transfer duration for communication (the time
-    from the last participant's start to the end). ``delay_s[n]``: launch delay, the gap from
-    the moment the op could start to its start (for a worker's first op: from the step start).
+    from the last group member's start to the end). ``delay_s[n]``: launch delay, the gap from
+    the moment the op could start (its dependencies' last end, or the step start) to its start.
     """
     n_nodes = graph.nodes
     start = np.empty((n_nodes, *batch_shape), dtype=np.float64)
     end = np.empty_like(start)
-    pred, peers, dp_wide = graph.pred, graph.peers, graph.dp_wide
+    deps, peers, dp_wide = graph.deps, graph.peers, graph.dp_wide
     for event in graph.order:
         if event < n_nodes:
-            p = pred[event]
-            if p < 0:
-                start[event] = 0.0 if delay_s is None else delay_s[event]
-            elif delay_s is None:
-                start[event] = end[p]
+            ready = _latest(end, deps[event])
+            if delay_s is None:
+                start[event] = ready
             else:
-                np.add(end[p], delay_s[event], out=start[event])
+                np.add(ready, delay_s[event], out=start[event])
         else:
             n = event - n_nodes
             gate = start[n]
@@ -80,8 +78,17 @@ def simulate(
     return Replay(step_time)
 
 
+def _latest(times: np.ndarray, nodes: tuple[int, ...]) -> np.ndarray | float:
+    if not nodes:
+        return 0.0
+    ready = times[nodes[0]]
+    for d in nodes[1:]:
+        ready = np.maximum(ready, times[d])
+    return ready
+
+
 def gate_times(graph: Graph, start_s: np.ndarray) -> np.ndarray:
-    """For observed starts ``(nodes, steps, dp)``: when each op's last participant started."""
+    """For observed starts ``(nodes, steps, dp)``: when each op's last group member started."""
     gate = start_s.copy()
     for n in range(graph.nodes):
         for q in graph.peers[n]:
@@ -92,8 +99,9 @@ def gate_times(graph: Graph, start_s: np.ndarray) -> np.ndarray:
 
 
 def ready_times(graph: Graph, end_s: np.ndarray) -> np.ndarray:
-    """For observed ends: when each op could have started (its predecessor's end, or 0)."""
+    """For observed ends: when each op could have started (its dependencies' last end, or 0)."""
     ready = np.zeros_like(end_s)
-    has_pred = graph.pred >= 0
-    ready[has_pred] = end_s[graph.pred[has_pred]]
+    for n, nodes in enumerate(graph.deps):
+        if nodes:
+            ready[n] = _latest(end_s, nodes)
     return ready
