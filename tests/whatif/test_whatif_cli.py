@@ -49,7 +49,7 @@ def test_report_says_what_the_numbers_mean(trace_files):
     assert result.exit_code == 0, result.output
     assert "slower than the ideal run" in result.stdout
     assert "Stage partitioning imbalance is the main cause" in result.stdout
-    assert "by fixing the last pipeline stage" in result.stdout
+    assert "fixing the last pipeline stage removes" in result.stdout
 
 
 def test_heatmap_and_timeline(trace_files, tmp_path):

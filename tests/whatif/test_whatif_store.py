@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent(
         "imported": json.loads(imported.stdout),
         "from_store": json.loads(from_store.stdout),
         "op_rows": rows,
-        "results": [{k: r[k] for k in ("job_id", "S", "M_W", "steps", "workers",
+        "results": [{k: r[k] for k in ("job_id", "S", "M_W", "steps", "workers", "fit",
                                        "S_worker_json", "S_stage")} for r in results],
     }, default=float))
     """
@@ -75,6 +75,7 @@ def test_job_path_reads_op_traces_and_writes_whatif_results(trace_files, tmp_pat
     assert len(out["results"]) == 3
     latest = out["results"][-1]
     assert latest["job_id"] == "job-7" and latest["steps"] == 3 and latest["workers"] == 8
+    assert latest["fit"] == imported["fit"] == 0
     assert latest["S"] == from_store["S"]
     assert json.loads(latest["S_worker_json"])[0]["dp_rank"] == 3
     assert set(latest["S_stage"]) == {"0", "1"}

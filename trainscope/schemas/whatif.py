@@ -66,6 +66,7 @@ class WhatIfResultRecord(msgspec.Struct, kw_only=True, frozen=True):
     S_stage: dict[str, float]
     S_worker_json: str  # JSON list of {dp_rank, stage, score}, most suspect first
     warnings: list[str] = []
+    fit: int = 0  # 0: the trace fits the what-if model; else bits of whatif.fit.FIT_*
 
 
 DDL: dict[str, str] = {
@@ -118,7 +119,8 @@ ORDER BY (job_id)""",
     `S_dp_rank` Map(String, Float64),
     `S_stage` Map(String, Float64),
     `S_worker_json` String,
-    `warnings` Array(String)
+    `warnings` Array(String),
+    `fit` UInt8
 )
 ENGINE = ReplacingMergeTree
 ORDER BY (job_id, analysed_at_ns)""",

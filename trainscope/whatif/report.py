@@ -24,6 +24,11 @@ def render(result: WhatIf, top: int = 5) -> str:
             + ", ".join(map(str, result.steps_dropped[:10]))
             + (" …" if len(result.steps_dropped) > 10 else "")
         )
+    if result.warnings:
+        lines.append("")
+        lines.extend(f"warning: {w}" for w in result.warnings[:5])
+        if len(result.warnings) > 5:
+            lines.append(f"… and {len(result.warnings) - 5} more warning(s) (see --json)")
     lines.append("")
     lines.append(
         f"Straggler slowdown S = {result.S:.3f}: the job ran {result.S:.2f}× slower than the ideal "
@@ -48,13 +53,22 @@ def render(result: WhatIf, top: int = 5) -> str:
     for w in result.S_worker[:top]:
         lines.append(f"  dp_rank {w['dp_rank']:>5}  stage {w['stage']:>3}  score {w['score']:.3f}")
     lines.append("")
+    verdict = "fits" if result.fit == 0 else "does NOT fit (see the warnings above)"
     lines.append(
-        f"Simulation error (replay with launch delays vs observed step time): median "
-        f"{result.sim_error_median:.2%}, p90 {result.sim_error_p90:.2%}."
+        f"Model fit: the trace {verdict} the dependency model. Replaying it with its own "
+        f"launch delays misses the observed step times by {result.sim_error_median:.2%} "
+        f"(median), {result.sim_error_p90:.2%} (p90). Without launch delays a step takes "
+        f"{result.step_time_nodelay_s * 1e3:.1f} ms against {result.step_time_real_s * 1e3:.1f} "
+        f"ms observed: CPU-side launch delays cost {_pct(_launch_share(result))} of the "
+        "observed step time."
     )
-    for warning in result.warnings[:5]:
-        lines.append(f"warning: {warning}")
     return "\n".join(lines)
+
+
+def _launch_share(result: WhatIf) -> float:
+    if result.step_time_real_s <= 0:
+        return math.nan
+    return 1.0 - result.step_time_nodelay_s / result.step_time_real_s
 
 
 def _characterisation(result: WhatIf) -> str:
@@ -63,9 +77,14 @@ def _characterisation(result: WhatIf) -> str:
     n_top = len(result.top_workers)
     who = "the slowest worker" if n_top == 1 else f"the {n_top} slowest workers (top 3%)"
     text = (
-        f"{_pct(result.M_W)} of the excess over ideal is removed by fixing {who}; "
-        f"{_pct(result.M_S)} by fixing the last pipeline stage."
+        f"Fixing {who} removes {_pct(result.M_W)} of the excess over ideal (M_W); "
+        f"fixing the last pipeline stage removes {_pct(result.M_S)} (M_S)."
     )
+    if result.M_S > 1.0 or result.M_W > 1.0:
+        text += (
+            " Over 100% means fixing it alone beats the ideal run, whose typical durations "
+            "average the slow ops in."
+        )
     if result.M_W >= DOMINANT_SHARE and result.M_W >= result.M_S:
         return text + " Individual slow workers are the main cause."
     if result.M_S >= DOMINANT_SHARE:
@@ -78,7 +97,10 @@ def _characterisation(result: WhatIf) -> str:
 
 
 def _pct(x: float) -> str:
-    return f"{max(min(x, 9.99), -9.99):.0%}"
+    if math.isnan(x):
+        return "n/a"
+    text = f"{max(min(x, 9.99), -9.99):.0%}"
+    return "0%" if text == "-0%" else text
 
 
 def _top_items(values: dict, top: int) -> str:

@@ -36,6 +36,8 @@ def connect(store_dir: str | Path | None = None, url: str | None = None) -> Any:
     client = connect_store(store_dir, url)
     for ddl in DDL.values():
         client.command(ddl)
+    # Stores created before the model-fit flag existed get the column (0 = fits).
+    client.command("ALTER TABLE whatif_results ADD COLUMN IF NOT EXISTS `fit` UInt8")
     return client
 
 
@@ -104,6 +106,7 @@ def write_result(
         "S_stage": {str(k): float(v) for k, v in result.S_stage.items()},
         "S_worker_json": json.dumps(d["S_worker"]),
         "warnings": list(result.warnings),
+        "fit": result.fit,
     }
     client.insert("whatif_results", [list(row.values())], column_names=list(row))
     return analysed_at_ns
