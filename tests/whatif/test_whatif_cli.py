@@ -63,16 +63,9 @@ def test_heatmap_and_timeline(trace_files, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (path,) = timeline.glob("*.json")
     trace_json = json.loads(path.read_text())
-    spans = [e for e in trace_json["traceEvents"] if e["ph"] == "X"]
-    real = [e for e in spans if e["pid"] == 1]
-    ideal = [e for e in spans if e["pid"] == 2]
-    assert len(real) == len(ideal) > 0
-    assert {e["name"] for e in real} == {e["name"] for e in ideal}
-    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
     names = {e["args"]["name"] for e in trace_json["traceEvents"] if e["name"] == "process_name"}
-    assert any(n.startswith("real run") for n in names) and "ideal run" in names
-    # The ideal run is shorter than the real one for a job with a slow stage.
-    assert max(e["ts"] + e["dur"] for e in ideal) < max(e["ts"] + e["dur"] for e in real)
+    assert {"stage 2 · dp 3 · real", "stage 2 · dp 3 · ideal"} <= names
+    assert trace_json["otherData"]["steps"] == [1, 2, 5]
 
 
 def test_missing_column_is_one_clear_line(trace_files):

@@ -63,3 +63,24 @@ def test_trace_that_does_not_fit_is_flagged(trace_files):
     report = runner.invoke(whatif, ["--trace", str(trace), "--meta", str(meta)])
     assert "warning: the trace does not fit the dependency model" in report.stdout
     assert "does NOT fit" in report.stdout
+
+
+def test_heatmap_has_a_fixed_scale_numbers_and_the_figures_in_its_title(analyse_spec):
+    import matplotlib.pyplot as plt
+
+    from trainscope.whatif.plots import figure, score_matrix
+
+    r = analyse_spec(JobSpec(dp_size=3, pp_size=2, steps=3, worker_factor={(2, 1): 2.5}, seed=35))
+    fig = figure(r)
+    try:
+        ax = fig.axes[0]
+        assert ax.images[0].get_clim() == (1.0, 1.5)
+        assert ax.images[0].get_array().max() <= 1.5  # a 2.5× worker is clipped to the scale
+        cells = sorted(t.get_text() for t in ax.texts)
+        assert cells == sorted(f"{v:.2f}" for v in score_matrix(r).ravel())
+        assert max(score_matrix(r).ravel()) > 1.5
+        title = ax.get_title()
+        assert f"S = {r.S:.3f}" in title
+        assert f"M_W = {r.M_W:.2f}" in title and f"M_S = {r.M_S:.2f}" in title
+    finally:
+        plt.close(fig)

@@ -40,12 +40,15 @@ import click
 @click.option(
     "--heatmap",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Write the DP-rank × stage heatmap of worker scores to this PNG.",
+    help="Write the stage × DP-rank heatmap of worker scores to this PNG "
+    "(fixed colour scale 1.0-1.5, score printed in each cell).",
 )
 @click.option(
     "--timeline",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Write a Chrome/Perfetto trace of the real and ideal run into this directory.",
+    help="Write whatif_timeline.json into this directory: the real and the ideal run of "
+    "every analysed step, one process per worker and run, one thread per stream (Chrome "
+    "Trace Event Format: open in ui.perfetto.dev or chrome://tracing).",
 )
 def whatif(
     trace_path: Path | None,
@@ -60,7 +63,10 @@ def whatif(
     """How much slower is this job because of stragglers, and who is to blame.
 
     Replays the job's dependency graph with every op at its typical duration and compares:
-    S = real / ideal step time, attributed to op types, DP ranks, stages and workers.
+    S = real / ideal step time, attributed to op types, DP ranks, stages and workers; M_W and
+    M_S say whether a few slow workers or the last pipeline stage explain it. The replay with
+    launch delays kept must reproduce the observed step times: when its median error is above
+    5% the result carries a warning and a non-zero "fit" flag.
     """
     from rich.console import Console
 
