@@ -6,6 +6,9 @@ timed: read the file, validate, build the schedule arrays, analyse (all replays)
 measured in the same run, is the time to only read the Parquet file, so the ratio column says
 how many "file reads" the analysis costs, independent of how busy the machine is.
 
+The last row times the same path on the real 8-worker production trace kept with the tests
+(``tests/data/stragglers-ST``).
+
     python benchmarks/bench_whatif.py            # up to 10,240 workers × 50 steps
     python benchmarks/bench_whatif.py --quick    # up to 640 workers
 """
@@ -22,10 +25,15 @@ import argparse  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:
+    from trainscope.whatif.trace import JobMeta
 
 # (dp_size, pp_size, steps): 64 workers × 44 steps is the issue's small target.
 SIZES = [(8, 8, 44), (80, 8, 50), (320, 8, 50), (1280, 8, 50)]
 MICROBATCHES = 8
+REAL_TRACE = Path(__file__).resolve().parent.parent / "tests" / "data" / "stragglers-ST"
 
 
 def main() -> None:
@@ -46,42 +54,60 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for dp, pp, steps in sizes:
             row = measure(Path(tmp), dp, pp, steps, args.repeat)
-            print(f"{dp * pp:>8} {steps:>6} {row['rows']:>11,} {row['read']:>8.2f} "
-                  f"{row['prepare']:>10.2f} {row['analyse']:>10.2f} {row['total']:>8.2f} "
-                  f"{row['total'] / row['read']:>7.1f} {row['S']:>6.3f}", flush=True)
+            print_row(f"{dp * pp}", steps, row)
+    from trainscope.whatif.trace import read_meta
+
+    meta = read_meta(REAL_TRACE / "meta-ST.yaml")
+    row = time_analysis(REAL_TRACE / "trace-ST.parquet", meta, max(args.repeat, 5))
+    print_row(f"ST {meta.workers}", int(row.pop("steps")), row, digits=4)
+
+
+def print_row(label: str, steps: int, row: dict[str, float], digits: int = 2) -> None:
+    f = f".{digits}f"
+    print(f"{label:>8} {steps:>6} {int(row['rows']):>11,} {row['read']:>8{f}} "
+          f"{row['prepare']:>10{f}} {row['analyse']:>10{f}} {row['total']:>8{f}} "
+          f"{row['total'] / row['read']:>7.1f} {row['S']:>6.3f}", flush=True)
 
 
 def measure(tmp: Path, dp: int, pp: int, steps: int, repeat: int) -> dict[str, float]:
-    import pandas as pd
-
-    from trainscope.whatif.analysis import analyse
     from trainscope.whatif.generate import JobSpec, generate, write
-    from trainscope.whatif.layout import build_layout
-    from trainscope.whatif.trace import JobMeta, validate
+    from trainscope.whatif.trace import JobMeta
 
     spec = JobSpec(dp_size=dp, pp_size=pp, microbatches=MICROBATCHES, steps=steps,
                    worker_factor={(dp // 2, pp // 2): 1.3}, seed=dp)
     df, meta_dict = generate(spec)
     path = tmp / f"trace_{dp}x{pp}.parquet"
     write(df, meta_dict, path, tmp / "meta.yaml")
-    rows = len(df)
     del df
-    meta = JobMeta.from_mapping(meta_dict)
+    row = time_analysis(path, JobMeta.from_mapping(meta_dict), repeat)
+    path.unlink()
+    return row
+
+
+def time_analysis(path: Path, meta: JobMeta, repeat: int) -> dict[str, float]:
+    """Best of ``repeat`` runs of read → validate + layout → analyse."""
+    import pandas as pd
+
+    from trainscope.whatif.analysis import analyse
+    from trainscope.whatif.layout import build_layout
+    from trainscope.whatif.trace import validate
+
     best: dict[str, float] = {}
     for _ in range(repeat):
         t0 = time.perf_counter()
         raw = pd.read_parquet(path)
+        rows = len(raw)
         t1 = time.perf_counter()
         layout = build_layout(validate(raw, meta), meta)
         del raw
         t2 = time.perf_counter()
         result = analyse(layout)
         t3 = time.perf_counter()
+        steps = layout.start_s.shape[1]
         del layout
         run = {"read": t1 - t0, "prepare": t2 - t1, "analyse": t3 - t2, "total": t3 - t0}
         best = run if not best or run["total"] < best["total"] else best
-    path.unlink()
-    return {**best, "rows": rows, "S": result.S}
+    return {**best, "rows": rows, "steps": steps, "S": result.S}
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ def test_launch_delays_are_not_a_slowdown(analyse_spec):
     [
         JobSpec(dp_size=4, pp_size=4, steps=[2, 7, 30], seed=6, noise=0.05),
         JobSpec(dp_size=2, pp_size=4, vpp_size=2, microbatches=8, steps=4, seed=7),
+        JobSpec(dp_size=2, pp_size=3, overlap_grad_reduce=True, steps=3, seed=10),
+        JobSpec(dp_size=1, pp_size=4, steps=3, seed=16, stage_factor={1: 1.2}),
         JobSpec(
             dp_size=3,
             pp_size=2,
@@ -135,3 +137,19 @@ def test_one_slow_transfer_does_not_move_the_ideal(analyse_spec):
     assert r.step_time_ideal_s == pytest.approx(healthy.step_time_ideal_s, rel=0.002)
     assert max(r.S_per_step, key=r.S_per_step.get) == 2
     assert max(r.S_optype, key=r.S_optype.get) == "grads-reduce-scatter"
+
+
+def test_generated_traces_look_like_real_ones():
+    """Batched send/recv with one start and duration, and never-launched p2p ops."""
+    from trainscope.whatif.generate import generate
+
+    df, _ = generate(JobSpec(dp_size=2, pp_size=4, steps=2, seed=17))
+    p2p = df[df["optype"].astype(str).str.contains("send|recv")]
+    keys = ["step", "dp_rank", "stage", "start_ts", "duration"]
+    batched = p2p[p2p.duplicated(keys, keep=False)]
+    kinds = batched.groupby(keys, observed=True)["optype"].agg(lambda x: tuple(sorted(map(str, x))))
+    assert set(kinds) == {("backward-recv", "forward-send"), ("backward-send", "forward-recv")}
+    # Stage 0 records a backward send, the last stage a backward recv, that never ran.
+    assert (p2p[p2p["stage"] == 0]["optype"] == "backward-send").sum() == 2 * 2
+    assert (p2p[p2p["stage"] == 3]["optype"] == "backward-recv").sum() == 2 * 2
+    assert (df["optype"] == "gc").sum() == 2 * 2 * 4

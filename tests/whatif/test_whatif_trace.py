@@ -128,3 +128,29 @@ def test_layout_shape_follows_schedule(layout_of):
     layout = layout_of(SPEC)
     assert layout.start_s.shape == (layout.nodes, 3, 2)
     assert (layout.start_s >= 0).all() and np.isclose(layout.start_s.min(axis=(0, 2)), 0).all()
+
+
+def test_real_trace_vocabulary_is_accepted():
+    """gc rows, a category no row uses, float32 times, zero durations, sampled steps."""
+    import pandas as pd
+
+    df, _ = generate(SPEC)
+    assert (df["optype"] == "gc").any()
+    df["optype"] = df["optype"].cat.add_categories(["first-op"])
+    df["start_ts"] = (df["start_ts"] - df["start_ts"].min()).astype("float32")
+    df["duration"] = df["duration"].astype("float32")
+    df.loc[df["optype"] == "gc", "duration"] = 0.0
+    meta = meta_of()
+    out = validate(df, meta, "t")
+    assert len(out) == len(df)
+    layout = build_layout(out, meta)
+    assert list(layout.step_ids) == [3, 5, 9]
+    assert isinstance(df["optype"].dtype, pd.CategoricalDtype)
+
+
+def test_unknown_category_in_use_is_named_with_its_row():
+    df, _ = generate(SPEC)
+    df["optype"] = df["optype"].cat.add_categories(["first-op"])
+    df.loc[11, "optype"] = "first-op"
+    with pytest.raises(TraceError, match=r"^t: unknown optype 'first-op' \(row 11\); expected"):
+        validate(df, meta_of(), "t")

@@ -52,6 +52,7 @@ def model_fit(
     if early_ends:
         warnings.append(
             f"{early_ends} communication op(s) ended more than {EARLY_END_S * 1e3:.0f} ms before "
-            "a peer started (clock skew between hosts?); their transfer time is taken as 0"
+            "a peer started (buffered sends, or host clocks that disagree); their transfer time is "
+            "taken as 0"
         )
     return fit, warnings

@@ -1,6 +1,10 @@
 """Synthetic Megatron-style op traces: 1F1B pipeline schedules (optionally interleaved), with
 knobs to make workers, stages or single ops slow.
 
+Like real Megatron traces they hold batched "send forward, receive backward" calls (a send and
+a recv with the same start and duration), never-launched p2p ops, a gc pause, and the
+post-backward chain of gradient all-reduces, clip and optimizer.
+
 The generator draws every op's compute or transfer duration and launch delay, then replays the
 dependency model to obtain start times, so observed durations of communication ops include
 waiting for peers exactly as a real trace's do.
