@@ -154,9 +154,7 @@ def test_overlapped_grad_sync_and_no_data_parallelism():
     t, n = template(stage, data_parallel=False)
     g = build_graph(t)
     assert g.deps[n["forward-compute#0@0"]] == ()
-    assert set(g.deps[n["optimizer-clip-main-grad#0@0"]]) == {
-        n["layernorm-grads-all-reduce#0@0"]
-    }
+    assert set(g.deps[n["optimizer-clip-main-grad#0@0"]]) == {n["layernorm-grads-all-reduce#0@0"]}
 
 
 def test_equal_starts_give_the_same_graph_in_any_row_order():

@@ -13,15 +13,14 @@ waiting for peers exactly as a real trace's do.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 
 from trainscope.whatif import optypes as ot
-from trainscope.whatif.graph import Template, build_graph, topological_order
+from trainscope.whatif.schedule import host_graph, stage_schedule
 from trainscope.whatif.simulate import simulate
 
 # Typical durations in seconds of one op (compute) or of its transfer (communication).
@@ -100,101 +99,6 @@ class JobSpec:
         return {**sizes, "world_size": self.dp_size * self.pp_size * self.tp_size * self.dsp_size}
 
 
-class Op(NamedTuple):
-    code: int
-    chunk: int
-    mb: int
-    batched: bool = False  # issued together with the previous op (one batched p2p call)
-
-
-def stage_schedule(spec: JobSpec, stage: int) -> list[Op]:
-    """One stage's ops in the order its host issues them (Megatron 1F1B, interleaved when
-    vpp_size > 1). A send followed by a recv of the other direction is one batched call, as in
-    Megatron's "send forward, receive backward" and "send backward, receive forward"."""
-    p, v, m = spec.pp_size, spec.vpp_size, spec.microbatches
-    if v > 1 and m % p:
-        raise ValueError(f"interleaved schedules need microbatches ({m}) divisible by pp ({p})")
-    total = m * v
-    warmup = min(total, (p - stage - 1) * 2 + (v - 1) * p if v > 1 else p - stage - 1)
-    last_g = p * v - 1
-
-    def chunk_mb(k: int, backward: bool) -> tuple[int, int]:
-        c = (k // p) % v if v > 1 else 0
-        mb = (k // (p * v)) * p + k % p if v > 1 else k
-        return (v - 1 - c if backward else c), mb
-
-    ops: list[Op] = []
-    gathered: set[int] = set()
-    backwards_left = {c: m for c in range(v)}
-    overlap = spec.distributed_optimizer and spec.overlap_grad_reduce
-
-    def add(code: int, c: int = -1, mb: int = -1) -> None:
-        prev = ops[-1] if ops else None
-        if prev is None or prev.code not in ot.P2P or code not in ot.P2P:
-            batched = False
-        elif v > 1:
-            batched = False  # interleaved schedules are generated without batching
-        else:
-            # 1F1B: a send then a recv of the other direction ("send forward, recv backward").
-            batched = (
-                prev.code in ot.P2P_PEER
-                and code in (ot.FORWARD_RECV, ot.BACKWARD_RECV)
-                and ot.P2P_COMPUTE[code] != ot.P2P_COMPUTE[prev.code]
-            )
-        ops.append(Op(code, c, mb, batched))
-
-    def forward(k: int) -> None:
-        c, mb = chunk_mb(k, False)
-        g = c * p + stage
-        if spec.distributed_optimizer and c not in gathered:
-            gathered.add(c)
-            add(ot.PARAMS_ALL_GATHER, c)
-        if g > 0:
-            add(ot.FORWARD_RECV, c, mb)
-        add(ot.FORWARD_COMPUTE, c, mb)
-        if g < last_g:
-            add(ot.FORWARD_SEND, c, mb)
-
-    def backward(k: int) -> None:
-        c, mb = chunk_mb(k, True)
-        g = c * p + stage
-        if g < last_g:
-            add(ot.BACKWARD_RECV, c, mb)
-        add(ot.BACKWARD_COMPUTE, c, mb)
-        if g > 0:
-            add(ot.BACKWARD_SEND, c, mb)
-        backwards_left[c] -= 1
-        if overlap and backwards_left[c] == 0:
-            add(ot.GRADS_REDUCE_SCATTER, c)
-
-    if spec.noop_p2p and stage == 0:
-        # The profiler records p2p calls that never reach the network: a backward send on
-        # the first stage before any compute, ...
-        add(ot.BACKWARD_SEND)
-    for k in range(warmup):
-        forward(k)
-    for i in range(total - warmup):
-        forward(warmup + i)
-        backward(i)
-    for i in range(total - warmup, total):
-        backward(i)
-    if spec.noop_p2p and stage == p - 1:
-        add(ot.BACKWARD_RECV)  # ... and a backward recv on the last stage after its last compute
-    if spec.gc:
-        add(ot.GC)
-    add(ot.LAYERNORM_ALL_REDUCE)
-    if p > 1 and stage in (0, p - 1):
-        add(ot.EMBEDDING_ALL_REDUCE)
-    if not spec.distributed_optimizer or overlap:
-        add(ot.SEPARATE_ALL_REDUCE)
-    else:
-        for c in range(v):
-            add(ot.GRADS_REDUCE_SCATTER, c)
-    add(ot.CLIP)
-    add(ot.OPTIMIZER)
-    return ops
-
-
 def generate(spec: JobSpec) -> tuple[pd.DataFrame, dict[str, int]]:
     """Return the op trace (one row per op) and the job metadata."""
     rng = np.random.default_rng(spec.seed)
@@ -210,7 +114,7 @@ def generate(spec: JobSpec) -> tuple[pd.DataFrame, dict[str, int]]:
     for n, (s, op) in enumerate(flat):
         node_seq[n] = seen.get((s, op.code), 0)
         seen[(s, op.code)] = node_seq[n] + 1
-    graph, units = _host_graph(spec, schedules, node_stage, node_op, node_seq, node_mc)
+    graph, units = host_graph(spec, schedules, node_stage, node_op, node_seq, node_mc)
 
     step_ids = spec.step_ids
     shape = (len(flat), len(step_ids), spec.dp_size)
@@ -254,65 +158,6 @@ def generate(spec: JobSpec) -> tuple[pd.DataFrame, dict[str, int]]:
         node_gmc,
         node_mb,
     ), spec.meta()
-
-
-def _host_graph(spec, schedules, node_stage, node_op, node_seq, node_mc):
-    """The graph the synthetic job runs: each host issues its ops one after another (a
-    batched call is one unit), and the cross-rank groups are those of the analysis model
-    plus, for a batched call, the groups of all its ops. The analysis model's dependencies are
-    a relaxation of this one, so replaying a generated trace with its launch delays kept
-    reproduces it."""
-    units: list[list[int]] = []
-    n = 0
-    for sched in schedules:
-        for op in sched:
-            if op.batched:
-                units[-1].append(n)
-            else:
-                units.append([n])
-            n += 1
-    position = np.empty(n)
-    for i, unit in enumerate(units):
-        position[unit] = i
-    template = Template(
-        stage=node_stage,
-        op=node_op,
-        seq=node_seq,
-        mc=node_mc,
-        start_s=position,
-        end_s=position + 0.5,
-        pp_size=spec.pp_size,
-        vpp_size=spec.vpp_size,
-        data_parallel=spec.dp_size * spec.dsp_size > 1,
-    )
-    model = build_graph(template)
-    deps = [set(d) for d in model.deps]
-    peers = [set(p) for p in model.peers]
-    last_blocking: list[int] = []
-    for i, unit in enumerate(units):
-        if i and node_stage[units[i - 1][0]] != node_stage[unit[0]]:
-            last_blocking = []
-        for m in unit:
-            deps[m].update(last_blocking)
-            for other in unit:
-                peers[m] |= {other, *model.peers[other]}
-            peers[m].discard(m)
-        last_blocking = unit
-    if spec.vpp_size > 1:
-        # Our interleaved order is not Megatron's, and with blocking sends it would deadlock:
-        # there a send completes on its own (the data is buffered), as sends of small
-        # activations do.
-        for m in np.flatnonzero(np.isin(node_op, list(ot.P2P_PEER))):
-            peers[m] = set()
-    peer_t = tuple(tuple(sorted(p)) for p in peers)
-    dep_t = tuple(tuple(sorted(d)) for d in deps)
-    host = replace(
-        model,
-        deps=dep_t,
-        peers=peer_t,
-        order=topological_order(dep_t, peer_t, template),
-    )
-    return host, units
 
 
 def _select(inj, node_op, node_stage, node_seq, step_ids, dp_size):

@@ -249,8 +249,6 @@ def topological_order(
                 ready.append(nxt)
     if len(order) < 2 * n_nodes:
         stuck = sorted({e % n_nodes for e, d in enumerate(indegree) if d > 0})[:3]
-        names = "; ".join(
-            f"{ot.OPTYPES[t.op[n]]} #{t.seq[n]} on stage {t.stage[n]}" for n in stuck
-        )
+        names = "; ".join(f"{ot.OPTYPES[t.op[n]]} #{t.seq[n]} on stage {t.stage[n]}" for n in stuck)
         raise TraceError(f"the dependency graph has a cycle through: {names}")
     return tuple(order)
