@@ -18,6 +18,7 @@ SCALE = (1.0, 1.5)  # colour scale of worker scores, fixed across jobs
 # Beyond this many workers the numbers would not fit in their cells.
 MAX_ANNOTATED_CELLS = 1024
 MAX_FIGURE_IN = 40.0
+MIN_WIDTH_IN = 6.0  # room for the title
 
 
 def score_matrix(result: WhatIf) -> np.ndarray:
@@ -51,7 +52,7 @@ def figure(result: WhatIf) -> Any:
     stages, dps = matrix.shape
     annotate = stages * dps <= MAX_ANNOTATED_CELLS
     cell_in = 0.6 if annotate else 0.35
-    width = min(MAX_FIGURE_IN, 3.0 + dps * cell_in)
+    width = min(MAX_FIGURE_IN, max(MIN_WIDTH_IN, 3.0 + dps * cell_in))
     height = min(MAX_FIGURE_IN, 2.0 + stages * cell_in * 0.75)
     fig, ax = plt.subplots(figsize=(width, height))
     # A fixed scale, so two heatmaps can be compared by colour: 1.0 (healthy) to 1.5 (very
@@ -91,8 +92,9 @@ def figure(result: WhatIf) -> Any:
 
 
 def title(result: WhatIf) -> str:
-    return f"What-if worker scores: S = {result.S:.3f}, M_W = {_share(result.M_W)}, M_S = " + (
-        _share(result.M_S)
+    return (
+        f"What-if worker scores\nS = {result.S:.3f} · M_W = {_share(result.M_W)} · "
+        f"M_S = {_share(result.M_S)}"
     )
 
 
