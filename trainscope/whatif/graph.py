@@ -114,9 +114,11 @@ class _Builder:
         self._after_backward(of, computes)
 
     def _first_backward_dependency(self, computes: list[int]) -> int | None:
-        """Megatron batches "send forward, receive backward": the first backward p2p op of a
-        stage is issued together with the forward send of the second-to-last forward compute
-        before the first backward compute."""
+        """The published model's rule for the first backward send/recv of a stage: it depends
+        on the second-to-last forward compute before the first backward compute, because
+        Megatron issues it inside a batched "send forward, receive backward" call rather than
+        after the compute it belongs to. (Where a recv waits for its peer, as in every step of
+        the ST trace, this does not change the replay.)"""
         forwards: list[int] = []
         for n in computes:
             if self.t.op[n] == ot.BACKWARD_COMPUTE:
