@@ -12,6 +12,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from trainscope._secrets import redact_url
+
 EVENTS_TOPIC = "trainscope.events"
 METRICS_TOPIC = "trainscope.metrics"
 CONTROL_TOPIC = "trainscope.control"
@@ -73,7 +75,7 @@ def rank_key(job_id: str, rank: int) -> bytes:
 
 
 def open_bus(url: str) -> Bus:
-    """``memory`` for the embedded bus, ``kafka://HOST:PORT[,HOST:PORT...]`` for Kafka."""
+    """``memory`` (embedded bus) or ``kafka://HOST:PORT[,HOST:PORT...][?settings]`` (Kafka)."""
     if url in ("memory", "memory://"):
         from trainscope.streams.memory_bus import MemoryBus
 
@@ -81,8 +83,8 @@ def open_bus(url: str) -> Bus:
     if url.startswith("kafka://"):
         from trainscope.streams.kafka_bus import KafkaBus
 
-        servers = url.removeprefix("kafka://").strip("/")
-        if not servers:
-            raise ValueError(f"bus URL {url!r} names no broker (expected kafka://HOST:PORT)")
-        return KafkaBus(servers)
-    raise ValueError(f"unknown bus URL {url!r}: expected 'memory' or 'kafka://HOST:PORT'")
+        # TLS/SASL settings come from the URL's query and TRAINSCOPE_KAFKA_* (kafka_security).
+        return KafkaBus.from_url(url)
+    raise ValueError(
+        f"unknown bus URL {redact_url(url)!r}: expected 'memory' or 'kafka://HOST:PORT'"
+    )

@@ -38,6 +38,7 @@ from trainscope.streams._kafka_support import (
 )
 from trainscope.streams.bus import DEFAULT_PARTITIONS, BusError
 from trainscope.streams.kafka_consumer import KafkaConsumer, start_consumer
+from trainscope.streams.kafka_security import KafkaSecurity, parse_kafka_url
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,12 @@ class KafkaBus:
         max_pending_bytes: int = 64 * 1024 * 1024,
         request_timeout_ms: int = 10_000,
         session_timeout_ms: int = 6_000,
+        security: KafkaSecurity | None = None,
     ) -> None:
         self._servers = split_servers(bootstrap_servers)
+        # TLS/SASL for every client of this bus; without an argument, from the environment.
+        self.security = security if security is not None else KafkaSecurity.resolve()
+        self._client_kwargs = self.security.client_kwargs()  # reads the TLS files: fail early
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         for name, value in (
@@ -108,8 +113,14 @@ class KafkaBus:
         self._topics_ready: set[str] = set()
         self._consumers: weakref.WeakSet[KafkaConsumer] = weakref.WeakSet()
 
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> KafkaBus:
+        """``kafka://HOST:PORT[,HOST:PORT...][?security settings]``, see :mod:`kafka_security`."""
+        servers, security = parse_kafka_url(url)
+        return cls(servers, security=security, **options)
+
     def __repr__(self) -> str:
-        return f"KafkaBus({self.bootstrap_servers!r})"
+        return f"KafkaBus({self.bootstrap_servers!r}, {self.security.describe()})"
 
     # -- publishing -----------------------------------------------------------------------
 
@@ -183,7 +194,7 @@ class KafkaBus:
 
     async def _start_client(self, client: Any) -> None:
         try:
-            await start_client(client, self.bootstrap_servers)
+            await start_client(client, self.bootstrap_servers, self.security)
         except BusError as exc:
             self._outbox.mark_down(str(exc), RECONNECT_BACKOFF_S)
             raise
@@ -195,6 +206,7 @@ class KafkaBus:
                     bootstrap_servers=self.bootstrap_servers,
                     client_id=self.client_id,
                     request_timeout_ms=self.request_timeout_ms,
+                    **self._client_kwargs,
                 )
                 await self._start_client(admin)
                 self._admin = admin
@@ -214,6 +226,7 @@ class KafkaBus:
                     max_batch_size=MAX_MESSAGE_BYTES,
                     max_request_size=MAX_MESSAGE_BYTES + 64 * 1024,
                     request_timeout_ms=self.request_timeout_ms,
+                    **self._client_kwargs,
                 )
                 await self._start_client(producer)
                 self._producer = producer
@@ -251,6 +264,8 @@ class KafkaBus:
             client_id=self.client_id,
             session_timeout_ms=self.session_timeout_ms,
             request_timeout_ms=self.request_timeout_ms,
+            security=self.security,
+            client_kwargs=self._client_kwargs,
         )
 
     # -- shutdown -------------------------------------------------------------------------
