@@ -184,3 +184,23 @@ async def create_topics(
     for topic, code, *detail in response.topic_errors:
         if code not in (0, TOPIC_EXISTS):
             raise BusError(f"cannot create topic {topic!r}: Kafka error {code} {detail}")
+
+
+def fail_pending(producer: Any, error: BaseException) -> None:
+    """Fail every batch an aiokafka producer still holds, so it never sends them later.
+
+    aiokafka has no public call for this; its accumulator's ``fail_all`` is what the producer
+    itself uses when its sender dies. Without it, a producer given up during an outage would
+    keep retrying its batches in the background. Its drain waiters get the error too, and
+    nobody awaits them: consume it so asyncio does not log "exception was never retrieved".
+    """
+    accumulator = getattr(producer, "_message_accumulator", None)
+    if accumulator is None or not hasattr(accumulator, "fail_all"):
+        return
+    batches = [b for queued in getattr(accumulator, "_batches", {}).values() for b in queued]
+    batches += list(getattr(accumulator, "_pending_batches", ()))
+    accumulator.fail_all(error)
+    for batch in batches:
+        waiter = getattr(batch, "_drain_waiter", None)
+        if waiter is not None and waiter.done() and not waiter.cancelled():
+            waiter.exception()

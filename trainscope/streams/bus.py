@@ -9,6 +9,7 @@ partition, so one rank's messages stay in order. Consumers in a group ``poll`` m
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -61,6 +62,23 @@ class Bus(Protocol):
     def consumer(self, topics: list[str], group: str) -> Consumer: ...
 
     def close(self) -> None: ...
+
+
+DeliveryCallback = Callable[[BaseException | None], None]
+"""Called once per message: ``None`` when the broker acknowledged it, else the error."""
+
+
+@runtime_checkable
+class TrackingBus(Bus, Protocol):
+    """A bus that reports each message's outcome, so a producer can count acknowledgements
+    instead of assuming them, and retry exactly what failed. It retries connections itself and
+    logs the start and end of a broker outage once each."""
+
+    def publish_tracked(
+        self, topic: str, value: bytes, key: bytes | None, on_done: DeliveryCallback
+    ) -> None:
+        """Like ``publish``; ``on_done`` runs later, on any thread, exactly once."""
+        ...
 
 
 def partition_for(key: bytes | None, partitions: int, counter: int) -> int:
