@@ -43,3 +43,12 @@ def test_attach_publishes_steps_over_tls(attach, tls_kafka_broker, monkeypatch, 
     assert steps >= set(range(8))
     out, err = capfd.readouterr()
     assert CLIENT_KEY_PASSWORD not in out + err + caplog.text
+
+
+@pytest.mark.parametrize("url", ["kafka://trainer:hunter2@127.0.0.1:9093",
+                                 "kafka://127.0.0.1:9093?sasl_password=hunter2"])
+def test_attach_refuses_a_secret_in_the_bus_url_without_echoing_it(attach, url: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        attach(bus=url)
+    assert "hunter2" not in str(refused.value)
+    assert "TRAINSCOPE_KAFKA_SASL_PASSWORD" in str(refused.value)
