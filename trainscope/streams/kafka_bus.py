@@ -212,6 +212,9 @@ class KafkaBus:
                 producer = await self._producer_ready()
                 await self._ensure_topics([entry.topic])
                 delivery = await producer.send(entry.topic, entry.value, key=entry.key)
+            except asyncio.CancelledError:  # the bus is closing
+                self._outbox.settle(entry, BusError("the bus closed before sending"))
+                raise
             except Exception as exc:
                 self._outbox.settle(entry, exc)
                 if self._producer is None:  # could not connect: fail the rest fast too
@@ -240,6 +243,7 @@ class KafkaBus:
                 if reason:
                     await self._abandon_producer(reason)
                     return
+                await asyncio.sleep(STALL_CHECK_S)  # reachable: do not probe it continuously
         finally:
             self._watching = False
 

@@ -326,7 +326,7 @@ class Sender:
             self._cond.notify_all()
         if error is None:
             self._bus_ok()
-        else:
+        elif not self._stopping:  # failures while closing are reported as abandoned records
             self._bus_failed(error, close=False)
 
     def _await_in_flight(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
@@ -422,8 +422,10 @@ class Sender:
         self.bus_up = False
         if close:
             self._close_bus()
-        self._next_attempt = time.monotonic() + self._backoff_s
-        self._backoff_s = min(self._backoff_s * 2, self.backoff_max_s)
+        now = time.monotonic()
+        if now >= self._next_attempt:  # one step of backoff per attempt, not per failed batch
+            self._next_attempt = now + self._backoff_s
+            self._backoff_s = min(self._backoff_s * 2, self.backoff_max_s)
 
     def _log_drops_once(self) -> None:
         with self._cond:
