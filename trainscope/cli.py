@@ -98,15 +98,15 @@ def sql(query: str, store: Path | None, create: bool, url: str | None, fmt: str)
         StoreError,
         check_read_only_sql,
         connect,
+        default_store_dir,
         run_query,
-        store_path,
     )
 
     if store is not None and url is not None:
         raise click.UsageError("give either --store DIR or --url URL, not both")
     try:
         check_read_only_sql(query)
-        if create and url is None and not store_path(store, create=False, check=False).exists():
+        if create and url is None and not Path(store or default_store_dir()).expanduser().exists():
             ClickHouseSink.open(store).close()  # an empty store with trainscope's tables
         client = connect(store, url, readonly=True, create=create)
         columns, rows = run_query(client, query)

@@ -8,7 +8,6 @@ re-sent blocks and collapse equal keys on merge (see :mod:`trainscope.schemas.dd
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import time
@@ -24,6 +23,7 @@ from trainscope._secrets import redact_url, scrub, url_has_password
 from trainscope.detectors.base import WindowView
 from trainscope.schemas.ddl import TABLES, all_ddl
 from trainscope.schemas.records import SCHEMA_VERSION, Finding, Topology
+from trainscope.sinks.store_access import other_owner, writes_a_file
 
 
 class StoreError(RuntimeError):
@@ -59,7 +59,7 @@ def connect(
     if url:
         return _connect_server(clickhouse_connect, url, settings)
     path = store_path(store, create=create)
-    owner = _other_owner(path)
+    owner = other_owner(path)
     if owner is not None:
         raise StoreError(_in_use(path, owner))
     try:
@@ -68,14 +68,9 @@ def connect(
         raise StoreError(f"cannot open store {path}: {_first_line(exc)}") from None
 
 
-def store_path(store: Path | str | None, *, create: bool, check: bool = True) -> Path:
-    """The absolute store directory; with ``create`` it is made if missing.
-
-    Without ``check``, only the path is resolved.
-    """
+def store_path(store: Path | str | None, *, create: bool) -> Path:
+    """The absolute store directory; with ``create`` it is made if missing."""
     path = Path(store or default_store_dir()).expanduser().resolve()
-    if not check:
-        return path
     if path.exists() and not path.is_dir():
         raise StoreError(f"store path {path} is a file, expected a directory")
     if create:
@@ -114,42 +109,6 @@ def _server_password() -> str:
     return os.environ.get(env.TRAINSCOPE_CLICKHOUSE_PASSWORD, "")
 
 
-def _other_owner(path: Path) -> int:
-    """The pid of another process that has the store open (0 if unknown), else ``None``.
-
-    The engine holds an exclusive ``flock`` on the store's ``status`` file while it runs and
-    writes its pid there ("PID: 1234"). Asking first gives a clear message where opening would
-    only print the engine's own error text and fail with an unrelated one.
-    """
-    status = path / "status"
-    try:
-        text = status.read_text(errors="replace")
-    except OSError:
-        return None
-    pid = 0
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "PID" and value.strip().isdigit():
-            pid = int(value.strip())
-    if pid == os.getpid():
-        return None  # this process opened it already; the engine shares it within a process
-    try:
-        fd = os.open(status, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return pid
-    except OSError:
-        return None
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
 def _in_use(path: Path, pid: int) -> str:
     who = f"process {pid}" if pid else "another process"
     return (
@@ -172,21 +131,13 @@ def _first_line(exc: BaseException) -> str:
 _OS_ERROR = re.compile(r"\[Errno -?\d+\] ([^\"')]+)")
 
 
-_SQL_QUOTED = re.compile(
-    r"""'(?:[^'\\]|\\.|'')*'|"(?:[^"\\]|\\.|"")*"|`(?:[^`\\]|\\.|``)*`"""
-    r"""|--[^\n]*|\#[^\n]*|/\*.*?\*/""",
-    re.DOTALL,
-)
-_INTO_OUTFILE = re.compile(r"\bINTO\s+OUTFILE\b", re.IGNORECASE)
-
-
 def check_read_only_sql(sql: str) -> None:
     """``StoreError`` for ``INTO OUTFILE``, the one write that ``readonly=1`` lets through.
 
     An embedded engine runs the query in this process, so ``INTO OUTFILE`` would write (or
     overwrite) a local file. Quoted text and comments are ignored when looking for it.
     """
-    if _INTO_OUTFILE.search(_SQL_QUOTED.sub(" ", sql)):
+    if writes_a_file(sql):
         raise StoreError("INTO OUTFILE is not allowed: queries are read-only (use --format csv)")
 
 
