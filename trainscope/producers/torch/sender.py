@@ -21,7 +21,6 @@ twice on the topic; ``resent`` counts such retries.
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 import time
 from collections import deque
@@ -29,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trainscope.producers.torch.outage import OutageLog
 from trainscope.producers.torch.safety import Guard, log
 from trainscope.schemas.codec import encode_batch
 from trainscope.streams.bus import EVENTS_TOPIC, Bus, TrackingBus
@@ -87,11 +87,8 @@ class Sender:
         self._bus: Bus | None = None
         self._next_attempt = 0.0
         self._backoff_s = backoff_initial_s
-        self._down_since: float | None = None  # monotonic start of the current outage
-        self._dropped_at_outage = 0
-        self._drops_logged = False
-        self._bus_logs_outages = False  # a TrackingBus logs its outages itself
-        self._loud_outage = False  # this outage's start was logged here as a warning
+        self._outage = OutageLog(capacity)
+        self._bus_logs_outages = False  # a TrackingBus logs outages of a broker it reached
         self.counts = {
             "submitted": 0,  # records offered by training, accepted or not
             "sent": 0,  # record sends handed to the bus; a retry counts again
@@ -161,6 +158,7 @@ class Sender:
     def reset_after_fork(self) -> None:
         """In a forked child the thread is gone and the bus belongs to the parent."""
         self._cond = threading.Condition()
+        self._outage = OutageLog(self.capacity)
         self._thread = None
         self._bus = None
         self._queue = []
@@ -225,7 +223,7 @@ class Sender:
             self._queue = []
         self._enqueue_payloads(records)
         self._deliver(final)
-        self._log_drops_once()
+        self._outage.dropping(self.counts["dropped"])
 
     def _enqueue_payloads(self, records: list[Any]) -> None:
         for i in range(0, len(records), MAX_BATCH_RECORDS):
@@ -381,44 +379,17 @@ class Sender:
     def _bus_ok(self) -> None:
         self._backoff_s = self.backoff_initial_s
         self.bus_up = True
-        if self._down_since is None:
-            return
-        with self._cond:
-            dropped = self.counts["dropped"] - self._dropped_at_outage
-        log.log(
-            logging.WARNING if dropped or self._loud_outage else logging.INFO,
-            "trainscope: the bus is back after %.1fs; held records are being delivered "
-            "(%d dropped meanwhile because the queue was full)",
-            time.monotonic() - self._down_since,
-            dropped,
-        )
-        self._down_since = None
+        self._outage.recovered(self.counts["dropped"])
 
     def _bus_failed(self, exc: BaseException, *, close: bool) -> None:
         """Back off; a bus that could not even be opened, or has no retry of its own, is
-        closed and opened again later. Logged once per outage (at INFO where the bus logs its
-        outages itself)."""
+        closed and opened again later."""
         with self._cond:
             self.counts["bus_errors"] += 1
-            first = self._down_since is None
-            if first:
-                self._down_since = time.monotonic()
-                self._dropped_at_outage = self.counts["dropped"]
-                self._drops_logged = False
-        if first:
-            # A tracking bus logs an outage of a broker it was connected to; not reaching it
-            # at all is ours to say.
-            bus_says_so = self._bus_logs_outages and self._bus is not None and self.counts["acked"]
-            self._loud_outage = not bus_says_so
-            log.log(
-                logging.INFO if bus_says_so else logging.WARNING,
-                "trainscope: the bus is unreachable (%s: %s); training continues, records wait "
-                "in a bounded queue (%d) and are dropped (counted) when it is full; retrying "
-                "in the background (logged once until it is back)",
-                type(exc).__name__,
-                exc,
-                self.capacity,
-            )
+        # A tracking bus logs the outage of a broker it was connected to; not reaching the
+        # broker at all is ours to say.
+        bus_logs_it = self._bus_logs_outages and self._bus is not None and self.counts["acked"]
+        self._outage.failed(exc, self.counts["dropped"], bus_logs_it=bool(bus_logs_it))
         self.bus_up = False
         if close:
             self._close_bus()
@@ -426,22 +397,6 @@ class Sender:
         if now >= self._next_attempt:  # one step of backoff per attempt, not per failed batch
             self._next_attempt = now + self._backoff_s
             self._backoff_s = min(self._backoff_s * 2, self.backoff_max_s)
-
-    def _log_drops_once(self) -> None:
-        with self._cond:
-            dropping = (
-                self._down_since is not None
-                and not self._drops_logged
-                and self.counts["dropped"] > self._dropped_at_outage
-            )
-            if dropping:
-                self._drops_logged = True
-        if dropping:
-            log.warning(
-                "trainscope: the queue (%d records) is full while the bus is unreachable; new "
-                "records are dropped and counted until it is back",
-                self.capacity,
-            )
 
     def _close_bus(self) -> None:
         bus, self._bus = self._bus, None
