@@ -170,12 +170,6 @@ class KafkaBus:
         if self._outbox.offer(topic, value, key, on_done):
             self._loop().call_soon(self._start_drain)
 
-    @property
-    def outage_s(self) -> float:
-        """Seconds since the broker was found unreachable; 0 while it is reachable."""
-        since = self._outage_since
-        return 0.0 if since is None else time.monotonic() - since
-
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait for every published message; ``BusError`` on timeout or failed deliveries."""
         if self._producer is not None and self._thread is not None:
@@ -241,13 +235,13 @@ class KafkaBus:
                 # A slow broker is not an outage: only an unreachable one is.
                 reason = await why_unreachable(self._servers, self.security)
                 if reason:
-                    await self._abandon_producer(reason)
+                    self._abandon_producer(reason)
                     return
                 await asyncio.sleep(STALL_CHECK_S)  # reachable: do not probe it continuously
         finally:
             self._watching = False
 
-    async def _abandon_producer(self, reason: str) -> None:
+    def _abandon_producer(self, reason: str) -> None:
         """The broker is gone: fail what the producer holds (callers retry it) and reconnect,
         topics included, once it is back; aiokafka alone would keep the messages and, after a
         broker replacement, could hand them to a broker that no longer has their topic."""
