@@ -1,19 +1,22 @@
 """Kafka TLS/SASL settings: resolution from the URL and the environment, validation, redaction.
 
-No Kafka broker with SASL can run here, so SASL is tested up to the aiokafka client: the
-settings it receives (a real ``AIOKafkaProducer`` is constructed, not started). Nothing here
-pretends to authenticate; TLS against a real endpoint is in ``test_kafka_tls.py``.
+No Kafka broker with SASL users can run here, so SASL is tested up to the aiokafka client: the
+settings it receives (a real ``AIOKafkaProducer`` is constructed, not started), and the error
+when a broker refuses the SASL handshake. Nothing here pretends to authenticate; TLS against a
+real endpoint is in ``test_kafka_tls.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from trainscope.streams.bus import open_bus
+from trainscope.streams.bus import BusError, open_bus
+from trainscope.streams.kafka_bus import KafkaBus
 from trainscope.streams.kafka_security import (
     KafkaSecurity,
     KafkaSettingsError,
@@ -122,3 +125,23 @@ def test_encrypted_client_key_without_its_password_is_a_clear_error(tls_kafka_br
     monkeypatch.delenv("TRAINSCOPE_KAFKA_SSL_KEY_PASSWORD", raising=False)
     with pytest.raises(KafkaSettingsError, match="an encrypted key needs its password"):
         open_bus(tls_kafka_broker.url())
+
+
+@pytest.mark.kafka
+def test_a_refused_sasl_login_is_one_line_without_the_password(kafka_broker, caplog) -> None:
+    """The test broker has no SASL users: it refuses the SASL handshake, which is the refused
+    login path. A successful SASL login is not tested here; no broker for it is available."""
+    caplog.set_level(logging.DEBUG, logger="trainscope")
+    bus = KafkaBus(kafka_broker.bootstrap_servers, security=KafkaSecurity(
+        security_protocol="SASL_PLAINTEXT", sasl_mechanism="SCRAM-SHA-256",
+        sasl_username="trainer", sasl_password=SECRET))
+    try:
+        with pytest.raises(BusError) as refused:
+            bus.connect(timeout_s=20)
+    finally:
+        bus.close()
+    text = str(refused.value)
+    assert text == (f"cannot reach Kafka at {kafka_broker.bootstrap_servers}: the broker refused "
+                    "the SASL login (SASL_PLAINTEXT, SASL SCRAM-SHA-256 as 'trainer'): check "
+                    "the user name, password and mechanism")
+    assert SECRET not in caplog.text

@@ -158,11 +158,11 @@ async def start_client(
             log.debug("closing a client that failed to start", exc_info=True)
         reason = await why_unreachable(split_servers(bootstrap_servers), security)
         if not reason and security is not None and security.uses_sasl:
-            # The connection and the TLS handshake work, so the broker refused the login (aiokafka
-            # reports that only as a failure to bootstrap).
+            # The connection and the TLS handshake work, so the broker refused the login or the
+            # mechanism (aiokafka reports either only as a failure to bootstrap).
             reason = (
-                f"{_one_line(exc)} ({security.describe()}: check the user name, password and "
-                f"mechanism)"
+                f"the broker refused the SASL login ({security.describe()}): check the user "
+                f"name, password and mechanism"
             )
         raise BusError(
             f"cannot reach Kafka at {bootstrap_servers}: {reason or _one_line(exc)}"
