@@ -96,3 +96,27 @@ def test_demo_publishes_and_the_pipeline_consumes_over_tls(tls_kafka_broker, tmp
     result = json.loads(done.stdout)
     assert result["events"] > 0 and result["windows"] >= 2
     assert result["findings"][0]["rank"] == 5
+
+
+def test_tls_settings_from_the_environment_alone(tls_kafka_broker, monkeypatch) -> None:
+    pki = tls_kafka_broker.pki
+    for name, value in {"TRAINSCOPE_KAFKA_SSL_CAFILE": pki.ca,
+                        "TRAINSCOPE_KAFKA_SSL_CERTFILE": pki.client_cert,
+                        "TRAINSCOPE_KAFKA_SSL_KEYFILE": pki.client_key,
+                        "TRAINSCOPE_KAFKA_SSL_KEY_PASSWORD": CLIENT_KEY_PASSWORD}.items():
+        monkeypatch.setenv(name, str(value))
+    topic = f"tls-env-{uuid.uuid4().hex[:8]}"
+    bus = open_bus(f"kafka://127.0.0.1:{tls_kafka_broker.tls_port}")  # SSL inferred
+    try:
+        bus.connect([topic], timeout_s=20)
+        bus.publish(topic, b"hello", key=b"k")
+        bus.flush(timeout_s=20)
+        consumer = bus.consumer([topic], "tls-env-reader")
+        seen: list[bytes] = []
+        deadline = time.monotonic() + 20
+        while not seen and time.monotonic() < deadline:
+            seen += [m.value for m in consumer.poll(timeout_s=0.5)]
+        consumer.close()
+    finally:
+        bus.close()
+    assert seen == [b"hello"]
