@@ -111,7 +111,13 @@ def sql(query: str, store: Path | None, create: bool, url: str | None, fmt: str)
         client = connect(store, url, readonly=True, create=create)
         columns, rows = run_query(client, query)
     except StoreError as exc:
-        raise click.ClickException(str(exc)) from None
+        text = str(exc)
+        if "(READONLY)" in text:
+            text += (
+                "; trainscope sql only reads: no writes, DDL or setting changes, and no table "
+                "functions that reach files, URLs or other servers"
+            )
+        raise click.ClickException(text) from None
     _print_rows(columns, rows, fmt)
 
 
