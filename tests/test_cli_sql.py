@@ -29,13 +29,6 @@ sink.write_window(window, [window.finding("t", rank=1, category="hang", score=1.
 sink.close()
 """
 
-HOLD_STORE = """
-import sys, time
-from trainscope.sinks.clickhouse import ClickHouseSink
-sink = ClickHouseSink.open(sys.argv[1])
-print("open", flush=True)
-time.sleep(120)
-"""
 
 
 def trainscope(*args: str, env_extra: dict[str, str] | None = None,
@@ -155,24 +148,28 @@ def test_create_starts_an_empty_store(tmp_path: Path) -> None:
     assert findings_count(path) == 0  # and from now on it is a store
 
 
-def test_a_store_owned_by_a_running_process_gives_one_line_that_says_what_to_do(
-    store: Path,
+@pytest.mark.kafka
+def test_a_store_owned_by_a_running_pipeline_gives_one_line_that_says_what_to_do(
+    kafka_broker, tmp_path: Path,
 ) -> None:
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_STORE, str(store)],
-                              stdout=subprocess.PIPE, text=True)
+    store = tmp_path / "store"
+    pipeline = subprocess.Popen(
+        [sys.executable, "-m", "trainscope.cli", "pipeline", "--bus", kafka_broker.url,
+         "--store", str(store), "--group", f"sql-lock-{time.monotonic_ns()}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
-        line = error_line(trainscope("sql", "SELECT 1", "--store", str(store)))
+        assert pipeline.stderr is not None
+        assert pipeline.stderr.readline().startswith("consuming ")  # it owns the store now
+        line = error_line(trainscope("sql", "SELECT count() FROM findings", "--store", str(store)))
     finally:
-        holder.kill()
-        holder.wait(timeout=10)
-    assert f"store {store.resolve()} is in use by process {holder.pid}" in line
-    assert "--url" in line and "stop that process" in line
-    deadline = time.monotonic() + 10  # chDB releases the lock when its owner dies
-    while time.monotonic() < deadline:
-        if trainscope("sql", "SELECT 1", "--store", str(store)).returncode == 0:
-            return
-    pytest.fail("the store stayed locked after its owner was killed")
+        pipeline.terminate()
+        pipeline.wait(timeout=30)
+    assert line == (
+        f"Error: store {store.resolve()} is in use by process {pipeline.pid} (an embedded store "
+        f"has a single owner, e.g. a running `trainscope pipeline`): query it through a "
+        f"ClickHouse server with --url, or stop that process and retry"
+    )
+    assert findings_count(store) == 0  # once the pipeline stopped, the store opens
 
 
 def test_a_password_in_the_url_is_refused_without_echoing_it() -> None:
