@@ -1,7 +1,8 @@
-"""Shared fixtures: a real Kafka-protocol broker for the tests marked ``kafka``."""
+"""Shared fixtures: a real Kafka-protocol broker, also behind TLS, for tests marked ``kafka``."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from kafka_broker import TansuBroker
+from kafka_tls import TlsBroker, stunnel_binary
 
 
 @pytest.fixture(scope="session")
@@ -25,4 +27,16 @@ def kafka_broker() -> Iterator[TansuBroker]:
 def fresh_kafka_broker() -> Iterator[TansuBroker]:
     """A broker of the test's own, which the test may ``stop()`` and ``start()`` again."""
     with TansuBroker() as broker:
+        yield broker
+
+
+@pytest.fixture(scope="session")
+def tls_kafka_broker(tmp_path_factory) -> Iterator[TlsBroker]:
+    """The broker behind a real stunnel TLS endpoint that demands a client certificate."""
+    if stunnel_binary() is None:
+        reason = "stunnel4 is not installed (infra/setup-test-host.sh installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    with TlsBroker(tmp_path_factory.mktemp("kafka-tls")) as broker:
         yield broker

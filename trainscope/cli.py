@@ -28,6 +28,13 @@ _LAZY = {
 }
 
 
+_CHATTY_LIBRARIES = frozenset({"aiokafka", "kafka", "urllib3", "clickhouse_connect"})
+
+
+def _not_from_client_libraries(record: logging.LogRecord) -> bool:
+    return record.name.partition(".")[0] not in _CHATTY_LIBRARIES
+
+
 class _LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         names = set(super().list_commands(ctx))
@@ -61,35 +68,56 @@ def cli(verbose: int) -> None:
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    if not verbose:
+        # Client libraries log every retry and reconnect (and reset their loggers' levels on
+        # import); our own errors say what failed, once.
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_not_from_client_libraries)
 
 
 @cli.command()
 @click.argument("query")
 @click.option("--store", type=click.Path(path_type=Path), help="chDB store directory "
-              "(default: the demo's store under the user's data directory).")
+              "(default: the demo's store under the user's data directory). It must exist.")
+@click.option("--create", is_flag=True, help="Start an empty store if --store does not exist.")
 @click.option("--url", help="ClickHouse server URL instead of a store, e.g. http://host:8123 "
-              "(credentials from TRAINSCOPE_CLICKHOUSE_USER / _PASSWORD).")
+              "(credentials from TRAINSCOPE_CLICKHOUSE_USER / _PASSWORD, never in the URL).")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table",
               show_default=True)
-def sql(query: str, store: Path | None, url: str | None, fmt: str) -> None:
-    """Run an ad-hoc SQL QUERY on the store.
+def sql(query: str, store: Path | None, create: bool, url: str | None, fmt: str) -> None:
+    """Run a read-only SQL QUERY on the store.
 
     Tables: function_summaries, step_records, metric_samples, findings, topologies,
-    dead_letters (and op_traces, whatif_results after a what-if run).
+    dead_letters (and op_traces, whatif_results after a what-if run). Queries run with
+    ClickHouse's readonly=1: no writes, no DDL, no setting changes, no table functions that
+    read files, URLs or other servers. A store that a running pipeline owns cannot be opened
+    by another process: query it through a ClickHouse server with --url.
     """
-    from trainscope.sinks.clickhouse import StoreError, connect, default_store_dir, run_query
+    from trainscope.sinks.clickhouse import (
+        ClickHouseSink,
+        StoreError,
+        check_read_only_sql,
+        connect,
+        default_store_dir,
+        run_query,
+    )
 
-    if store is None and url is None:
-        store = default_store_dir()
-        if not store.exists():
-            raise click.ClickException(
-                f"no store at {store}: run `trainscope demo` or pass --store"
-            )
+    if store is not None and url is not None:
+        raise click.UsageError("give either --store DIR or --url URL, not both")
     try:
-        client = connect(store, url)
+        check_read_only_sql(query)
+        if create and url is None and not Path(store or default_store_dir()).expanduser().exists():
+            ClickHouseSink.open(store).close()  # an empty store with trainscope's tables
+        client = connect(store, url, readonly=True, create=create)
         columns, rows = run_query(client, query)
     except StoreError as exc:
-        raise click.ClickException(str(exc)) from None
+        text = str(exc)
+        if "(READONLY)" in text:
+            text += (
+                "; trainscope sql only reads: no writes, DDL or setting changes, and no table "
+                "functions that reach files, URLs or other servers"
+            )
+        raise click.ClickException(text) from None
     _print_rows(columns, rows, fmt)
 
 

@@ -209,8 +209,13 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
             if f.score >= ALERT_THRESHOLD:
                 click.echo(f"ALERT [{f.score:.2f}] {view.job_id}: {f.message}")
 
-    p = Pipeline(bus, group=group, window_s=window_s, lateness_s=lateness_s, sink=sink,
-                 on_window=on_window)
+    try:
+        p = Pipeline(bus, group=group, window_s=window_s, lateness_s=lateness_s, sink=sink,
+                     on_window=on_window)
+    except BusError as exc:  # e.g. the broker is down, or a TLS handshake or login failed
+        bus.close()
+        sink.close()
+        raise click.ClickException(str(exc)) from None
     click.echo(f"consuming {bus_url} as group {group}; Ctrl-C to stop", err=True)
     try:
         p.run(idle_timeout_s=idle_exit_s if idle_exit_s is not None else float("inf"))

@@ -10,7 +10,8 @@ from __future__ import annotations
 # -- trainscope's own settings ---------------------------------------------------------------
 
 TRAINSCOPE_BUS = "TRAINSCOPE_BUS"
-"""Where to publish: ``memory`` or ``kafka://HOST:PORT[,HOST:PORT]``. Unset: nothing leaves the
+"""Where to publish: ``memory`` or ``kafka://HOST:PORT[,HOST:PORT][?settings]`` (TLS/SASL
+settings: see the ``TRAINSCOPE_KAFKA_*`` variables below). Unset: nothing leaves the
 process (attach() says so once in the log)."""
 
 TRAINSCOPE_JOB_ID = "TRAINSCOPE_JOB_ID"
@@ -50,6 +51,43 @@ TRAINSCOPE_CLICKHOUSE_USER = "TRAINSCOPE_CLICKHOUSE_USER"
 TRAINSCOPE_CLICKHOUSE_PASSWORD = "TRAINSCOPE_CLICKHOUSE_PASSWORD"
 """Password for the ClickHouse server; only ever read from the environment."""
 
+# -- Kafka security: TLS and SASL for every Kafka client (settings in the kafka:// URL's query
+# win over these). Secrets (the two passwords) come only from here or from a file. -----------
+
+TRAINSCOPE_KAFKA_SECURITY_PROTOCOL = "TRAINSCOPE_KAFKA_SECURITY_PROTOCOL"
+"""``PLAINTEXT``, ``SSL``, ``SASL_PLAINTEXT`` or ``SASL_SSL``. Default: ``SSL`` when a CA or
+client certificate is given, ``SASL_SSL`` when a SASL mechanism is given, else ``PLAINTEXT``."""
+
+TRAINSCOPE_KAFKA_SSL_CAFILE = "TRAINSCOPE_KAFKA_SSL_CAFILE"
+"""PEM file of the CA(s) that signed the brokers' certificates. Default: the system's CAs."""
+
+TRAINSCOPE_KAFKA_SSL_CERTFILE = "TRAINSCOPE_KAFKA_SSL_CERTFILE"
+"""PEM client certificate, for brokers that authenticate clients by certificate (mTLS)."""
+
+TRAINSCOPE_KAFKA_SSL_KEYFILE = "TRAINSCOPE_KAFKA_SSL_KEYFILE"
+"""PEM private key of the client certificate (if not in the certificate file)."""
+
+TRAINSCOPE_KAFKA_SSL_KEY_PASSWORD = "TRAINSCOPE_KAFKA_SSL_KEY_PASSWORD"
+"""Password of an encrypted client key. Secret: never accepted in a URL, never printed."""
+
+TRAINSCOPE_KAFKA_SSL_KEY_PASSWORD_FILE = "TRAINSCOPE_KAFKA_SSL_KEY_PASSWORD_FILE"
+"""A file holding that password (e.g. a mounted secret); used when the variable above is unset."""
+
+TRAINSCOPE_KAFKA_SSL_CHECK_HOSTNAME = "TRAINSCOPE_KAFKA_SSL_CHECK_HOSTNAME"
+"""``false`` to accept a broker certificate whose name does not match the address. Default true."""
+
+TRAINSCOPE_KAFKA_SASL_MECHANISM = "TRAINSCOPE_KAFKA_SASL_MECHANISM"
+"""``PLAIN``, ``SCRAM-SHA-256`` or ``SCRAM-SHA-512``."""
+
+TRAINSCOPE_KAFKA_SASL_USERNAME = "TRAINSCOPE_KAFKA_SASL_USERNAME"
+"""SASL user name."""
+
+TRAINSCOPE_KAFKA_SASL_PASSWORD = "TRAINSCOPE_KAFKA_SASL_PASSWORD"
+"""SASL password. Secret: never accepted in a URL, never printed."""
+
+TRAINSCOPE_KAFKA_SASL_PASSWORD_FILE = "TRAINSCOPE_KAFKA_SASL_PASSWORD_FILE"
+"""A file holding the SASL password; used when the variable above is unset."""
+
 ALL: tuple[str, ...] = (
     TRAINSCOPE_BUS,
     TRAINSCOPE_JOB_ID,
@@ -64,6 +102,17 @@ ALL: tuple[str, ...] = (
     TRAINSCOPE_CLICKHOUSE_URL,
     TRAINSCOPE_CLICKHOUSE_USER,
     TRAINSCOPE_CLICKHOUSE_PASSWORD,
+    TRAINSCOPE_KAFKA_SECURITY_PROTOCOL,
+    TRAINSCOPE_KAFKA_SSL_CAFILE,
+    TRAINSCOPE_KAFKA_SSL_CERTFILE,
+    TRAINSCOPE_KAFKA_SSL_KEYFILE,
+    TRAINSCOPE_KAFKA_SSL_KEY_PASSWORD,
+    TRAINSCOPE_KAFKA_SSL_KEY_PASSWORD_FILE,
+    TRAINSCOPE_KAFKA_SSL_CHECK_HOSTNAME,
+    TRAINSCOPE_KAFKA_SASL_MECHANISM,
+    TRAINSCOPE_KAFKA_SASL_USERNAME,
+    TRAINSCOPE_KAFKA_SASL_PASSWORD,
+    TRAINSCOPE_KAFKA_SASL_PASSWORD_FILE,
 )
 
 # -- launcher variables (set by torchrun / torch.distributed.launch / SLURM wrappers) --------

@@ -1,8 +1,12 @@
 """The bounded outbox of the Kafka bus: what ``publish`` accepted and Kafka has not settled.
 
 Callers on any thread ``offer`` messages; the bus's event loop ``take``s them for the producer
-and ``settle``s each one when Kafka acknowledges or fails it. Bounds (messages and bytes) make
-``offer`` fail fast instead of letting a dead broker stall or bloat a training process.
+and ``settle``s each one exactly once: delivered when Kafka acknowledged it, failed otherwise
+(including when the bus gives up on a producer during an outage). Bounds (messages and bytes)
+make ``offer`` fail fast instead of letting a dead broker stall or bloat a training process.
+
+Counts (messages): ``published`` = ``delivered`` + ``failed`` + pending; ``rejected`` were
+refused by ``offer`` and never queued.
 """
 
 from __future__ import annotations
@@ -12,11 +16,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from trainscope.streams.bus import BusError
+from trainscope.streams.bus import BusError, DeliveryCallback
 
-Item = tuple[str, bytes, bytes | None]
+
+@dataclass(eq=False)
+class Entry:
+    topic: str
+    value: bytes
+    key: bytes | None
+    on_done: DeliveryCallback | None = None
+    sent_at: float = 0.0  # monotonic time the producer took it; 0 while queued
+    settled: bool = field(default=False)
 
 
 class Outbox:
@@ -36,14 +49,20 @@ class Outbox:
         self.last_error = ""
         self._on_trouble = on_trouble  # the broker may have lost state: forget cached facts
         self._cond = threading.Condition()
-        self._queue: deque[Item] = deque()
+        self._queue: deque[Entry] = deque()
         self._pending = 0  # offered, neither delivered nor failed yet
         self._pending_bytes = 0
         self._draining = False
         self._failed_since_wait = 0
         self._down_until = 0.0
 
-    def offer(self, topic: str, value: bytes, key: bytes | None) -> bool:
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def offer(
+        self, topic: str, value: bytes, key: bytes | None, on_done: DeliveryCallback | None = None
+    ) -> bool:
         """Accept a message or raise ``BusError``; ``True`` if the drain must be started."""
         size = len(value)
         with self._cond:
@@ -64,7 +83,7 @@ class Outbox:
                 self.counts["rejected"] += 1
                 self._on_trouble()
                 raise BusError(problem)
-            self._queue.append((topic, value, key))
+            self._queue.append(Entry(topic, value, key, on_done))
             self._pending += 1
             self._pending_bytes += size
             self.counts["published"] += 1
@@ -72,11 +91,13 @@ class Outbox:
             self._draining = True
             return wake
 
-    def take(self) -> Item | None:
+    def take(self) -> Entry | None:
         """The next message to send; ``None`` (and the drain ends) when there is none."""
         with self._cond:
             if self._queue:
-                return self._queue.popleft()
+                entry = self._queue.popleft()
+                entry.sent_at = time.monotonic()
+                return entry
             self._draining = False
             return None
 
@@ -84,25 +105,31 @@ class Outbox:
         with self._cond:
             rest = list(self._queue)
             self._queue.clear()
-        for _, value, _ in rest:
-            self.settle(len(value), error)
+        for entry in rest:
+            self.settle(entry, error)
 
-    def settle(self, size: int, outcome: BaseException | asyncio.Future[Any] | None) -> None:
+    def settle(self, entry: Entry, outcome: BaseException | asyncio.Future[Any] | None) -> None:
+        """Record the outcome of ``entry``; later outcomes for the same entry are ignored."""
         if isinstance(outcome, asyncio.Future):
             outcome = outcome.exception() if not outcome.cancelled() else BusError("cancelled")
         with self._cond:
+            if entry.settled:
+                return
+            entry.settled = True
             self._pending -= 1
-            self._pending_bytes -= size
+            self._pending_bytes -= len(entry.value)
             if outcome is None:
                 self.counts["delivered"] += 1
-                self.last_error = ""
             else:
                 self.counts["failed"] += 1
-                self._failed_since_wait += 1
+                if entry.on_done is None:  # a tracked message's failure goes to its caller
+                    self._failed_since_wait += 1
                 self.last_error = str(outcome) or type(outcome).__name__
                 self._on_trouble()
             if not self._pending:
                 self._cond.notify_all()
+        if entry.on_done is not None:
+            entry.on_done(outcome)
 
     def mark_down(self, error: str, backoff_s: float) -> None:
         """Reject offers for ``backoff_s``: a connection attempt just failed."""

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from trainscope.streams.bus import BusError
+from trainscope.streams.kafka_security import KafkaSecurity
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -81,13 +83,16 @@ def split_servers(bootstrap_servers: str) -> list[tuple[str, int]]:
     return out
 
 
-async def why_unreachable(servers: list[tuple[str, int]]) -> str | None:
-    """Why no server accepts a TCP connection (``None`` if one does).
+async def why_unreachable(
+    servers: list[tuple[str, int]], security: KafkaSecurity | None = None
+) -> str | None:
+    """Why no server accepts a connection (``None`` if one does), TLS handshake included.
 
     aiokafka only says "Unable to bootstrap"; the operator needs "connection refused" versus
-    "unknown host" versus "timed out" to know whether the broker is down, misnamed or
-    firewalled.
+    "unknown host" versus "timed out" versus "certificate verify failed" to know whether the
+    broker is down, misnamed, firewalled or not trusted.
     """
+    context = security.ssl_context() if security is not None and security.uses_tls else None
     reasons: list[str] = []
     for host, port in servers:
         try:
@@ -102,11 +107,46 @@ async def why_unreachable(servers: list[tuple[str, int]]) -> str | None:
             reasons.append(exc.strerror or str(exc))
         else:
             writer.close()
-            return None
+            if context is None:
+                return None
+            assert security is not None
+            problem = await _tls_problem(host, port, context, security)
+            if problem is None:
+                return None
+            reasons.append(problem)
     return "; ".join(dict.fromkeys(reasons))
 
 
-async def start_client(client: Any, bootstrap_servers: str) -> None:
+async def _tls_problem(
+    host: str, port: int, context: ssl.SSLContext, security: KafkaSecurity
+) -> str | None:
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, ssl=context, server_hostname=host),
+            PROBE_TIMEOUT_S,
+        )
+    except ssl.SSLCertVerificationError as exc:
+        reason = exc.verify_message or exc.reason or "certificate verify failed"
+        return (
+            f"Kafka TLS handshake with {host}:{port} failed: certificate verify failed: "
+            f"{reason} ({_trust(security)})"
+        )
+    except ssl.SSLError as exc:
+        return f"Kafka TLS handshake with {host}:{port} failed: {exc.reason or exc}"
+    except (OSError, TimeoutError) as exc:
+        what = "timed out" if isinstance(exc, TimeoutError) else exc.strerror or str(exc)
+        return f"Kafka TLS handshake with {host}:{port} failed: {what}"
+    writer.close()
+    return None
+
+
+def _trust(security: KafkaSecurity) -> str:
+    return f"CA file {security.ssl_cafile}" if security.ssl_cafile else "the system's CA store"
+
+
+async def start_client(
+    client: Any, bootstrap_servers: str, security: KafkaSecurity | None = None
+) -> None:
     """Start an aiokafka client; ``BusError`` naming the servers and the reason if it cannot."""
     try:
         await client.start()
@@ -116,10 +156,22 @@ async def start_client(client: Any, bootstrap_servers: str) -> None:
             await close()
         except Exception:
             log.debug("closing a client that failed to start", exc_info=True)
-        reason = await why_unreachable(split_servers(bootstrap_servers))
+        reason = await why_unreachable(split_servers(bootstrap_servers), security)
+        if not reason and security is not None and security.uses_sasl:
+            # The connection and the TLS handshake work, so the broker refused the login or the
+            # mechanism (aiokafka reports either only as a failure to bootstrap).
+            reason = (
+                f"the broker refused the SASL login ({security.describe()}): check the user "
+                f"name, password and mechanism"
+            )
         raise BusError(
-            f"cannot reach Kafka at {bootstrap_servers}: {reason or exc or type(exc).__name__}"
+            f"cannot reach Kafka at {bootstrap_servers}: {reason or _one_line(exc)}"
         ) from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
 
 
 async def create_topics(
@@ -132,3 +184,23 @@ async def create_topics(
     for topic, code, *detail in response.topic_errors:
         if code not in (0, TOPIC_EXISTS):
             raise BusError(f"cannot create topic {topic!r}: Kafka error {code} {detail}")
+
+
+def fail_pending(producer: Any, error: BaseException) -> None:
+    """Fail every batch an aiokafka producer still holds, so it never sends them later.
+
+    aiokafka has no public call for this; its accumulator's ``fail_all`` is what the producer
+    itself uses when its sender dies. Without it, a producer given up during an outage would
+    keep retrying its batches in the background. Its drain waiters get the error too, and
+    nobody awaits them: consume it so asyncio does not log "exception was never retrieved".
+    """
+    accumulator = getattr(producer, "_message_accumulator", None)
+    if accumulator is None or not hasattr(accumulator, "fail_all"):
+        return
+    batches = [b for queued in getattr(accumulator, "_batches", {}).values() for b in queued]
+    batches += list(getattr(accumulator, "_pending_batches", ()))
+    accumulator.fail_all(error)
+    for batch in batches:
+        waiter = getattr(batch, "_drain_waiter", None)
+        if waiter is not None and waiter.done() and not waiter.cancelled():
+            waiter.exception()

@@ -9,8 +9,11 @@ partition, so one rank's messages stay in order. Consumers in a group ``poll`` m
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from trainscope._secrets import redact_url
 
 EVENTS_TOPIC = "trainscope.events"
 METRICS_TOPIC = "trainscope.metrics"
@@ -61,6 +64,23 @@ class Bus(Protocol):
     def close(self) -> None: ...
 
 
+DeliveryCallback = Callable[[BaseException | None], None]
+"""Called once per message: ``None`` when the broker acknowledged it, else the error."""
+
+
+@runtime_checkable
+class TrackingBus(Bus, Protocol):
+    """A bus that reports each message's outcome, so a producer can count acknowledgements
+    instead of assuming them, and retry exactly what failed. It retries connections itself and
+    logs the start and end of a broker outage once each."""
+
+    def publish_tracked(
+        self, topic: str, value: bytes, key: bytes | None, on_done: DeliveryCallback
+    ) -> None:
+        """Like ``publish``; ``on_done`` runs later, on any thread, exactly once."""
+        ...
+
+
 def partition_for(key: bytes | None, partitions: int, counter: int) -> int:
     """Same key, same partition; keyless messages spread round-robin."""
     if key is None:
@@ -73,7 +93,7 @@ def rank_key(job_id: str, rank: int) -> bytes:
 
 
 def open_bus(url: str) -> Bus:
-    """``memory`` for the embedded bus, ``kafka://HOST:PORT[,HOST:PORT...]`` for Kafka."""
+    """``memory`` (embedded bus) or ``kafka://HOST:PORT[,HOST:PORT...][?settings]`` (Kafka)."""
     if url in ("memory", "memory://"):
         from trainscope.streams.memory_bus import MemoryBus
 
@@ -81,8 +101,8 @@ def open_bus(url: str) -> Bus:
     if url.startswith("kafka://"):
         from trainscope.streams.kafka_bus import KafkaBus
 
-        servers = url.removeprefix("kafka://").strip("/")
-        if not servers:
-            raise ValueError(f"bus URL {url!r} names no broker (expected kafka://HOST:PORT)")
-        return KafkaBus(servers)
-    raise ValueError(f"unknown bus URL {url!r}: expected 'memory' or 'kafka://HOST:PORT'")
+        # TLS/SASL settings come from the URL's query and TRAINSCOPE_KAFKA_* (kafka_security).
+        return KafkaBus.from_url(url)
+    raise ValueError(
+        f"unknown bus URL {redact_url(url)!r}: expected 'memory' or 'kafka://HOST:PORT'"
+    )

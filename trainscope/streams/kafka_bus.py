@@ -7,11 +7,19 @@ so a training process can drop and count instead of stalling. ``flush`` waits fo
 reports, as ``BusError``, both a timeout and every message that could not be delivered.
 Messages are keyed (``job/rank``) so that one rank's messages share a partition and stay in order.
 Topics are created with ``partitions`` partitions before first use; an existing topic is kept.
+
+``publish_tracked`` reports each message's outcome. While messages wait unusually long the bus
+checks whether the broker is reachable at all; if not, it gives up on the producer and fails
+what it held (the caller keeps and retries them), and reconnects — re-creating the topics, which
+a replaced broker may have lost — on the next publish after a short backoff. An outage is
+logged once when it starts and once when it ends; aiokafka's own per-retry log lines are
+silenced unless the ``aiokafka`` logger was configured explicitly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -29,15 +37,18 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "the Kafka bus needs aiokafka: pip install 'trainscope[host]' or 'trainscope[stream]'"
     ) from exc
 
-from trainscope.streams._kafka_outbox import Outbox
+from trainscope.streams._kafka_outbox import Entry, Outbox
 from trainscope.streams._kafka_support import (
     EventLoopThread,
     create_topics,
+    fail_pending,
     split_servers,
     start_client,
+    why_unreachable,
 )
-from trainscope.streams.bus import DEFAULT_PARTITIONS, BusError
+from trainscope.streams.bus import DEFAULT_PARTITIONS, BusError, DeliveryCallback
 from trainscope.streams.kafka_consumer import KafkaConsumer, start_consumer
+from trainscope.streams.kafka_security import KafkaSecurity, parse_kafka_url
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +59,18 @@ COMPRESSIONS = ("gzip", "lz4", "snappy", "zstd", None)
 # messages that cannot go anywhere; the next publish after it tries to connect again.
 RECONNECT_BACKOFF_S = 1.0
 CALL_GRACE_S = 5.0
+# A message unacknowledged for this long makes the bus check that the broker is reachable.
+STALL_CHECK_S = 1.0
+WATCH_INTERVAL_S = 0.25
+
+
+def _quiet_client_library() -> None:
+    """aiokafka logs every failed connection attempt (about a hundred lines a second while a
+    broker is down) into whatever process hosts the bus, training jobs included. The bus logs
+    an outage itself, once; a user who set the ``aiokafka`` logger's level keeps it."""
+    library = logging.getLogger("aiokafka")
+    if library.level == logging.NOTSET:
+        library.setLevel(logging.CRITICAL)
 
 
 class KafkaBus:
@@ -64,8 +87,12 @@ class KafkaBus:
         max_pending_bytes: int = 64 * 1024 * 1024,
         request_timeout_ms: int = 10_000,
         session_timeout_ms: int = 6_000,
+        security: KafkaSecurity | None = None,
     ) -> None:
         self._servers = split_servers(bootstrap_servers)
+        # TLS/SASL for every client of this bus; without an argument, from the environment.
+        self.security = security if security is not None else KafkaSecurity.resolve()
+        self._client_kwargs = self.security.client_kwargs()  # reads the TLS files: fail early
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         for name, value in (
@@ -97,6 +124,11 @@ class KafkaBus:
             on_trouble=self._forget_topics,
         )
         self.counts = self._outbox.counts
+        self._in_flight: set[Entry] = set()  # handed to the current producer, not settled
+        self._watching = False
+        self._outage_since: float | None = None  # monotonic start of the current outage
+        self._connected_once = False
+        _quiet_client_library()
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
@@ -108,15 +140,34 @@ class KafkaBus:
         self._topics_ready: set[str] = set()
         self._consumers: weakref.WeakSet[KafkaConsumer] = weakref.WeakSet()
 
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> KafkaBus:
+        """``kafka://HOST:PORT[,HOST:PORT...][?security settings]``, see :mod:`kafka_security`."""
+        servers, security = parse_kafka_url(url)
+        return cls(servers, security=security, **options)
+
     def __repr__(self) -> str:
-        return f"KafkaBus({self.bootstrap_servers!r})"
+        return f"KafkaBus({self.bootstrap_servers!r}, {self.security.describe()})"
 
     # -- publishing -----------------------------------------------------------------------
 
     def publish(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+        self._offer(topic, value, key, None)
+
+    def publish_tracked(
+        self, topic: str, value: bytes, key: bytes | None, on_done: DeliveryCallback
+    ) -> None:
+        """Queue a message; ``on_done(None)`` once Kafka acknowledged it, ``on_done(error)``
+        when it failed (on the bus's thread, exactly once). Raises ``BusError`` when the
+        message cannot even be queued (bus full, broker just found unreachable)."""
+        self._offer(topic, value, key, on_done)
+
+    def _offer(
+        self, topic: str, value: bytes, key: bytes | None, on_done: DeliveryCallback | None
+    ) -> None:
         if self._closed:
             raise BusError(f"publish on a closed bus ({self.bootstrap_servers})")
-        if self._outbox.offer(topic, value, key):
+        if self._outbox.offer(topic, value, key, on_done):
             self._loop().call_soon(self._start_drain)
 
     def flush(self, timeout_s: float = 30.0) -> None:
@@ -150,18 +201,96 @@ class KafkaBus:
             self._spawn(self._producer.flush())
 
     async def _drain(self) -> None:
-        while (item := self._outbox.take()) is not None:
-            topic, value, key = item
+        while (entry := self._outbox.take()) is not None:
             try:
                 producer = await self._producer_ready()
-                await self._ensure_topics([topic])
-                delivery = await producer.send(topic, value, key=key)
+                await self._ensure_topics([entry.topic])
+                delivery = await producer.send(entry.topic, entry.value, key=entry.key)
+            except asyncio.CancelledError:  # the bus is closing
+                self._outbox.settle(entry, BusError("the bus closed before sending"))
+                raise
             except Exception as exc:
-                self._outbox.settle(len(value), exc)
+                self._outbox.settle(entry, exc)
                 if self._producer is None:  # could not connect: fail the rest fast too
                     self._outbox.fail_queued(exc)
                 continue
-            delivery.add_done_callback(functools.partial(self._outbox.settle, len(value)))
+            self._in_flight.add(entry)
+            delivery.add_done_callback(functools.partial(self._delivered, entry))
+            if not self._watching:
+                self._watching = True
+                self._spawn(self._watch())
+
+    def _delivered(self, entry: Entry, delivery: asyncio.Future[Any]) -> None:
+        self._in_flight.discard(entry)
+        self._outbox.settle(entry, delivery)
+
+    async def _watch(self) -> None:
+        """While messages are in flight: if one waits long, is the broker reachable at all?"""
+        try:
+            while self._in_flight and not self._closed:
+                await asyncio.sleep(WATCH_INTERVAL_S)
+                oldest = min((e.sent_at for e in self._in_flight), default=time.monotonic())
+                if time.monotonic() - oldest < STALL_CHECK_S:
+                    continue
+                # A slow broker is not an outage: only an unreachable one is.
+                reason = await why_unreachable(self._servers, self.security)
+                if reason:
+                    self._abandon_producer(reason)
+                    return
+                await asyncio.sleep(STALL_CHECK_S)  # reachable: do not probe it continuously
+        finally:
+            self._watching = False
+
+    def _abandon_producer(self, reason: str) -> None:
+        """The broker is gone: fail what the producer holds (callers retry it) and reconnect,
+        topics included, once it is back; aiokafka alone would keep the messages and, after a
+        broker replacement, could hand them to a broker that no longer has their topic."""
+        error = BusError(f"cannot reach Kafka at {self.bootstrap_servers}: {reason}")
+        self._outage_started(str(error))
+        producer, admin = self._producer, self._admin
+        self._producer = self._admin = None
+        self._topics_ready.clear()
+        self._outbox.mark_down(str(error), RECONNECT_BACKOFF_S)
+        if producer is not None:
+            fail_pending(producer, error)  # so that it never sends them after all
+        for entry in list(self._in_flight):
+            self._outbox.settle(entry, error)
+        self._in_flight.clear()
+        self._outbox.fail_queued(error)
+        self._spawn(self._stop_given_up(producer, admin))
+
+    async def _stop_given_up(self, *clients: Any) -> None:
+        for client in clients:
+            if client is None:
+                continue
+            stop = client.stop if isinstance(client, AIOKafkaProducer) else client.close
+            try:
+                await asyncio.wait_for(stop(), 1.0)
+            except Exception as exc:
+                log.debug("stopping %s: %r", type(client).__name__, exc)
+                # A producer whose batches were failed may trip over its own bookkeeping while
+                # stopping; still close its connections and metadata task.
+                connections = getattr(client, "client", None) or getattr(client, "_client", None)
+                if connections is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(connections.close(), 1.0)
+
+    def _outage_started(self, reason: str) -> None:
+        if self._outage_since is None:
+            self._outage_since = time.monotonic()
+            # Never reaching the broker is an error the caller reports; losing it is news.
+            level = logging.WARNING if self._connected_once else logging.DEBUG
+            log.log(level, "%s; retrying in the background (logged once until it is back)", reason)
+
+    def _outage_ended(self) -> None:
+        if self._outage_since is not None:
+            log.log(
+                logging.WARNING if self._connected_once else logging.INFO,
+                "Kafka at %s is reachable again after %.1fs",
+                self.bootstrap_servers,
+                time.monotonic() - self._outage_since,
+            )
+            self._outage_since = None
 
     def _forget_topics(self) -> None:
         # The broker may have been replaced and lost them; creating an existing topic is
@@ -183,10 +312,13 @@ class KafkaBus:
 
     async def _start_client(self, client: Any) -> None:
         try:
-            await start_client(client, self.bootstrap_servers)
+            await start_client(client, self.bootstrap_servers, self.security)
         except BusError as exc:
             self._outbox.mark_down(str(exc), RECONNECT_BACKOFF_S)
+            self._outage_started(str(exc))
             raise
+        self._outage_ended()
+        self._connected_once = True
 
     async def _admin_ready(self) -> AIOKafkaAdminClient:
         async with self._start_lock:
@@ -195,6 +327,7 @@ class KafkaBus:
                     bootstrap_servers=self.bootstrap_servers,
                     client_id=self.client_id,
                     request_timeout_ms=self.request_timeout_ms,
+                    **self._client_kwargs,
                 )
                 await self._start_client(admin)
                 self._admin = admin
@@ -214,6 +347,7 @@ class KafkaBus:
                     max_batch_size=MAX_MESSAGE_BYTES,
                     max_request_size=MAX_MESSAGE_BYTES + 64 * 1024,
                     request_timeout_ms=self.request_timeout_ms,
+                    **self._client_kwargs,
                 )
                 await self._start_client(producer)
                 self._producer = producer
@@ -251,6 +385,8 @@ class KafkaBus:
             client_id=self.client_id,
             session_timeout_ms=self.session_timeout_ms,
             request_timeout_ms=self.request_timeout_ms,
+            security=self.security,
+            client_kwargs=self._client_kwargs,
         )
 
     # -- shutdown -------------------------------------------------------------------------
@@ -258,8 +394,8 @@ class KafkaBus:
     def close(self, timeout_s: float = 10.0) -> None:
         """Deliver what is pending, close the consumers, stop; within about ``timeout_s``.
 
-        Undelivered messages are logged (and stay counted as pending), never raised: closing
-        happens on shutdown paths that must not fail.
+        Undelivered messages are logged and counted (and reported) as failed, never raised:
+        closing happens on shutdown paths that must not fail.
         """
         with self._lock:
             if self._closed:
@@ -280,9 +416,21 @@ class KafkaBus:
         except BusError as exc:
             log.warning("%s", exc)
         self._thread.stop()
+        # Whatever is still unsettled will never be delivered by this bus: say so.
+        gone = BusError(f"bus to Kafka at {self.bootstrap_servers} closed before delivery")
+        for entry in list(self._in_flight):
+            self._outbox.settle(entry, gone)
+        self._in_flight.clear()
+        self._outbox.fail_queued(gone)
 
     async def _stop_clients(self, timeout_s: float = 1.0) -> None:
         # A producer stop waits for undeliverable batches to expire; do not wait that long.
+        if self._producer is not None and self._in_flight:
+            fail_pending(self._producer, BusError("the bus is closing"))
+        current = asyncio.current_task()
+        for task in list(self._tasks):  # the watchdog, drains, stops of given-up clients
+            if task is not current:
+                task.cancel()
         for client in (self._producer, self._admin):
             if client is not None:
                 stop = client.stop if isinstance(client, AIOKafkaProducer) else client.close

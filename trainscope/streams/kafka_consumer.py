@@ -12,6 +12,7 @@ from aiokafka.protocol.group import LeaveGroupRequest
 
 from trainscope.streams._kafka_support import EventLoopThread, start_client
 from trainscope.streams.bus import BusError, Message
+from trainscope.streams.kafka_security import KafkaSecurity
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,10 @@ async def start_consumer(
     client_id: str,
     session_timeout_ms: int,
     request_timeout_ms: int,
+    security: KafkaSecurity | None = None,
+    client_kwargs: dict[str, Any] | None = None,
 ) -> AIOKafkaConsumer:
+    """``client_kwargs``: the TLS/SASL settings of every client of the bus (``security``'s)."""
     consumer = AIOKafkaConsumer(
         *topics,
         bootstrap_servers=bootstrap_servers,
@@ -38,8 +42,9 @@ async def start_consumer(
         heartbeat_interval_ms=max(100, session_timeout_ms // 5),
         rebalance_timeout_ms=session_timeout_ms,
         request_timeout_ms=request_timeout_ms,
+        **(client_kwargs or {}),
     )
-    await start_client(consumer, bootstrap_servers)
+    await start_client(consumer, bootstrap_servers, security)
     return consumer
 
 

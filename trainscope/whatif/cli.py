@@ -102,7 +102,8 @@ def _run(
             url = None if env_dir else env_url
         if store_dir is None and url is None:
             raise click.UsageError("--job needs a store: --store DIR or --url URL")
-        client = _connect(st, store_dir, url)
+        # Importing a trace may start a store; reading a job needs an existing one.
+        client = _connect(st, store_dir, url, create=trace_path is not None)
 
     with err.status("loading the trace", spinner="dots") as status:
         if trace_path is not None:
@@ -143,9 +144,13 @@ def _run(
         click.echo(render(result))
 
 
-def _connect(st: Any, store_dir: Path | None, url: str | None) -> Any:
+def _connect(st: Any, store_dir: Path | None, url: str | None, create: bool) -> Any:
+    from trainscope.sinks.clickhouse import StoreError
+
     try:
-        return st.connect(store_dir=store_dir, url=url)
+        return st.connect(store_dir=store_dir, url=url, create=create)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
     except Exception as exc:  # the client raises many types; the user needs one line
         where = f"store {store_dir}" if store_dir is not None else "the ClickHouse URL"
         raise click.ClickException(f"cannot open {where}: {exc}") from None

@@ -27,13 +27,19 @@ TRACE_COLUMNS = [
 ]
 
 
-def connect(store_dir: str | Path | None = None, url: str | None = None) -> Any:
-    """A clickhouse-connect client with the what-if tables created."""
+def connect(
+    store_dir: str | Path | None = None, url: str | None = None, *, create: bool = True
+) -> Any:
+    """A clickhouse-connect client with the what-if tables created.
+
+    Without ``create`` the store directory must already exist (reading a job from a mistyped
+    path must not leave an empty store behind).
+    """
     from trainscope.sinks.clickhouse import connect as connect_store
 
     if (store_dir is None) == (url is None):
         raise ValueError("give exactly one of a store directory or a ClickHouse URL")
-    client = connect_store(store_dir, url)
+    client = connect_store(store_dir, url, create=create)
     for ddl in DDL.values():
         client.command(ddl)
     # Stores created before the model-fit flag existed get the column (0 = fits).

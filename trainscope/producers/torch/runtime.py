@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from trainscope._secrets import redact_url
 from trainscope.producers.torch.options import Options
 from trainscope.producers.torch.safety import Guard, log
 from trainscope.producers.torch.sender import Sender
@@ -22,6 +23,7 @@ from trainscope.producers.torch.steps import StepTracker
 from trainscope.producers.torch.windows import WindowRecorder
 from trainscope.schemas.records import ControlMessage, Topology, WorkerInfo
 from trainscope.streams.bus import Bus, open_bus, rank_key
+from trainscope.streams.kafka_security import parse_kafka_url
 
 # A window is condensed this long after its end so spans still running at the boundary
 # (a collective, a GC pause) usually land in it; later ones become a second, mergeable summary.
@@ -275,8 +277,14 @@ class Attachment:
             "active": self.active,
             "steps": self.steps.step,
             "spans_recorded": self.recorder.recorded,
+            "records_submitted": sender["submitted"],
             "records_sent": sender["sent"],
+            "records_acked": sender["acked"],
+            "records_failed": sender["failed"],
+            "records_resent": sender["resent"],
+            "records_in_flight": sender["in_flight"],
             "records_dropped": sender["dropped"],
+            "records_abandoned": sender["abandoned"],
             "records_queued": sender["queued"],
             "bus_up": sender["bus_up"],
             "bus_errors": sender["bus_errors"],
@@ -306,13 +314,17 @@ def _bus_factory(
             shared = open_bus(url)
             return url, lambda: shared, False
         open_bus_checked = _validated(url)
-        return url, open_bus_checked, True
+        return redact_url(url), open_bus_checked, True
     return type(bus).__name__, lambda: bus, False
 
 
 def _validated(url: str) -> Callable[[], Bus]:
     if not url.startswith("kafka://") or not url.removeprefix("kafka://").strip("/"):
-        raise ValueError(f"unknown bus URL {url!r}: expected 'memory' or 'kafka://HOST:PORT'")
+        raise ValueError(
+            f"unknown bus URL {redact_url(url)!r}: expected 'memory' or 'kafka://HOST:PORT'"
+        )
+    # Bad TLS/SASL settings are bad options: say so at attach(), not in a background thread.
+    parse_kafka_url(url)
     return lambda: open_bus(url)
 
 
