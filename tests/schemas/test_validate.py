@@ -175,3 +175,26 @@ def test_any_field_values_are_accepted_or_named_never_raised(record: object) -> 
     for name in ("rank", "start_ns", "duration_ns", "total_ns", "ts_ns", "min_ns", "max_ns"):
         if hasattr(records[0], name):
             np.array([getattr(records[0], name)], dtype=np.int64)
+
+
+def test_a_poll_is_checked_together_and_each_message_gets_its_own_verdict() -> None:
+    v = validator()
+    polls = [
+        [batch()],
+        [Topology(job_id="j", dp_size=2), batch(rank=[0, 1, 1], duration_ns=[5, -7, 5])],
+        [batch(rank=[0, 1, 2])],  # the rejected topology does not count: rank 2 is fine
+        [Topology(job_id="k", dp_size=2), StepRecord(job_id="k", rank=1, step=0, start_ns=T0,
+                                                     duration_ns=1)],
+    ]
+    errors = v.validate_many(polls)
+    assert [e is None for e in errors] == [True, False, True, True]
+    assert str(errors[1]) == ("records[1] (spans): duration_ns[1]=-7 not in "
+                              "[0, 604800000000000]")
+    assert v.world_size("j") is None and v.world_size("k") == 2
+    # All valid: the fast path gives the same verdicts without the column fallback.
+    assert v.validate_many([[batch()], [batch(rank=[1, 1, 0])]]) == [None, None]
+    assert "rank[0]=5 not in [0, 1]" in str(v.validate_many(
+        [[batch()], [StepRecord(job_id="k", rank=0, step=0, start_ns=T0, duration_ns=1),
+                     SpanBatch.from_arrays(job_id="k", layers=["l"], names=["n"], rank=[5],
+                                           fn=[0], step=[0], start_ns=[T0], duration_ns=[1])]]
+    )[1])

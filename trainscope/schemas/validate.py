@@ -89,6 +89,7 @@ class Validator:
         self.limits = limits if limits is not None else Limits()
         self._world_size: dict[str, int] = {}
         self._now_ns = self.limits.now_ns()
+        self._max_time_ns = self._now_ns + self.limits.max_future_ns
 
     def world_size(self, job_id: str) -> int | None:
         return self._world_size.get(job_id)
@@ -102,22 +103,141 @@ class Validator:
         World sizes declared by the message's topologies are remembered only if every record
         passes, so a rejected message leaves no trace.
         """
-        declared: dict[str, int] = {}
+        error = self.validate_many([records])[0]
+        if error is not None:
+            raise error
+
+    def validate_many(self, messages: Sequence[Sequence[Record]]) -> list[InvalidRecord | None]:
+        """Validate several messages in order (a poll); per message, ``None`` or its error.
+
+        The span columns of all messages are checked together, a handful of numpy passes over
+        the whole poll, assuming every message's topologies count for the ones after it. Only
+        if a column is out of range are the messages checked again one by one, so that the
+        reason names the right message and record and a rejected topology counts for nothing.
+        """
         self._now_ns = self.limits.now_ns()
+        self._max_time_ns = self._now_ns + self.limits.max_future_ns
+        before = dict(self._world_size)
+        errors: list[InvalidRecord | None] = []
+        deferred: list[tuple[SpanBatch, int]] = []
+        for records in messages:
+            error = self._message(records, deferred)
+            errors.append(error)
+        if deferred and not self._columns_ok(deferred):
+            self._world_size = before
+            errors = [self._message(records, None) for records in messages]
+        return errors
+
+    def _message(self, records: Sequence[Record], deferred: list[tuple[SpanBatch, int]] | None
+                 ) -> InvalidRecord | None:
+        """Check one message; with ``deferred``, leave span columns to :meth:`_columns_ok`."""
+        declared: dict[str, int] = {}
+        batches: list[tuple[SpanBatch, int]] = []
+        metric_ok, step_ok = self._metric_ok, self._step_ok
         for index, record in enumerate(records):
             try:
+                # The high-volume records pass one combined test; only a failing one is
+                # walked field by field, to name what is wrong.
+                kind = type(record)
+                if kind is MetricSample:
+                    if metric_ok(record, declared):  # type: ignore[arg-type]
+                        continue
+                elif kind is StepRecord:
+                    if step_ok(record, declared):  # type: ignore[arg-type]
+                        continue
+                elif (kind is SpanBatch and deferred is not None
+                      and self._batch_ok(record)):  # type: ignore[arg-type]
+                    if len(record):  # type: ignore[arg-type]
+                        batches.append((record, self._rank_bound(record.job_id, declared)[0]))
+                    continue
                 self._check(record, declared)
             except _Bad as exc:
-                raise InvalidRecord(index, _kind(record), str(exc)) from None
+                return InvalidRecord(index, _kind(record), str(exc))
             except Exception as exc:  # a record built in Python may hold any type at all
-                raise InvalidRecord(
+                return InvalidRecord(
                     index, _kind(record), f"unusable values ({type(exc).__name__}: {exc})"
-                ) from None
+                )
         self._world_size.update(declared)
+        if deferred is not None:
+            deferred.extend(batches)
+        return None
+
+    def _columns_ok(self, batches: list[tuple[SpanBatch, int]]) -> bool:
+        """Every span column of every batch in range, in one pass per column."""
+        lim = self.limits
+
+        def joined(name: str, dtype: str) -> np.ndarray:
+            return np.frombuffer(b"".join(getattr(b, name) for b, _ in batches), dtype=dtype)
+
+        rank = joined("rank", "<i4")
+        bounds = {bound for _, bound in batches}
+        if len(bounds) == 1:
+            rank_ok = bool(rank.max() < bounds.pop())
+        else:
+            limit = np.repeat([bound for _, bound in batches], [len(b) for b, _ in batches])
+            rank_ok = bool((rank < limit).all())
+        start = joined("start_ns", "<i8")
+        duration = joined("duration_ns", "<i8")
+        moved = joined("bytes_moved", "<i8")  # empty columns (all zero) join as nothing
+        return (
+            rank_ok
+            and rank.min() >= 0
+            and joined("step", "<i4").min() >= -1
+            and start.min() >= lim.min_time_ns
+            and start.max() <= self._max_time_ns
+            and duration.min() >= 0
+            and duration.max() <= lim.max_duration_ns
+            and (len(moved) == 0 or moved.min() >= 0)
+        )
 
     # -- one record -----------------------------------------------------------------------
 
+    def _batch_ok(self, b: SpanBatch) -> bool:
+        """Everything but the numeric columns (see :meth:`_columns_ok`)."""
+        lim = self.limits
+        return (
+            1 <= b.v <= SCHEMA_VERSION
+            and 0 < len(b.job_id) <= lim.max_id_chars
+            and len(b.host) <= lim.max_id_chars
+            and len(b.names) <= lim.max_functions
+            and (not b.names or (
+                min(map(len, b.names)) > 0 and max(map(len, b.names)) <= lim.max_name_chars
+                and min(map(len, b.layers)) > 0 and max(map(len, b.layers)) <= lim.max_id_chars
+            ))
+        )
+
+    def _metric_ok(self, s: MetricSample, declared: dict[str, int]) -> bool:
+        lim = self.limits
+        bound = declared.get(s.job_id) or self._world_size.get(s.job_id) or lim.max_ranks
+        return (
+            1 <= s.v <= SCHEMA_VERSION
+            and 0 < len(s.job_id) <= lim.max_id_chars
+            and -1 <= s.rank < bound
+            and len(s.host) <= lim.max_id_chars
+            and -1 <= s.device < lim.max_devices
+            and lim.min_time_ns <= s.ts_ns <= self._max_time_ns
+            and 0 < len(s.name) <= lim.max_id_chars
+            and math.isfinite(s.value)
+        )
+
+    def _step_ok(self, s: StepRecord, declared: dict[str, int]) -> bool:
+        lim = self.limits
+        bound = declared.get(s.job_id) or self._world_size.get(s.job_id) or lim.max_ranks
+        return (
+            1 <= s.v <= SCHEMA_VERSION
+            and 0 < len(s.job_id) <= lim.max_id_chars
+            and 0 <= s.rank < bound
+            and 0 <= s.step < 2**31
+            and lim.min_time_ns <= s.start_ns <= self._max_time_ns
+            and 0 <= s.duration_ns <= lim.max_duration_ns
+            and 0 <= s.samples <= _INT64_MAX
+            and 0 <= s.tokens <= _INT64_MAX
+            and 0.0 <= s.seq_len_mean < math.inf
+            and 0 <= s.seq_len_max <= _INT64_MAX
+        )
+
     def _check(self, record: Record, declared: dict[str, int]) -> None:
+        """Every check of the record, raising :class:`_Bad` at the first that fails."""
         if not 1 <= record.v <= SCHEMA_VERSION:
             raise _Bad(f"v={record.v} is not a schema version in [1, {SCHEMA_VERSION}]")
         self._text("job_id", record.job_id, self.limits.max_id_chars)
