@@ -138,3 +138,27 @@ def test_a_poll_of_garbage_costs_one_dead_letter_insert(sink) -> None:
     pipeline.process_messages(messages)
     assert sink.stats.dead_letters == 500
     assert len(dead_letters(sink)) == 500
+
+
+def test_an_engine_failure_sets_aside_only_that_jobs_messages(monkeypatch) -> None:
+    bus = MemoryBus(partitions=1)
+    pipeline = Pipeline(bus, detectors=[], window_s=5.0)
+    real = pipeline.engine.add_spans
+
+    def fragile(batches):
+        if batches[0].job_id == "b":
+            raise ValueError("more than 1048576 distinct functions in one job")
+        return real(batches)
+
+    monkeypatch.setattr(pipeline.engine, "add_spans", fragile)
+    for job in ("a", "b", "a"):
+        bus.publish(EVENTS_TOPIC, encode_batch([spans(job, T0)]))
+    pipeline.poll_once(timeout_s=0.0)
+    pipeline.finish()
+    stats = pipeline.stats()
+    assert (stats.decode.received, stats.decode.emitted, stats.decode.rejected) == (3, 2, 1)
+    (letter,) = MemoryBus.consumer(bus, [DEAD_LETTER_TOPIC], "check").poll(timeout_s=0.0)
+    assert letter.key.decode().startswith(
+        f"{EVENTS_TOPIC}[0]@1: window engine raised ValueError: more than 1048576 distinct "
+        "functions in one job on job 'b'")
+    assert [v.job_id for v in pipeline.engine.close_all()] == [] and pipeline.windows == 1

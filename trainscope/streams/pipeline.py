@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -118,7 +118,13 @@ class EmbeddedPipeline:
         else:
             accepted = given
             self._stats.validate.emitted += len(given)
-        self._ingest(accepted)
+        for job_id, exc in self._ingest(accepted).items():
+            for index, record in enumerate(given):
+                if getattr(record, "job_id", None) == job_id:
+                    self._dead_letters.append(
+                        ("", -1, -1, f"records[{index}] ({type(record).__name__}): window engine "
+                                     f"raised {type(exc).__name__}: {exc}", _encoded(record))
+                    )
         self._flush_dead_letters()
         self._handle(self.engine.close_ready())
 
@@ -150,7 +156,7 @@ class EmbeddedPipeline:
                 self._reject(message, f"decoding raised {type(exc).__name__}: {exc}")
         errors = self._validate([records for _, records in decoded])
         records: list[Record] = []
-        accepted: list[Message] = []
+        accepted: list[tuple[Message, list[Record]]] = []
         for (message, batch), error in zip(decoded, errors, strict=True):
             self._stats.validate.received += len(batch)
             if error is not None:
@@ -159,18 +165,20 @@ class EmbeddedPipeline:
                 continue
             self._stats.decode.emitted += 1
             self._stats.validate.emitted += len(batch)
-            accepted.append(message)
+            accepted.append((message, batch))
             records.extend(batch)
-        try:
-            self._ingest(records)
-        except Exception as exc:
-            # Validated records should never make the engine raise. If they do, the messages
-            # of this poll cannot be told apart any more: all of them are set aside, loudly.
-            log.exception("window engine failed on %d validated messages", len(accepted))
-            self._stats.decode.emitted -= len(accepted)
-            for message in accepted:
-                self._reject(message, f"window engine raised {type(exc).__name__}: {exc} "
-                                      f"(on a poll of {len(accepted)} messages)")
+        failed = self._ingest(records)
+        if failed:
+            # Validated records should never make the engine raise. If they do, every message
+            # of this poll with records of that job is set aside, loudly; other jobs go on.
+            for message, batch in accepted:
+                job_id = next((r.job_id for r in batch if r.job_id in failed), None)
+                if job_id is not None:
+                    exc = failed[job_id]
+                    self._stats.decode.emitted -= 1
+                    self._reject(message, f"window engine raised {type(exc).__name__}: {exc} "
+                                          f"on job {job_id!r} (its records of this poll may be "
+                                          "partly windowed)")
         self._flush_dead_letters()
         self._handle(self.engine.close_ready())
 
@@ -193,18 +201,31 @@ class EmbeddedPipeline:
                 errors.append(None)
         return errors
 
-    def _ingest(self, records: list[Record]) -> None:
-        """Route validated records to the window engine."""
+    def _ingest(self, records: list[Record]) -> dict[str, Exception]:
+        """Route validated records to the window engine, job by job. Returns the jobs whose
+        records made the engine raise, so that only their messages are set aside."""
+        by_job: dict[str, list[Record]] = {}
+        for record in records:
+            if isinstance(record, ControlMessage | Finding):
+                continue  # addressed to producers / produced by another pipeline
+            by_job.setdefault(record.job_id, []).append(record)
+        self._touch(by_job)
+        failed: dict[str, Exception] = {}
+        for job_id, job_records in by_job.items():
+            try:
+                self._ingest_job(job_records)
+            except Exception as exc:  # validated records should never get here
+                log.exception("window engine raised on job %s", job_id)
+                failed[job_id] = exc
+        return failed
+
+    def _ingest_job(self, records: list[Record]) -> None:
         spans: list[SpanBatch] = []
         summaries: list[FunctionSummary] = []
         steps: list[StepRecord] = []
         metrics: list[MetricSample] = []
         events: list[SpanEvent] = []
-        jobs: dict[str, None] = {}
         for record in records:
-            if isinstance(record, ControlMessage | Finding):
-                continue  # addressed to producers / produced by another pipeline
-            jobs[record.job_id] = None
             if isinstance(record, SpanBatch):
                 spans.append(record)
             elif isinstance(record, StepRecord):
@@ -219,10 +240,8 @@ class EmbeddedPipeline:
                 self.engine.add_topology(record)
                 if self.sink is not None:
                     self._write(lambda r=record: self.sink.write_topology(r))
-        self._touch(jobs)
         if events:
-            for job_events in _by_job(events).values():
-                spans.append(SpanBatch.from_events(job_events))
+            spans.append(SpanBatch.from_events(events))
         self._stats.window.received += (
             sum(len(b) for b in spans) + len(summaries) + len(steps) + len(metrics)
         )
@@ -235,7 +254,7 @@ class EmbeddedPipeline:
         if metrics:
             self.engine.add_metrics(metrics)
 
-    def _touch(self, jobs: dict[str, None]) -> None:
+    def _touch(self, jobs: Collection[str]) -> None:
         """Mark ``jobs`` as seen; evict the least recently seen others beyond ``max_jobs``."""
         for job_id in jobs:
             if job_id in self._jobs:
@@ -383,8 +402,3 @@ def _encoded(record: Record) -> bytes:
         return b""
 
 
-def _by_job(events: list[SpanEvent]) -> dict[str, list[SpanEvent]]:
-    out: dict[str, list[SpanEvent]] = {}
-    for event in events:
-        out.setdefault(event.job_id, []).append(event)
-    return out
