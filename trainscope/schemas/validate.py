@@ -10,9 +10,11 @@ message (with a reason naming the record index, field and value), so a message i
 applied and a dead letter can be replayed as the unit it was sent as.
 
 Ranks are checked against the job's world size once its :class:`Topology` is known (a topology
-earlier in the same message counts), and against ``Limits.max_ranks`` before that. Span batches
-are checked column by column with numpy reductions, so validation costs a few passes over the
-columns rather than a Python loop per event.
+earlier in the same message counts), and against ``Limits.max_ranks`` before that.
+
+Cost: the span columns of a whole poll are joined and checked in a few numpy passes (never a
+Python loop per event), and each row record passes one combined test; only a message that fails
+is walked field by field to name the problem. See :meth:`Validator.validate_many`.
 """
 
 from __future__ import annotations
