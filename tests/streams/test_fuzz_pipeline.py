@@ -256,6 +256,7 @@ def alone(valid: list[bytes]) -> set[tuple[int, str, str, int]]:
 REASON = re.compile(r"^(?P<topic>[\w.-]+)\[(?P<partition>\d+)\]@(?P<offset>\d+): \S.*$")
 
 
+@pytest.mark.slow
 def test_100k_fuzzed_messages_never_crash_and_never_perturb_a_valid_job(tmp_path) -> None:
     started = time.perf_counter()
     valid, noise = generate(100_000)
@@ -299,6 +300,7 @@ def test_100k_fuzzed_messages_never_crash_and_never_perturb_a_valid_job(tmp_path
 
 
 @pytest.mark.kafka
+@pytest.mark.slow
 def test_fuzzed_messages_over_kafka_are_dead_lettered_on_the_topic(kafka_broker, tmp_path
                                                                    ) -> None:
     from trainscope.streams.kafka_bus import KafkaBus

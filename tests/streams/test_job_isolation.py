@@ -65,6 +65,7 @@ def findings_together(jobs: int, steps: int, **kwargs: int) -> tuple[EmbeddedPip
     return pipeline, by_job
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jobs", [2, 10])
 def test_each_job_finds_what_it_finds_alone(jobs: int) -> None:
     steps = 90 if jobs == 2 else 50
