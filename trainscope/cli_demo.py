@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from trainscope.detectors.base import ALERT_THRESHOLD
+from trainscope.detectors.registry import DEFAULT_MAX_JOBS
 
 
 def resolve_layout(
@@ -191,8 +192,12 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
 @click.option("--lateness-s", type=click.FloatRange(min=0), default=5.0, show_default=True)
 @click.option("--idle-exit-s", type=float, default=None,
               help="Exit after this many seconds without messages (default: run until Ctrl-C).")
+@click.option("--max-jobs", type=click.IntRange(min=1), default=DEFAULT_MAX_JOBS,
+              show_default=True,
+              help="Jobs whose windows and detector state are kept; beyond that the least "
+                   "recently seen job's windows are closed and its state forgotten.")
 def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, window_s: float,
-             lateness_s: float, idle_exit_s: float | None) -> None:
+             lateness_s: float, idle_exit_s: float | None, max_jobs: int) -> None:
     """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job)."""
     from trainscope.sinks.clickhouse import ClickHouseSink, StoreError
     from trainscope.streams.bus import BusError, open_bus
@@ -211,7 +216,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
 
     try:
         p = Pipeline(bus, group=group, window_s=window_s, lateness_s=lateness_s, sink=sink,
-                     on_window=on_window)
+                     on_window=on_window, max_jobs=max_jobs)
     except BusError as exc:  # e.g. the broker is down, or a TLS handshake or login failed
         bus.close()
         sink.close()

@@ -64,3 +64,44 @@ def test_a_raising_detector_is_isolated(plugin_dist) -> None:
     findings = runner.run(window) + runner.run(window)
     assert [f.detector for f in findings] == ["acme-good", "acme-good"]
     assert runner.errors == {"acme-exploding": 2}
+
+
+class Counting:
+    """Remembers how many windows it saw, and says so in its finding."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def detect(self, window):
+        self.seen += 1
+        return [window.finding(self.name, category="hang", score=0.1,
+                               message=f"window {self.seen} of {window.job_id}")]
+
+
+def test_every_job_gets_its_own_detector_state() -> None:
+    template = Counting()
+    runner = DetectorRunner([template])
+    messages = [f.message for job in ("a", "b", "a", "a", "b")
+                for f in runner.run(WindowView(job, 0, 10**9))]
+    assert messages == ["window 1 of a", "window 1 of b", "window 2 of a", "window 3 of a",
+                        "window 2 of b"]
+    assert template.seen == 0, "the instance handed over is a template, never run"
+
+
+def test_jobs_beyond_the_bound_are_forgotten_least_recently_seen_first(caplog) -> None:
+    runner = DetectorRunner([Counting()], max_jobs=2)
+    for job in ("a", "b", "a", "c"):  # c pushes out b, seen before a's second window
+        runner.run(WindowView(job, 0, 10**9))
+    assert runner.jobs() == ["a", "c"] and runner.evicted_jobs == 1
+    assert "detector state of job b evicted" in caplog.text
+    (finding,) = runner.run(WindowView("b", 0, 10**9))
+    assert finding.message == "window 1 of b", "an evicted job starts afresh"
+
+
+def test_plugins_are_cloned_per_job_too(plugin_dist) -> None:
+    runner = DetectorRunner(load(["acme-good"]).detectors)
+    findings = runner.run(WindowView("a", 0, 10**9)) + runner.run(WindowView("b", 0, 10**9))
+    assert [(f.job_id, f.detector) for f in findings] == [("a", "acme-good"), ("b", "acme-good")]
+    assert runner.jobs() == ["a", "b"]

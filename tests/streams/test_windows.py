@@ -168,3 +168,25 @@ def test_topologies_from_each_rank_merge_by_rank() -> None:
     (view,) = engine.close_all()
     assert [(w.rank, w.host) for w in view.topology.workers] == [
         (0, "host0"), (1, "host1"), (2, "host2")]
+
+
+def test_events_too_far_from_the_jobs_first_window_are_rejected_not_wrapped() -> None:
+    """A span at 0 then a summary in 2026 once overflowed the packed window index."""
+    engine = WindowEngine(window_s=1.0)
+    t0 = 1_767_225_600 * WINDOW_NS
+    engine.add_spans([random_batch(np.random.default_rng(1), 10, 0, WINDOW_NS)])
+    engine.add_summaries([FunctionSummary(job_id="job", rank=0, layer="gc", name="gc.collect",
+                                          window_start_ns=t0, window_end_ns=t0 + WINDOW_NS,
+                                          count=1, total_ns=5, min_ns=5, max_ns=5)])
+    engine.add_spans([random_batch(np.random.default_rng(2), 10, t0, WINDOW_NS)])
+    assert engine.stats.rejected == 11
+    assert {v.window_start_ns for v in engine.close_all()} == {0}
+
+
+def test_an_evicted_job_has_its_open_windows_closed_and_starts_afresh() -> None:
+    engine = WindowEngine(window_s=1.0)
+    engine.add_spans([random_batch(np.random.default_rng(1), 50, 0, 3 * WINDOW_NS)])
+    views = engine.evict_job("job")
+    assert [v.window_start_ns for v in views] == [0, WINDOW_NS, 2 * WINDOW_NS]
+    assert sum(int(v.summaries["count"].sum()) for v in views) == 50
+    assert engine.open_windows() == 0 and engine.evict_job("job") == []

@@ -2,8 +2,11 @@
 
 A detector sees every rank's summaries of a window at once, so it can compare peers; it may keep
 state across windows (history, a learned model) and must stay picklable so a pipeline can
-checkpoint it. Convention shared by every detector: ``Finding.score`` is in [0, 1] and higher
-means more certain and more important; ``ALERT_THRESHOLD`` is where findings become alerts.
+checkpoint it. The runner gives every job its own deep copy of the detector, so that state only
+ever holds one job's windows.
+
+Convention shared by every detector: ``Finding.score`` is in [0, 1] and higher means more
+certain and more important; ``ALERT_THRESHOLD`` is where findings become alerts.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ Run it in a plugin's own test suite::
 
 from __future__ import annotations
 
+import copy
 import pickle
 from collections.abc import Callable
 
@@ -34,7 +35,8 @@ def sample_windows(steps: int = 60, seed: int = 5) -> list[WindowView]:
 def check_detector(
     factory: Callable[[], Detector], windows: list[WindowView] | None = None
 ) -> None:
-    """Raise AssertionError naming the broken promise."""
+    """Raise AssertionError naming the broken promise: a detector pickles, is deterministic,
+    can be deep-copied (one copy per job), does not mutate its input, handles an empty window."""
     windows = windows if windows is not None else sample_windows()
     detector = factory()
     assert isinstance(detector, Detector), "must have a `name` and a `detect(window)` method"
@@ -52,6 +54,10 @@ def check_detector(
     twin.detect(WindowView("job", 0, 10**9))
     second = [twin.detect(w) for w in windows]
     assert first == second, "deterministic: two fresh instances gave different findings"
+
+    # The runner gives every job a deep copy of one instance: a copy must start fresh too.
+    clone = copy.deepcopy(factory())
+    assert [clone.detect(w) for w in windows] == first, "a deep copy must act like a new one"
 
     half = len(windows) // 2
     original = factory()

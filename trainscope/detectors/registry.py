@@ -6,12 +6,15 @@ A third-party package declares::
     my-detector = "my_package.module:MyDetector"
 
 and the registry loads it by name. A plugin that fails to import, to construct, or raises while
-detecting is reported once and isolated; it never stops the pipeline.
+detecting is reported once and isolated; it never stops the pipeline. The runner gives every job
+its own deep copy of each detector, so a plugin keeps per-job state without knowing about jobs.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
@@ -67,18 +70,59 @@ def load(names: Iterable[str] | None = None, group: str = GROUP) -> LoadResult:
     return result
 
 
+DEFAULT_MAX_JOBS = 256
+
+
 @dataclass
 class DetectorRunner:
-    """Runs detectors on each window, isolating failures and counting them per detector."""
+    """Runs detectors on each window, one set of instances per job, isolating failures.
+
+    ``detectors`` are templates: the first window of a job gets deep copies of them, made
+    before any of them has seen a window, so no job's history, model or streak ever reaches
+    another job's findings (the river habit of cloning a fresh estimator per key). At most
+    ``max_jobs`` jobs keep state; the least recently seen one is forgotten beyond that, and
+    counted in ``evicted_jobs``.
+    """
 
     detectors: list[Detector]
     on_error: Callable[[str, Exception], None] | None = None
     errors: dict[str, int] = field(default_factory=dict)
     findings_emitted: int = 0
+    max_jobs: int = DEFAULT_MAX_JOBS
+    evicted_jobs: int = 0
+    _templates: list[Detector] = field(init=False, repr=False)
+    _jobs: OrderedDict[str, list[Detector]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_jobs < 1:
+            raise ValueError(f"max_jobs must be >= 1, got {self.max_jobs}")
+        # Copied now, so a caller that keeps using its instances cannot seed a new job's state.
+        self._templates = [copy.deepcopy(d) for d in self.detectors]
+        self._jobs = OrderedDict()
+
+    def for_job(self, job_id: str) -> list[Detector]:
+        """The job's own detector instances (created on first use)."""
+        instances = self._jobs.get(job_id)
+        if instances is None:
+            instances = self._jobs[job_id] = [copy.deepcopy(d) for d in self._templates]
+            while len(self._jobs) > self.max_jobs:
+                evicted, _ = self._jobs.popitem(last=False)
+                self.evicted_jobs += 1
+                log.warning("detector state of job %s evicted: more than %d jobs (%d evicted "
+                            "so far)", evicted, self.max_jobs, self.evicted_jobs)
+        else:
+            self._jobs.move_to_end(job_id)
+        return instances
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+    def jobs(self) -> list[str]:
+        return list(self._jobs)
 
     def run(self, window: WindowView) -> list[Finding]:
         findings: list[Finding] = []
-        for detector in self.detectors:
+        for detector in self.for_job(window.job_id):
             try:
                 findings.extend(detector.detect(window))
             except Exception as exc:

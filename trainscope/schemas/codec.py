@@ -2,7 +2,9 @@
 
 Decoding validates every field against the structs; a malformed message raises
 :class:`BadMessage` whose text names the field path and the offending value, so a dead-letter
-entry says exactly what was wrong.
+entry says exactly what was wrong. No other exception escapes :func:`decode_batch`, whatever the
+bytes. Value checks that types cannot express (ranges, finite numbers, bounded strings) live in
+:mod:`trainscope.schemas.validate`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ def decode_batch(payload: bytes) -> list[Record]:
         raise BadMessage(_describe(exc, payload)) from None
     except msgspec.DecodeError as exc:
         raise BadMessage(f"not a msgpack batch ({len(payload)} bytes): {exc}") from None
+    except Exception as exc:  # e.g. UnicodeDecodeError for a string that is not UTF-8
+        raise BadMessage(
+            f"not a msgpack batch ({len(payload)} bytes): {type(exc).__name__}: {exc}"
+        ) from None
     if batch.v > SCHEMA_VERSION:
         raise BadMessage(f"batch schema version {batch.v} is newer than {SCHEMA_VERSION}")
     return batch.records
@@ -57,7 +63,7 @@ def _describe(exc: msgspec.ValidationError, payload: bytes) -> str:
         return text
     try:
         value = _walk(msgspec.msgpack.decode(payload), match.group(1))
-    except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+    except Exception:  # the path is a hint; the message is bad either way
         return text
     return f"{text} (value: {_short(value)})"
 

@@ -237,16 +237,24 @@ class ClickHouseSink:
     def write_dead_letter(
         self, topic: str, partition: int, offset: int, error: str, payload: bytes
     ) -> None:
+        self.write_dead_letters([(topic, partition, offset, error, payload)])
+
+    def write_dead_letters(self, rows: Sequence[tuple[str, int, int, str, bytes]]) -> None:
+        """Rows of (topic, partition, offset, error, payload), in one insert."""
+        if not rows:
+            return
+        received_ns = time.time_ns()
         try:
             self.client.insert(
                 "dead_letters",
-                [[time.time_ns(), topic, partition, offset, error, payload.hex()]],
+                [[received_ns, topic, partition, offset, error, payload.hex()]
+                 for topic, partition, offset, error, payload in rows],
                 column_names=["received_ns", "topic", "partition", "offset", "error", "payload"],
             )
         except Exception as exc:
             self.stats.errors += 1
             raise StoreError(f"insert into dead_letters failed: {_first_line(exc)}") from None
-        self.stats.dead_letters += 1
+        self.stats.dead_letters += len(rows)
 
     def close(self) -> None:
         close = getattr(self.client, "close", None)

@@ -2,8 +2,18 @@
 
 :class:`EmbeddedPipeline` takes records directly (the demo on the in-memory path, tests);
 :class:`Pipeline` consumes them from a bus (in-memory or Kafka). Every stage counts what it
-received, emitted, dropped and rejected; a message that cannot be decoded is set aside in the
-dead-letter topic (and table, with a sink) and the stream goes on.
+received, emitted, dropped and rejected.
+
+Bad input never stops the stream. A message that cannot be decoded, or any of whose records
+fails :mod:`trainscope.schemas.validate`, is rejected whole — none of its records reaches the
+window engine — and set aside in the dead-letter topic (and table, with a sink) with a one-line
+reason that names where it came from (topic[partition]@offset), the record index, the field and
+the value. So does a message whose decoding raises anything unexpected.
+
+Jobs are isolated: the window engine keeps each job apart, and the detector runner gives every
+job its own detector instances. At most ``max_jobs`` jobs are kept; beyond that the least
+recently seen job's open windows are closed and detected, and its state is forgotten
+(``PipelineStats.jobs_evicted``).
 
 Delivery: consumer positions are committed once the windows their records fed have been closed
 and written, so a restart re-reads what was not yet written; the sink deduplicates re-sent rows.
@@ -13,13 +23,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainscope.detectors.base import Detector, WindowView
-from trainscope.detectors.registry import DetectorRunner, load
-from trainscope.schemas.codec import BadMessage, decode_batch
+from trainscope.detectors.registry import DEFAULT_MAX_JOBS, DetectorRunner, load
+from trainscope.schemas.codec import BadMessage, decode_batch, encode_batch
 from trainscope.schemas.records import (
     ControlMessage,
     Finding,
@@ -31,6 +42,7 @@ from trainscope.schemas.records import (
     StepRecord,
     Topology,
 )
+from trainscope.schemas.validate import InvalidRecord, Limits, Validator
 from trainscope.streams.bus import DEAD_LETTER_TOPIC, EVENTS_TOPIC, METRICS_TOPIC, Bus, Message
 from trainscope.streams.windows import WindowEngine
 
@@ -47,11 +59,17 @@ class StageCounts:
 
 @dataclass
 class PipelineStats:
+    """``decode`` counts bus messages (rejected: undecodable or invalid), ``validate`` records
+    (rejected: every record of a rejected message, or an invalid record handed over directly),
+    ``window`` events and summaries, ``detect`` windows in and findings out, ``sink`` writes."""
+
     decode: StageCounts = field(default_factory=StageCounts)
+    validate: StageCounts = field(default_factory=StageCounts)
     window: StageCounts = field(default_factory=StageCounts)
     detect: StageCounts = field(default_factory=StageCounts)
     sink: StageCounts = field(default_factory=StageCounts)
     detector_errors: dict[str, int] = field(default_factory=dict)
+    jobs_evicted: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,6 +84,8 @@ class EmbeddedPipeline:
         lateness_s: float = 5.0,
         sink: Any | None = None,
         on_window: Callable[[WindowView, list[Finding]], None] | None = None,
+        limits: Limits | None = None,
+        max_jobs: int = DEFAULT_MAX_JOBS,
     ) -> None:
         if detectors is None:
             loaded = load()
@@ -73,7 +93,11 @@ class EmbeddedPipeline:
             for name, error in loaded.errors.items():
                 log.warning("detector %s not loaded: %s", name, error)
         self.engine = WindowEngine(window_s=window_s, allowed_lateness_s=lateness_s)
-        self.runner = DetectorRunner(detectors)
+        self.runner = DetectorRunner(detectors, max_jobs=max_jobs)
+        self.validator = Validator(limits)
+        self.max_jobs = max_jobs
+        self._jobs: OrderedDict[str, None] = OrderedDict()  # least recently seen first
+        self._dead_letters: list[tuple[str, int, int, str, bytes]] = []
         self.sink = sink
         self.on_window = on_window
         self.findings: list[Finding] = []
@@ -83,6 +107,119 @@ class EmbeddedPipeline:
     # -- input ------------------------------------------------------------------------------
 
     def process_records(self, records: Iterable[Record]) -> None:
+        """Records handed over in-process (simulator, tests); each invalid one is rejected
+        alone, with its index in ``records``, to the dead-letter table."""
+        given = list(records)
+        self._stats.validate.received += len(given)
+        try:
+            self.validator.validate(given)  # the common case: all valid, one call
+        except InvalidRecord:
+            accepted = self._accept_one_by_one(given)
+        else:
+            accepted = given
+            self._stats.validate.emitted += len(given)
+        for job_id, exc in self._ingest(accepted).items():
+            for index, record in enumerate(given):
+                if getattr(record, "job_id", None) == job_id:
+                    self._dead_letters.append(
+                        ("", -1, -1, f"records[{index}] ({type(record).__name__}): window engine "
+                                     f"raised {type(exc).__name__}: {exc}", _encoded(record))
+                    )
+        self._flush_dead_letters()
+        self._handle(self.engine.close_ready())
+
+    def _accept_one_by_one(self, records: list[Record]) -> list[Record]:
+        accepted: list[Record] = []
+        for index, record in enumerate(records):
+            try:
+                self.validator.validate([record])
+            except InvalidRecord as exc:
+                self._stats.validate.rejected += 1
+                reason = f"records[{index}] ({exc.kind}): {exc.detail}"
+                log.warning("rejected %s; set aside as a dead letter", reason)
+                self._dead_letters.append(("", -1, -1, reason, _encoded(record)))
+                continue
+            self._stats.validate.emitted += 1
+            accepted.append(record)
+        return accepted
+
+    def process_messages(self, messages: list[Message]) -> None:
+        """Decode and validate each message; the valid ones are windowed together."""
+        decoded: list[tuple[Message, list[Record]]] = []
+        for message in messages:
+            self._stats.decode.received += 1
+            try:
+                decoded.append((message, decode_batch(message.value)))
+            except BadMessage as exc:
+                self._reject(message, str(exc))
+            except Exception as exc:  # decode_batch raises only BadMessage; never die on input
+                self._reject(message, f"decoding raised {type(exc).__name__}: {exc}")
+        errors = self._validate([records for _, records in decoded])
+        records: list[Record] = []
+        accepted: list[tuple[Message, list[Record]]] = []
+        for (message, batch), error in zip(decoded, errors, strict=True):
+            self._stats.validate.received += len(batch)
+            if error is not None:
+                self._stats.validate.rejected += len(batch)
+                self._reject(message, error)
+                continue
+            self._stats.decode.emitted += 1
+            self._stats.validate.emitted += len(batch)
+            accepted.append((message, batch))
+            records.extend(batch)
+        failed = self._ingest(records)
+        if failed:
+            # Validated records should never make the engine raise. If they do, every message
+            # of this poll with records of that job is set aside, loudly; other jobs go on.
+            for message, batch in accepted:
+                job_id = next((r.job_id for r in batch if r.job_id in failed), None)
+                if job_id is not None:
+                    exc = failed[job_id]
+                    self._stats.decode.emitted -= 1
+                    self._reject(message, f"window engine raised {type(exc).__name__}: {exc} "
+                                          f"on job {job_id!r} (its records of this poll may be "
+                                          "partly windowed)")
+        self._flush_dead_letters()
+        self._handle(self.engine.close_ready())
+
+    def _validate(self, messages: list[list[Record]]) -> list[str | None]:
+        """Per message, ``None`` or why it is rejected; a check that raises rejects only the
+        message it was checking."""
+        try:
+            return [None if e is None else str(e) for e in self.validator.validate_many(messages)]
+        except Exception:
+            log.exception("validation raised; checking the poll's messages one by one")
+        errors: list[str | None] = []
+        for records in messages:
+            try:
+                self.validator.validate(records)
+            except InvalidRecord as exc:
+                errors.append(str(exc))
+            except Exception as exc:
+                errors.append(f"validation raised {type(exc).__name__}: {exc}")
+            else:
+                errors.append(None)
+        return errors
+
+    def _ingest(self, records: list[Record]) -> dict[str, Exception]:
+        """Route validated records to the window engine, job by job. Returns the jobs whose
+        records made the engine raise, so that only their messages are set aside."""
+        by_job: dict[str, list[Record]] = {}
+        for record in records:
+            if isinstance(record, ControlMessage | Finding):
+                continue  # addressed to producers / produced by another pipeline
+            by_job.setdefault(record.job_id, []).append(record)
+        self._touch(by_job)
+        failed: dict[str, Exception] = {}
+        for job_id, job_records in by_job.items():
+            try:
+                self._ingest_job(job_records)
+            except Exception as exc:  # validated records should never get here
+                log.exception("window engine raised on job %s", job_id)
+                failed[job_id] = exc
+        return failed
+
+    def _ingest_job(self, records: list[Record]) -> None:
         spans: list[SpanBatch] = []
         summaries: list[FunctionSummary] = []
         steps: list[StepRecord] = []
@@ -103,11 +240,8 @@ class EmbeddedPipeline:
                 self.engine.add_topology(record)
                 if self.sink is not None:
                     self._write(lambda r=record: self.sink.write_topology(r))
-            elif isinstance(record, ControlMessage | Finding):
-                pass  # addressed to producers / produced by another pipeline
         if events:
-            for job_events in _by_job(events).values():
-                spans.append(SpanBatch.from_events(job_events))
+            spans.append(SpanBatch.from_events(events))
         self._stats.window.received += (
             sum(len(b) for b in spans) + len(summaries) + len(steps) + len(metrics)
         )
@@ -119,34 +253,52 @@ class EmbeddedPipeline:
             self.engine.add_steps(steps)
         if metrics:
             self.engine.add_metrics(metrics)
-        self._handle(self.engine.close_ready())
 
-    def process_messages(self, messages: list[Message]) -> None:
-        records: list[Record] = []
-        for message in messages:
-            self._stats.decode.received += 1
-            try:
-                decoded = decode_batch(message.value)
-            except BadMessage as exc:
-                self._reject(message, str(exc))
-                continue
-            self._stats.decode.emitted += 1
-            records.extend(decoded)
-        self.process_records(records)
+    def _touch(self, jobs: Collection[str]) -> None:
+        """Mark ``jobs`` as seen; evict the least recently seen others beyond ``max_jobs``."""
+        for job_id in jobs:
+            if job_id in self._jobs:
+                self._jobs.move_to_end(job_id)
+            else:
+                self._jobs[job_id] = None
+        excess = len(self._jobs) - self.max_jobs
+        if excess <= 0:
+            return
+        # A job of the records at hand is never evicted before they are windowed.
+        for job_id in [j for j in self._jobs if j not in jobs][:excess]:
+            self._evict(job_id)
+
+    def _evict(self, job_id: str) -> None:
+        del self._jobs[job_id]
+        self._handle(self.engine.evict_job(job_id))
+        self.runner.forget(job_id)
+        self.validator.forget(job_id)
+        self._stats.jobs_evicted += 1
+        # A flood of job ids must not flood the log too: the first, then every 1000th.
+        level = logging.WARNING if self._stats.jobs_evicted % 1000 == 1 else logging.DEBUG
+        log.log(level, "job %s evicted: more than %d jobs (%d evicted so far); its open "
+                "windows were closed and its detector state forgotten",
+                job_id, self.max_jobs, self._stats.jobs_evicted)
 
     def _reject(self, message: Message, error: str) -> None:
         self._stats.decode.rejected += 1
-        log.warning(
-            "rejected message %s[%d]@%d: %s; set aside as a dead letter",
-            message.topic, message.partition, message.offset, error,
+        reason = f"{message.topic}[{message.partition}]@{message.offset}: " + " ".join(
+            error.split()
         )
-        self.dead_letter(message, error)
+        log.warning("rejected message %s; set aside as a dead letter", reason)
+        self.dead_letter(message, reason)
         if self.sink is not None:
-            self._write(
-                lambda: self.sink.write_dead_letter(
-                    message.topic, message.partition, message.offset, error, message.value
-                )
+            self._dead_letters.append(
+                (message.topic, message.partition, message.offset, reason, message.value)
             )
+
+    def _flush_dead_letters(self) -> None:
+        """One insert per call rather than per message: a burst of garbage stays cheap."""
+        if not self._dead_letters or self.sink is None:
+            self._dead_letters.clear()
+            return
+        rows, self._dead_letters = self._dead_letters, []
+        self._write(lambda: self.sink.write_dead_letters(rows))
 
     def dead_letter(self, message: Message, error: str) -> None:
         """Where rejected messages go besides the sink; the bus pipeline republishes them."""
@@ -243,8 +395,10 @@ class Pipeline(EmbeddedPipeline):
         self.consumer.commit()
 
 
-def _by_job(events: list[SpanEvent]) -> dict[str, list[SpanEvent]]:
-    out: dict[str, list[SpanEvent]] = {}
-    for event in events:
-        out.setdefault(event.job_id, []).append(event)
-    return out
+def _encoded(record: Record) -> bytes:
+    try:
+        return encode_batch([record])
+    except Exception:  # a record built in Python may hold what msgpack cannot carry
+        return b""
+
+

@@ -36,8 +36,10 @@ _FN_BITS = 20
 _RANK_BITS = 20
 _WINDOW_SHIFT = _FN_BITS + _RANK_BITS
 _MAX_RANK = (1 << _RANK_BITS) - 1
-# Window indices are stored relative to a per-job base so they fit the 23 bits left.
+# Window indices are stored relative to a per-job base so they fit the 23 bits left; an event
+# further than that from the job's first window is rejected rather than wrapped into another key.
 _WINDOW_MARGIN = 1 << 10
+_MAX_REL_WINDOW = (1 << (63 - _WINDOW_SHIFT)) - 1
 
 
 @dataclass
@@ -213,8 +215,11 @@ class WindowEngine:
         if job.base is None:
             job.base = int(index.min()) - _WINDOW_MARGIN
         on_time = (index >= job.closed_before) & (index >= job.base)
-        if not on_time.all():
+        in_range = index - job.base <= _MAX_REL_WINDOW
+        if not (on_time & in_range).all():
             self.stats.late_events += int((~on_time).sum())
+            self.stats.rejected += int((on_time & ~in_range).sum())
+            on_time &= in_range
             fid, rank, index, duration, bytes_moved, start = (
                 a[on_time] for a in (fid, rank, index, duration, bytes_moved, start)
             )
@@ -247,6 +252,9 @@ class WindowEngine:
                 job.base = index - _WINDOW_MARGIN
             if index < job.closed_before or index < job.base or not 0 <= summary.rank <= _MAX_RANK:
                 self.stats.late_events += summary.count
+                continue
+            if index - job.base > _MAX_REL_WINDOW:
+                self.stats.rejected += 1
                 continue
             fid = job.fid(summary.layer, summary.name, summary.callpath_id)
             group = ((index - job.base) << _WINDOW_SHIFT) | (summary.rank << _FN_BITS) | fid
@@ -313,6 +321,14 @@ class WindowEngine:
             for index in sorted(job.windows):
                 closed.append(self._close(job_id, job, index))
         return closed
+
+    def evict_job(self, job_id: str) -> list[WindowView]:
+        """Close a job's open windows and forget the job (a bound on how many jobs are kept);
+        a later record of the job starts it afresh."""
+        job = self._jobs.pop(job_id, None)
+        if job is None:
+            return []
+        return [self._close(job_id, job, index) for index in sorted(job.windows)]
 
     def open_windows(self) -> int:
         return sum(len(job.windows) for job in self._jobs.values())
