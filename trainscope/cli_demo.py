@@ -98,7 +98,8 @@ def demo(
     seen: set[tuple[int, int, str]] = set()
 
     def on_window(view, findings) -> None:
-        for f in findings:
+        # Of one suspect's findings in a window, announce one that names the function.
+        for f in sorted(findings, key=lambda f: not f.function):
             key = (f.rank, f.pp_stage, f.category)
             if f.score >= threshold and key not in seen:
                 seen.add(key)
@@ -175,7 +176,7 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
             who = (f"stage {s.pp_stage}" if s.category == "stage-imbalance"
                    else ("job" if s.rank < 0 else str(s.rank)))
             table.add_row(str(i), who, s.category, f"{s.layer}/{s.function}".strip("/"),
-                          f"{s.score:.2f}", str(len(s.scores)), str(len(s.victims)))
+                          f"{s.score:.2f}", str(s.windows), str(len(s.victims)))
         console.print(table)
         console.print(f"[bold]Prime suspect:[/] {result.suspects[0].message}", highlight=False)
     if store is not None:

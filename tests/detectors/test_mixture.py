@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
+import pandas as pd
 import pytest
 
-from trainscope.detectors.base import ALERT_THRESHOLD
+from trainscope.detectors.base import ALERT_THRESHOLD, WindowView
 from trainscope.detectors.check import check_detector
 from trainscope.detectors.mixture import MixtureDetector
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
@@ -74,3 +77,20 @@ def test_other_causes_get_their_own_category() -> None:
 
 def test_detector_contract() -> None:
     check_detector(MixtureDetector)
+
+
+def test_identical_vectors_train_one_component_without_library_warnings() -> None:
+    # An edge window can leave a single feature with the same deviation (0) on every rank:
+    # there is nothing to split into several components.
+    ranks = range(44)
+    steps = pd.DataFrame({
+        "rank": list(ranks), "step": 7, "start_ns": 10**9, "duration_ns": 1_100_000_000,
+        "samples": 8, "tokens": 32768, "seq_len_mean": 4096, "seq_len_max": 4096,
+    })
+    window = WindowView(job_id="j", window_start_ns=0, window_end_ns=15 * 10**9, steps=steps)
+    detector = MixtureDetector()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert detector.detect(window) == []
+    (model,) = detector._models.values()
+    assert model["gmm"].n_components == 1

@@ -1,4 +1,11 @@
-"""From per-window findings to a diagnosis: one entry per suspect and cause, most suspect first."""
+"""From per-window findings to a diagnosis: one entry per suspect and cause, most suspect first.
+
+Several detectors may report the same rank and cause in the same window (peer-diff names the
+function, the mixture and multivariate detectors only the metrics that moved). They are one
+piece of evidence about that window, not several: a suspect counts each window once, with the
+strongest score any detector gave it there, and its description (function, message, evidence)
+comes from the most specific finding — one that names a function beats one that does not.
+"""
 
 from __future__ import annotations
 
@@ -18,20 +25,27 @@ class Suspect:
     function: str
     category: str
     detectors: set[str] = field(default_factory=set)
-    scores: list[float] = field(default_factory=list)
+    # Window start (ns) → the strongest score any detector gave this suspect in that window.
+    window_scores: dict[int, float] = field(default_factory=dict)
     victims: set[int] = field(default_factory=set)
     message: str = ""
+    evidence: dict[str, float] = field(default_factory=dict)
     first_window_ns: int = 0
 
     @property
+    def windows(self) -> int:
+        """Distinct windows in which any detector reported the suspect."""
+        return len(self.window_scores)
+
+    @property
     def score(self) -> float:
-        """Mean score over the windows in which the suspect was reported."""
-        return sum(self.scores) / len(self.scores)
+        """Mean over those windows of the window's strongest score."""
+        return sum(self.window_scores.values()) / len(self.window_scores)
 
     @property
     def weight(self) -> float:
         """Accumulated evidence: a persistent strong suspect outranks a one-window blip."""
-        return sum(self.scores)
+        return sum(self.window_scores.values())
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -41,12 +55,20 @@ class Suspect:
             "layer": self.layer,
             "category": self.category,
             "score": round(self.score, 4),
+            "windows": self.windows,
+            "detectors": sorted(self.detectors),
             "message": self.message,
+            "evidence": self.evidence,
         }
 
 
 def key_of(finding: Finding) -> tuple[int, int, str]:
     return (finding.rank, finding.pp_stage, finding.category)
+
+
+def _specificity(finding: Finding) -> tuple[bool, float]:
+    """Which finding describes a suspect: one naming a function first, then the strongest."""
+    return (bool(finding.function), finding.score)
 
 
 def diagnose(
@@ -57,6 +79,7 @@ def diagnose(
     Localised suspects (a rank or a stage) come before job-level symptoms of equal weight.
     """
     suspects: dict[tuple[int, int, str], Suspect] = {}
+    described_by: dict[tuple[int, int, str], Finding] = {}
     for f in findings:
         key = key_of(f)
         s = suspects.get(key)
@@ -71,10 +94,15 @@ def diagnose(
                 first_window_ns=f.window_start_ns,
             )
         s.detectors.add(f.detector)
-        s.scores.append(f.score)
+        window = f.window_start_ns
+        s.window_scores[window] = max(s.window_scores.get(window, 0.0), f.score)
+        s.first_window_ns = min(s.first_window_ns, window)
         s.victims.update(f.victims)
-        if f.score >= max(s.scores):
+        # ">=": of equally specific findings the latest describes the suspect.
+        if key not in described_by or _specificity(f) >= _specificity(described_by[key]):
+            described_by[key] = f
             s.message, s.layer, s.function = f.message, f.layer, f.function
+            s.ranks, s.evidence = list(f.ranks), dict(f.evidence)
     alerts = [s for s in suspects.values() if s.score >= threshold]
     alerts.sort(key=lambda s: (s.weight, s.rank >= 0 or s.pp_stage >= 0), reverse=True)
     return alerts

@@ -229,7 +229,11 @@ class MixtureDetector:
         from sklearn.mixture import GaussianMixture  # imported on first fit only
 
         best, best_bic = None, np.inf
-        for k in range(1, self.max_components + 1):
+        # More components than distinct training vectors is degenerate: k-means (the EM
+        # initialisation) cannot place them and scikit-learn warns. It happens in edge windows
+        # whose only surviving feature is identical on every rank, e.g. a deviation of 0.
+        distinct = len(np.unique(train, axis=0))
+        for k in range(1, min(self.max_components, distinct) + 1):
             if len(train) < 10 * k:
                 break
             gmm = GaussianMixture(

@@ -43,6 +43,17 @@ FEATURES: dict[str, str | None] = {
     m.PCIE_TX_BYTES_PER_S: "pcie",
 }
 
+# The smallest move of a time share (a fraction of the rank's step) that can name a cause.
+# Some shares are zero on most ranks in a window: routine GC pauses hit a third of the ranks in
+# a 15 s window, so the peers' median and MAD of ``gc_share`` are 0. Measured against a zero
+# scale, one routine 10 ms pause is millions of sigmas, and it took the blame whenever a rank
+# that stood apart for another reason (a slow GPU) happened to have one. A share is judged
+# against at least this absolute spread instead.
+SHARE_SCALE_FLOOR = 0.01
+# Other features (times, metrics) are judged against at least this tiny absolute spread and
+# robust_z's relative floor.
+FEATURE_SCALE_FLOOR = 1e-9
+
 
 class RankAnomalyDetector:
     name = "multivariate"
@@ -147,7 +158,8 @@ class RankAnomalyDetector:
 def _most_deviant(frame: pd.DataFrame, rank: int) -> tuple[str, float]:
     best, best_z = "", 0.0
     for column in frame.columns:
-        z, _ = robust_z(frame[column], None, floor=1e-9)
+        floor = SHARE_SCALE_FLOOR if column.endswith("_share") else FEATURE_SCALE_FLOOR
+        z, _ = robust_z(frame[column], None, floor=floor)
         value = abs(float(z[rank])) if np.isfinite(z[rank]) else 0.0
         if value > best_z:
             best, best_z = column, value
