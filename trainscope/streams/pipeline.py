@@ -29,6 +29,7 @@ from trainscope.schemas.records import (
     SpanBatch,
     SpanEvent,
     StepRecord,
+    SummaryBatch,
     Topology,
 )
 from trainscope.streams.bus import DEAD_LETTER_TOPIC, EVENTS_TOPIC, METRICS_TOPIC, Bus, Message
@@ -84,7 +85,7 @@ class EmbeddedPipeline:
 
     def process_records(self, records: Iterable[Record]) -> None:
         spans: list[SpanBatch] = []
-        summaries: list[FunctionSummary] = []
+        summaries: list[SummaryBatch | FunctionSummary] = []
         steps: list[StepRecord] = []
         metrics: list[MetricSample] = []
         events: list[SpanEvent] = []
@@ -95,7 +96,7 @@ class EmbeddedPipeline:
                 steps.append(record)
             elif isinstance(record, MetricSample):
                 metrics.append(record)
-            elif isinstance(record, FunctionSummary):
+            elif isinstance(record, SummaryBatch | FunctionSummary):
                 summaries.append(record)
             elif isinstance(record, SpanEvent):
                 events.append(record)
@@ -109,7 +110,10 @@ class EmbeddedPipeline:
             for job_events in _by_job(events).values():
                 spans.append(SpanBatch.from_events(job_events))
         self._stats.window.received += (
-            sum(len(b) for b in spans) + len(summaries) + len(steps) + len(metrics)
+            sum(len(b) for b in spans)
+            + sum(len(s) if isinstance(s, SummaryBatch) else 1 for s in summaries)
+            + len(steps)
+            + len(metrics)
         )
         if spans:
             self.engine.add_spans(spans)

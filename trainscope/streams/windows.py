@@ -2,8 +2,10 @@
 
 Span events arrive as columnar batches; each batch is reduced to partial summaries in one
 vectorised pass (:mod:`trainscope.streams.grouping`), and a window's partials are merged once,
-when the window closes. Producers that summarise on their own (the PyTorch hook, the host agent)
-send :class:`FunctionSummary` records, which join the same partials.
+when the window closes. Producers that summarise on their own (the PyTorch hook, the host agent,
+trace replay) send columnar :class:`SummaryBatch` records, which join the same partials without a
+loop over rows; row :class:`FunctionSummary` records of older producers are packed into batches
+first.
 
 Time: a window ``[k·W, (k+1)·W)`` closes when the job's watermark passes its end. Each rank is
 a source with its own progress (its latest event time); the watermark is the progress of the
@@ -16,6 +18,7 @@ merged or lost.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -28,6 +31,7 @@ from trainscope.schemas.records import (
     MetricSample,
     SpanBatch,
     StepRecord,
+    SummaryBatch,
     Topology,
 )
 from trainscope.streams.grouping import Partials, merge_partials, reduce_events
@@ -238,36 +242,89 @@ class WindowEngine:
         starts = np.flatnonzero(np.r_[True, sorted_rank[1:] != sorted_rank[:-1]])
         self._observe(job, sorted_rank[starts], np.maximum.reduceat(end_ns[order], starts))
 
-    def add_summaries(self, summaries: list[FunctionSummary]) -> None:
-        for summary in summaries:
-            self.stats.summaries_received += 1
-            job = self._job(summary.job_id)
-            index = summary.window_start_ns // self.window_ns
-            if job.base is None:
-                job.base = index - _WINDOW_MARGIN
-            if index < job.closed_before or index < job.base or not 0 <= summary.rank <= _MAX_RANK:
-                self.stats.late_events += summary.count
-                continue
-            fid = job.fid(summary.layer, summary.name, summary.callpath_id)
-            group = ((index - job.base) << _WINDOW_SHIFT) | (summary.rank << _FN_BITS) | fid
-            keys = np.asarray(summary.sketch_keys, dtype=np.int64)
-            self._window(job, index).partials.append(
-                Partials(
-                    group=np.array([group], dtype=np.int64),
-                    count=np.array([summary.count], dtype=np.int64),
-                    total_ns=np.array([summary.total_ns], dtype=np.int64),
-                    m2_ns2=np.array([summary.m2_ns2]),
-                    min_ns=np.array([summary.min_ns], dtype=np.int64),
-                    max_ns=np.array([summary.max_ns], dtype=np.int64),
-                    bytes_total=np.array([summary.bytes_total], dtype=np.int64),
-                    sketch_row=np.zeros(len(keys), dtype=np.int64),
-                    sketch_key=keys,
-                    sketch_count=np.asarray(summary.sketch_counts, dtype=np.int64),
-                )
-            )
-            self._observe(
-                job, np.array([summary.rank]), np.array([summary.window_end_ns - 1])
-            )
+    def add_summaries(self, summaries: Sequence[SummaryBatch | FunctionSummary]) -> None:
+        """Merge producers' summaries: columnar batches, or row records (older producers),
+        which are packed into one batch per job and window first so both take one path."""
+        batches: list[SummaryBatch] = []
+        rows: dict[tuple[str, int, int], list[FunctionSummary]] = {}
+        for item in summaries:
+            if isinstance(item, SummaryBatch):
+                if len(item):
+                    batches.append(item)
+            else:
+                key = (item.job_id, item.window_start_ns, item.window_end_ns)
+                rows.setdefault(key, []).append(item)
+        batches += [SummaryBatch.from_summaries(group) for group in rows.values()]
+        by_job: dict[str, list[SummaryBatch]] = {}
+        for batch in batches:
+            by_job.setdefault(batch.job_id, []).append(batch)
+        for job_id, job_batches in by_job.items():
+            self._add_job_summaries(self._job(job_id), job_batches)
+
+    def _add_job_summaries(self, job: _Job, batches: list[SummaryBatch]) -> None:
+        sizes = np.array([len(b) for b in batches], dtype=np.int64)
+        self.stats.summaries_received += int(sizes.sum())
+        index = np.repeat(
+            np.array([b.window_start_ns // self.window_ns for b in batches], dtype=np.int64),
+            sizes,
+        )
+        end_ns = np.repeat(np.array([b.window_end_ns for b in batches], dtype=np.int64), sizes)
+        fid = np.concatenate([self._fids(job, b)[b.column("fn")] for b in batches])
+        rank = np.concatenate([b.column("rank") for b in batches]).astype(np.int64)
+        columns = {
+            name: np.concatenate([b.column(name) for b in batches])
+            for name in ("count", "total_ns", "m2_ns2", "min_ns", "max_ns", "bytes_total")
+        }
+        # Sketch entries of all batches, each tagged with its row in the concatenation.
+        entries = np.concatenate([np.diff(b.column("sketch_offsets")) for b in batches])
+        sketch_key = np.concatenate([b.column("sketch_keys") for b in batches]).astype(np.int64)
+        sketch_count = np.concatenate([b.column("sketch_counts") for b in batches])
+        sketch_row = np.repeat(np.arange(len(rank)), entries)
+
+        valid = (rank >= 0) & (rank <= _MAX_RANK)
+        if not valid.all():
+            self.stats.rejected += int((~valid).sum())
+        if job.base is None:
+            job.base = int(index.min()) - _WINDOW_MARGIN
+        on_time = (index >= job.closed_before) & (index >= job.base)
+        late = valid & ~on_time
+        if late.any():
+            self.stats.late_events += int(columns["count"][late].sum())
+        keep = valid & on_time
+        if not keep.any():
+            return
+        if not keep.all():
+            rows = np.flatnonzero(keep)
+            remap = np.full(len(keep), -1, dtype=np.int64)
+            remap[rows] = np.arange(len(rows))
+            kept_entries = keep[sketch_row]
+            sketch_row = remap[sketch_row[kept_entries]]
+            sketch_key, sketch_count = sketch_key[kept_entries], sketch_count[kept_entries]
+            fid, rank, index, end_ns = fid[rows], rank[rows], index[rows], end_ns[rows]
+            columns = {name: values[rows] for name, values in columns.items()}
+        group = ((index - job.base) << _WINDOW_SHIFT) | (rank << _FN_BITS) | fid
+        self._observe_spans(job, rank, end_ns - 1)
+        partials = Partials(
+            group=group, sketch_row=sketch_row, sketch_key=sketch_key,
+            sketch_count=sketch_count, **columns,
+        )
+        if len(batches) == 1 or (index == index[0]).all():
+            self._window(job, int(index[0])).partials.append(partials)
+            return
+        # Rows of several windows: hand each window its own rows.
+        order = np.argsort(index, kind="stable")
+        bounds = np.flatnonzero(np.r_[True, index[order][1:] != index[order][:-1]])
+        for rows in np.split(order, bounds[1:]):
+            self._window(job, int(index[rows[0]])).partials.append(partials.take(rows))
+
+    @staticmethod
+    def _fids(job: _Job, batch: SummaryBatch) -> np.ndarray:
+        """Job-wide function id of each of the batch's functions."""
+        return np.array(
+            [job.fid(layer, name, callpath) for layer, name, callpath
+             in zip(batch.layers, batch.names, batch.callpaths, strict=True)],
+            dtype=np.int64,
+        )
 
     def add_steps(self, steps: list[StepRecord]) -> None:
         for step in steps:
