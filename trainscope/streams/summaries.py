@@ -21,7 +21,7 @@ from trainscope.streams.grouping import reduce_events
 FunctionKey = tuple[str, str, int]  # layer, name, callpath_id
 # Rows per batch: a batch of this many summaries with typical sketches stays a few hundred KiB,
 # far below Kafka's default 1 MiB message limit.
-MAX_BATCH_ROWS = 1_000
+MAX_BATCH_ROWS = 500
 
 
 def summary_batches(

@@ -16,10 +16,12 @@ from typing import Any
 
 from trainscope.producers.torch.safety import Guard, log
 from trainscope.schemas.codec import encode_batch
+from trainscope.schemas.records import SummaryBatch
 from trainscope.streams.bus import EVENTS_TOPIC, Bus
 
-# Records per bus message: large enough to amortise the per-message cost, small enough to stay
-# far below Kafka's 1 MiB message limit with summaries of a few hundred bytes each.
+# Rows per bus message (records, or the rows of a summary batch): large enough to amortise the
+# per-message cost, small enough to stay far below Kafka's 1 MiB message limit with summaries of
+# a few hundred bytes each.
 MAX_BATCH_RECORDS = 500
 FLUSH_TIMEOUT_S = 5.0
 
@@ -176,8 +178,7 @@ class Sender:
         self._deliver(final)
 
     def _enqueue_payloads(self, records: list[Any]) -> None:
-        for i in range(0, len(records), MAX_BATCH_RECORDS):
-            chunk = records[i : i + MAX_BATCH_RECORDS]
+        for chunk in _chunks(records):
             with self._cond:
                 room = self.capacity - self._outbox_records
                 if room < len(chunk):
@@ -257,3 +258,21 @@ class Sender:
             bus.close()
         except Exception as exc:
             self._guard.report("bus close", exc)
+
+
+def _chunks(records: list[Any]) -> list[list[Any]]:
+    """Records per message: at most MAX_BATCH_RECORDS rows, a summary batch weighing its rows
+    (a batch larger than that travels alone; producers bound its size)."""
+    chunks: list[list[Any]] = []
+    chunk: list[Any] = []
+    rows = 0
+    for record in records:
+        weight = len(record) if isinstance(record, SummaryBatch) else 1
+        if chunk and rows + weight > MAX_BATCH_RECORDS:
+            chunks.append(chunk)
+            chunk, rows = [], 0
+        chunk.append(record)
+        rows += weight
+    if chunk:
+        chunks.append(chunk)
+    return chunks
