@@ -10,6 +10,7 @@ group-by (:func:`trainscope.streams.grouping.reduce_events`) into the columnar
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -89,6 +90,24 @@ def batches_of(
         for group in groups.values()
         for lo, hi in _chunks(len(group), max_rows)
     ]
+
+
+def message_chunks(records: Sequence[Any], max_rows: int) -> list[list[Any]]:
+    """Consecutive records grouped into bus messages of at most ``max_rows`` rows, a summary
+    batch weighing its rows (a larger batch travels alone; :func:`summary_batches` bounds it)."""
+    chunks: list[list[Any]] = []
+    chunk: list[Any] = []
+    rows = 0
+    for record in records:
+        weight = len(record) if isinstance(record, SummaryBatch) else 1
+        if chunk and rows + weight > max_rows:
+            chunks.append(chunk)
+            chunk, rows = [], 0
+        chunk.append(record)
+        rows += weight
+    if chunk:
+        chunks.append(chunk)
+    return chunks
 
 
 def _chunks(n: int, size: int) -> Iterator[tuple[int, int]]:

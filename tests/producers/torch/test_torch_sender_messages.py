@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainscope.producers.torch.sender import MAX_BATCH_RECORDS, _chunks
+from trainscope.producers.torch.sender import MAX_BATCH_RECORDS
 from trainscope.schemas.records import StepRecord
 from trainscope.streams import summaries
 
@@ -13,7 +13,7 @@ def test_summary_batches_count_their_rows_towards_the_message_bound() -> None:
                                         window_end_ns=10)
     steps = [StepRecord(job_id="j", rank=0, step=i, start_ns=i, duration_ns=1)
              for i in range(300)]
-    chunks = _chunks([*steps, *batches])
+    chunks = summaries.message_chunks([*steps, *batches], MAX_BATCH_RECORDS)
     assert [sum(len(r) if r in batches else 1 for r in chunk) for chunk in chunks] == [
         300, 500, 500, 200]
     assert all(sum(len(r) if r in batches else 1 for r in c) <= MAX_BATCH_RECORDS

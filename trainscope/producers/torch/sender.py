@@ -16,8 +16,8 @@ from typing import Any
 
 from trainscope.producers.torch.safety import Guard, log
 from trainscope.schemas.codec import encode_batch
-from trainscope.schemas.records import SummaryBatch
 from trainscope.streams.bus import EVENTS_TOPIC, Bus
+from trainscope.streams.summaries import message_chunks
 
 # Rows per bus message (records, or the rows of a summary batch): large enough to amortise the
 # per-message cost, small enough to stay far below Kafka's 1 MiB message limit with summaries of
@@ -178,7 +178,7 @@ class Sender:
         self._deliver(final)
 
     def _enqueue_payloads(self, records: list[Any]) -> None:
-        for chunk in _chunks(records):
+        for chunk in message_chunks(records, MAX_BATCH_RECORDS):
             with self._cond:
                 room = self.capacity - self._outbox_records
                 if room < len(chunk):
@@ -259,20 +259,3 @@ class Sender:
         except Exception as exc:
             self._guard.report("bus close", exc)
 
-
-def _chunks(records: list[Any]) -> list[list[Any]]:
-    """Records per message: at most MAX_BATCH_RECORDS rows, a summary batch weighing its rows
-    (a batch larger than that travels alone; producers bound its size)."""
-    chunks: list[list[Any]] = []
-    chunk: list[Any] = []
-    rows = 0
-    for record in records:
-        weight = len(record) if isinstance(record, SummaryBatch) else 1
-        if chunk and rows + weight > MAX_BATCH_RECORDS:
-            chunks.append(chunk)
-            chunk, rows = [], 0
-        chunk.append(record)
-        rows += weight
-    if chunk:
-        chunks.append(chunk)
-    return chunks
