@@ -334,6 +334,12 @@ SUMMARY_SKETCH_COLUMNS: dict[str, str] = {
     "sketch_counts": "<i8",
 }
 _SUMMARY_ALL_COLUMNS = {**SUMMARY_COLUMNS, **SUMMARY_SKETCH_COLUMNS}
+# (column, bytes per value, one value per row (else per sketch entry)), offsets aside.
+_SUMMARY_WIDTHS = tuple(
+    (name, np.dtype(dtype).itemsize, name in SUMMARY_COLUMNS)
+    for name, dtype in _SUMMARY_ALL_COLUMNS.items()
+    if name != "sketch_offsets"
+)
 
 
 class SummaryBatch(msgspec.Struct, tag="summaries", kw_only=True, frozen=True):
@@ -378,15 +384,25 @@ class SummaryBatch(msgspec.Struct, tag="summaries", kw_only=True, frozen=True):
                 f"layers, names and callpaths must have one entry per function, got "
                 f"{functions}, {len(self.names)} and {len(self.callpaths)}"
             )
+        # Decoding runs this once per batch of a few dozen rows: plain length checks first,
+        # then as few numpy calls as possible.
         n = len(self.rank) // 4
-        for column, dtype in SUMMARY_COLUMNS.items():
-            _check_width(column, getattr(self, column), np.dtype(dtype).itemsize, n, "rows")
-        _check_width("sketch_offsets", self.sketch_offsets, 8, n + 1, "rows + 1")
-        offsets = np.frombuffer(self.sketch_offsets, dtype="<i8")
         entries = len(self.sketch_keys) // 4
-        _check_width("sketch_keys", self.sketch_keys, 4, entries, "entries")
-        _check_width("sketch_counts", self.sketch_counts, 8, entries, "entries")
-        if offsets[0] != 0 or offsets[-1] != entries or (n and (np.diff(offsets) < 0).any()):
+        for column, width, per_row in _SUMMARY_WIDTHS:
+            expected = (n if per_row else entries) * width
+            if len(getattr(self, column)) != expected:
+                raise ValueError(
+                    f"column {column} holds {len(getattr(self, column))} bytes, expected "
+                    f"{expected} ({expected // width} {'rows' if per_row else 'entries'} "
+                    f"of {width} bytes)"
+                )
+        if len(self.sketch_offsets) != (n + 1) * 8:
+            raise ValueError(
+                f"column sketch_offsets holds {len(self.sketch_offsets)} bytes, expected "
+                f"{(n + 1) * 8} (rows + 1 of 8 bytes)"
+            )
+        offsets = np.frombuffer(self.sketch_offsets, dtype="<i8")
+        if offsets[0] != 0 or offsets[-1] != entries or (offsets[1:] < offsets[:-1]).any():
             raise ValueError(
                 f"sketch_offsets must rise from 0 to {entries} (the sketch entries), "
                 f"got {offsets[0]}..{offsets[-1]}"
@@ -395,11 +411,11 @@ class SummaryBatch(msgspec.Struct, tag="summaries", kw_only=True, frozen=True):
             return
         if not functions:
             raise ValueError(f"{n} rows but no functions declared")
-        fn = np.frombuffer(self.fn, dtype="<i4")
-        lo, hi = int(fn.min()), int(fn.max())
-        if lo < 0 or hi >= functions:
-            raise ValueError(f"fn index {lo if lo < 0 else hi} out of range for {functions} "
-                             "functions")
+        # Read as unsigned, a negative index is huge: one reduction checks both bounds.
+        if int(np.frombuffer(self.fn, dtype="<u4").max()) >= functions:
+            fn = np.frombuffer(self.fn, dtype="<i4")
+            bad = int(fn.min()) if fn.min() < 0 else int(fn.max())
+            raise ValueError(f"fn index {bad} out of range for {functions} functions")
         count = np.frombuffer(self.count, dtype="<i8")
         if int(count.min()) < 0:
             raise ValueError(f"count must be >= 0, got {int(count.min())}")
@@ -522,14 +538,6 @@ class SummaryBatch(msgspec.Struct, tag="summaries", kw_only=True, frozen=True):
                 )
             )
         return out
-
-
-def _check_width(column: str, raw: bytes, width: int, expected: int, unit: str) -> None:
-    if len(raw) != expected * width:
-        raise ValueError(
-            f"column {column} holds {len(raw)} bytes, expected {expected * width} "
-            f"({expected} {unit} of {width} bytes)"
-        )
 
 
 class Finding(msgspec.Struct, tag="finding", kw_only=True, frozen=True):
