@@ -241,3 +241,23 @@ def test_late_and_out_of_range_summaries_are_counted_not_merged() -> None:
     assert engine.stats.rejected == 2
     (view,) = engine.close_all()
     assert sorted(view.summaries["rank"]) == [0, 1, 2]
+
+
+def test_each_row_keeps_its_own_sketch_whatever_order_ranks_arrive_in() -> None:
+    def batch(rank: int, scale: int):
+        durations = {("torch_op", "mm", 0): np.array([1, 2, 3]) * scale,
+                     ("gc", "gc", 0): np.array([7]) * scale}
+        return summaries.summary_batches(durations, job_id="job", rank=rank, window_start_ns=0,
+                                         window_end_ns=WINDOW_NS)
+
+    engine = WindowEngine(window_s=1.0)
+    arrivals = [(5, 10**6), (3, 10**3), (9, 10**5), (0, 10)]  # not in rank order
+    for rank, scale in arrivals:
+        engine.add_summaries(batch(rank, scale))
+    (view,) = engine.close_all()
+    expected = {(rank, s.name): (s.sketch_keys, s.sketch_counts)
+                for rank, scale in arrivals for b in batch(rank, scale)
+                for s in b.to_summaries()}
+    got = {(r.rank, r.name): (list(r.sketch_keys), list(r.sketch_counts))
+           for r in view.summaries.itertuples()}
+    assert got == expected
