@@ -444,8 +444,8 @@ class WindowEngine:
         return pd.DataFrame(
             {
                 "rank": rank,
-                "layer": np.asarray(job.fn_layer, dtype=object)[fid],
-                "name": np.asarray(job.fn_name, dtype=object)[fid],
+                "layer": _string_column(job.fn_layer, fid),
+                "name": _string_column(job.fn_name, fid),
                 "callpath_id": np.asarray(job.fn_callpath, dtype=np.uint64)[fid],
                 "count": merged.count.astype(np.int64),
                 "total_ns": merged.total_ns.astype(np.int64),
@@ -457,6 +457,14 @@ class WindowEngine:
                 "sketch_counts": sketch_counts,
             }
         )
+
+
+def _string_column(values: list[str], index: np.ndarray) -> pd.api.extensions.ExtensionArray:
+    # Taken in Arrow: the same column pandas makes of Python strings, without one per row.
+    return pd.array(pa.array(values, type=pa.string()).take(pa.array(index)), dtype=_STR)
+
+
+_STR = pd.Series(["x"]).dtype
 
 
 def _list_column(offsets: np.ndarray, values: np.ndarray) -> pd.arrays.ArrowExtensionArray:
