@@ -4,8 +4,8 @@ Collectors report every interval (1 s by default); the agent publishes once per 
 samples of one series (job, host, rank, device, name) become one sample per window — the mean
 for gauges, the OR of bits for the clock-event reason mask, the sum for event counts, the last
 value for cumulative counters. The reason mask also yields ``throttled_frac``, the share of
-readings with a throttling bit set: judged per reading, because the OR of a window would call a
-GPU throttled for one power-cap blip, and idle between steps would look like a reason at all.
+readings with a throttling bit set, judged reading by reading: the OR over a window would call a
+GPU throttled after a single power-cap blip (idle and clock-setting bits never count).
 Function summaries of one function and rank merge exactly, and leave as one
 :class:`SummaryBatch` per job and rank.
 """
@@ -96,15 +96,14 @@ class WindowAggregator:
         """The window's records, stamped with its bounds; the aggregator starts empty again."""
         out: list[MetricSample | SummaryBatch] = []
         for (job_id, host, rank, device, name), s in self._metrics.items():
-            values = {name: float(s.bits)} if name in _BITS else {}
             if name in _BITS:
-                values[m.THROTTLED_FRAC] = s.throttled / s.count
+                values = {name: float(s.bits), m.THROTTLED_FRAC: s.throttled / s.count}
             elif name in _SUMS:
-                values[name] = s.total
+                values = {name: s.total}
             elif name in _LAST:
-                values[name] = s.last
+                values = {name: s.last}
             else:
-                values[name] = s.total / s.count
+                values = {name: s.total / s.count}
             out += [
                 MetricSample(
                     job_id=job_id,
