@@ -432,31 +432,45 @@ class WindowEngine:
     def _summary_frame(self, job: _Job, parts: list[Partials]) -> pd.DataFrame:
         if not parts:
             return WindowView("", 0, 1).summaries
-        merged = merge_partials(Partials.concat(parts) if len(parts) > 1 else parts[0])
-        fid = merged.group & ((1 << _FN_BITS) - 1)
-        rank = (merged.group >> _FN_BITS) & _MAX_RANK
-        # The sketches stay flat: Arrow list columns over the merged arrays, built without a
+        group = np.concatenate([p.group for p in parts]) if len(parts) > 1 else parts[0].group
+        sort = np.argsort(group, kind="stable")
+        group = group[sort]
+        order = None if (sort[1:] > sort[:-1]).all() else sort  # None: already in order
+        if len(group) > 1 and (group[1:] == group[:-1]).any():
+            # Some (rank, function) arrived more than once: merge them (spans come in several
+            # batches per window; a producer may send a window twice).
+            parts = [merge_partials(Partials.concat(parts) if len(parts) > 1 else parts[0])]
+            group, order = parts[0].group, None
+        # Otherwise (summary batches, typically) nothing merges and the rows only need sorting:
+        # numeric columns are gathered in numpy, the sketches in Arrow, each value copied once.
+        fid = group & ((1 << _FN_BITS) - 1)
+        rank = (group >> _FN_BITS) & _MAX_RANK
+        columns = {
+            name: _gather([getattr(p, name) for p in parts], order).astype(dtype, copy=False)
+            for name, dtype in (("count", np.int64), ("total_ns", np.int64),
+                                ("m2_ns2", np.float64), ("min_ns", np.int64),
+                                ("max_ns", np.int64), ("bytes_total", np.int64))
+        }
+        # The sketches stay flat: Arrow list columns over the partials' arrays, built without a
         # Python object per row (a row still reads as a list). Lists of Python ints cost about
         # 3 µs per summary at typical sketch sizes, more than the rest of the window together.
-        offsets = np.searchsorted(merged.sketch_row, np.arange(len(fid) + 1))
-        sketch_keys = _list_column(offsets, merged.sketch_key)
-        sketch_counts = _list_column(offsets, merged.sketch_count)
+        offsets = [np.searchsorted(p.sketch_row, np.arange(len(p.group) + 1)) for p in parts]
         return pd.DataFrame(
             {
                 "rank": rank,
                 "layer": _string_column(job.fn_layer, fid),
                 "name": _string_column(job.fn_name, fid),
                 "callpath_id": np.asarray(job.fn_callpath, dtype=np.uint64)[fid],
-                "count": merged.count.astype(np.int64),
-                "total_ns": merged.total_ns.astype(np.int64),
-                "m2_ns2": merged.m2_ns2.astype(np.float64),
-                "min_ns": merged.min_ns.astype(np.int64),
-                "max_ns": merged.max_ns.astype(np.int64),
-                "bytes_total": merged.bytes_total.astype(np.int64),
-                "sketch_keys": sketch_keys,
-                "sketch_counts": sketch_counts,
+                **columns,
+                "sketch_keys": _list_column(offsets, [p.sketch_key for p in parts], order),
+                "sketch_counts": _list_column(offsets, [p.sketch_count for p in parts], order),
             }
         )
+
+
+def _gather(chunks: list[np.ndarray], order: np.ndarray | None) -> np.ndarray:
+    values = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+    return values if order is None else values[order]
 
 
 def _string_column(values: list[str], index: np.ndarray) -> pd.api.extensions.ExtensionArray:
@@ -467,10 +481,19 @@ def _string_column(values: list[str], index: np.ndarray) -> pd.api.extensions.Ex
 _STR = pd.Series(["x"]).dtype
 
 
-def _list_column(offsets: np.ndarray, values: np.ndarray) -> pd.arrays.ArrowExtensionArray:
-    lists = pa.LargeListArray.from_arrays(
-        pa.array(offsets, type=pa.int64()), pa.array(values.astype(np.int64, copy=False))
-    )
+def _list_column(
+    offsets: list[np.ndarray], values: list[np.ndarray], order: np.ndarray | None
+) -> pd.arrays.ArrowExtensionArray:
+    """Row ``i`` of chunk ``c`` holds ``values[c][offsets[c][i]:offsets[c][i + 1]]``; the rows
+    of all chunks, in ``order`` when given."""
+    lists = pa.chunked_array([
+        pa.LargeListArray.from_arrays(
+            pa.array(o, type=pa.int64()), pa.array(v.astype(np.int64, copy=False))
+        )
+        for o, v in zip(offsets, values, strict=True)
+    ])
+    if order is not None:
+        lists = lists.take(pa.array(order))
     return pd.arrays.ArrowExtensionArray(lists)
 
 
