@@ -336,21 +336,31 @@ def span_rows(quick: bool, sink: ClickHouseSink) -> None:
               f"{job_s / processing_s:>11.1f}")
 
 
-def summary_rows(quick: bool, sink: ClickHouseSink) -> None:
-    sent, windows, job_s = simulate_sources(steps=20 if quick else 60)
+Workload = tuple[dict[tuple[int, int], _Sent], list[int], float]
+
+
+def summary_baselines(workload: Workload) -> dict[int, tuple[float, float]]:
+    """Per job size, on its first full window: summaries/s of its summary batches alone (best
+    of 3), and of the first 1,024 ranks' summaries as row records (older producers' format).
+    Measured before the embedded store is opened, so none of its background work runs."""
+    sent, windows, _ = workload
+    rates = {}
+    for ranks in SUMMARY_SIZES:
+        (window,) = itertools.islice(tiled_messages(sent, windows, ranks, "baseline"), 1, 2)
+        batches = only_summaries(window)
+        rates[ranks] = (engine_rate(batches, repeats=3), engine_rate(as_rows(batches[:1024])))
+    return rates
+
+
+def summary_rows(workload: Workload, baselines: dict[int, tuple[float, float]],
+                 sink: ClickHouseSink) -> None:
+    sent, windows, job_s = workload
     print(f"{'ranks':>6} {'windows':>7} {'summaries':>10} {'engine sum/s':>13} "
           f"{'batches sum/s':>13} {'rows sum/s':>11} {'batches/rows':>12} {'detect s':>9} "
           f"{'sink s':>7} {'job s':>6} {'proc s':>7} {'x real time':>11} {'peak RSS MiB':>12}")
     for ranks in SUMMARY_SIZES:
-        job_id = f"bench-{ranks}"
-        # Same-run baselines on the first full window: its summary batches alone (best of 3),
-        # and the first 1,024 ranks' summaries as row records (older producers' wire format).
-        (window,) = itertools.islice(tiled_messages(sent, windows, ranks, job_id), 1, 2)
-        batches = only_summaries(window)
-        batch_rate = engine_rate(batches, repeats=3)
-        rows_rate = engine_rate(as_rows(batches[:1024]))
-        del window, batches
-        run = summaries_pass(tiled_messages(sent, windows, ranks, job_id), sink)
+        batch_rate, rows_rate = baselines[ranks]
+        run = summaries_pass(tiled_messages(sent, windows, ranks, f"bench-{ranks}"), sink)
         processing_s = run.engine_s + run.detect_s + run.sink_s
         print(f"{ranks:>6} {run.windows:>7} {run.summaries:>10,} "
               f"{run.summaries / run.engine_s:>13,.0f} {batch_rate:>13,.0f} {rows_rate:>11,.0f} "
@@ -368,13 +378,16 @@ def main() -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
+    if args.only != "spans":
+        workload = simulate_sources(steps=20 if args.quick else 60)
+        baselines = summary_baselines(workload)
     with tempfile.TemporaryDirectory() as tmp:
         # chDB: one store per process, shared by every row (each job has its own id).
         sink = ClickHouseSink.open(Path(tmp) / "store")
         if args.only != "summaries":
             span_rows(args.quick, sink)
         if args.only != "spans":
-            summary_rows(args.quick, sink)
+            summary_rows(workload, baselines, sink)
 
 
 if __name__ == "__main__":
