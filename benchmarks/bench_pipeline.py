@@ -1,38 +1,89 @@
 """Throughput of the embedded path: window engine, then detectors + ClickHouse sink.
 
-For each job size the simulated cluster produces the bus payloads first (not timed as
-pipeline work); then, on one thread:
-  1. the window engine: decode + window + close, in events/s — with, as a same-run baseline,
-     one numpy argsort of the same number of int64 keys (the floor of any sort-based group-by);
-  2. detectors + sink: closed windows through the built-in detectors and into a chDB store,
-     in summaries/s;
-  3. real-time factor: simulated job time ÷ processing time of 1 + 2 (> 1: faster than real time).
+Two workloads, each produced first (not timed as pipeline work), then processed on one thread:
 
-Run:  python benchmarks/bench_pipeline.py [--quick]
+- spans: the simulated cluster's span batches, as the demo publishes them. Columns: the window
+  engine (decode + window + close) in events/s — with, as a same-run baseline, one numpy argsort
+  of the same number of int64 keys (the floor of any sort-based group-by); detectors + sink in
+  summaries/s; real-time factor = simulated job time ÷ processing time.
+- summaries: the production record path. Every rank sends, per window, one message holding a
+  SummaryBatch of its 60 functions and its step records, as the PyTorch producer does; every
+  host sends its GPUs' condensed metric samples, as the host agent does. The batches are made by
+  the producers' own code (``summary_batches``) from the simulated cluster's spans (each of its
+  10 functions split into 6 parts, so 60 functions per rank), and tiled out to the job size.
+  Columns: decode + window engine + close in summaries/s (steps and metrics of the same messages
+  included in the time), the same window's summaries sent as row FunctionSummary records (older
+  producers' wire format) as a same-run baseline, detectors + sink, real-time factor, and the
+  process's peak resident memory after the row.
+
+The process is pinned to one CPU (BLAS and Arrow pools at one thread). Times are CPU seconds,
+not wall-clock, because the machines we measure on are shared: the pipeline thread's own CPU
+time for the window engine and the detectors, and the whole process's for the sink, whose
+embedded store works in threads of its own.
+
+Run:  python benchmarks/bench_pipeline.py [--quick] [--only spans|summaries]
 """
 
 from __future__ import annotations
 
-import argparse
-import tempfile
-import time
-from pathlib import Path
+import os
 
-import numpy as np
+# One core: pin BLAS/Arrow thread pools before numpy or pyarrow are imported.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
-from trainscope.demo import publish_step
-from trainscope.detectors.multivariate import RankAnomalyDetector
-from trainscope.detectors.peer import PeerDiffDetector
-from trainscope.detectors.registry import DetectorRunner
-from trainscope.detectors.steptime import StepTimeDetector
-from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
-from trainscope.schemas.codec import decode_batch
-from trainscope.sinks.clickhouse import ClickHouseSink
-from trainscope.streams.bus import EVENTS_TOPIC, METRICS_TOPIC
-from trainscope.streams.memory_bus import MemoryBus
-from trainscope.streams.pipeline import EmbeddedPipeline
+import argparse  # noqa: E402
+import itertools  # noqa: E402
+import resource  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import msgspec  # noqa: E402
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+
+from trainscope.demo import publish_step  # noqa: E402
+from trainscope.detectors.base import WindowView  # noqa: E402
+from trainscope.detectors.multivariate import RankAnomalyDetector  # noqa: E402
+from trainscope.detectors.peer import PeerDiffDetector  # noqa: E402
+from trainscope.detectors.registry import DetectorRunner  # noqa: E402
+from trainscope.detectors.steptime import StepTimeDetector  # noqa: E402
+from trainscope.producers.agent.aggregate import WindowAggregator  # noqa: E402
+from trainscope.producers.simulate import (  # noqa: E402
+    ClusterSpec,
+    SimulatedCluster,
+    parse_faults,
+)
+from trainscope.producers.simulate.layout import Layout  # noqa: E402
+from trainscope.schemas.codec import decode_batch, encode_batch  # noqa: E402
+from trainscope.schemas.records import (  # noqa: E402
+    MetricSample,
+    Record,
+    StepRecord,
+    SummaryBatch,
+)
+from trainscope.sinks.clickhouse import ClickHouseSink  # noqa: E402
+from trainscope.streams.bus import EVENTS_TOPIC, METRICS_TOPIC  # noqa: E402
+from trainscope.streams.memory_bus import MemoryBus  # noqa: E402
+from trainscope.streams.pipeline import EmbeddedPipeline  # noqa: E402
+from trainscope.streams.summaries import summary_batches  # noqa: E402
 
 SIZES = {64: (8, 4, 2), 1024: (64, 8, 2)}
+SUMMARY_SIZES = {1024: (64, 8, 2), 10240: (640, 8, 2)}
+SOURCE = (8, 8, 2)  # dp, pp, tp of the simulated job the summaries workload is tiled from
+# Each simulated function's time split over parts (kernels of an op): 10 functions become 60.
+PARTS = (0.35, 0.25, 0.15, 0.10, 0.10, 0.05)
+WINDOW_S = 15.0
+WINDOW_NS = int(WINDOW_S * 1e9)
+CHUNK = 256  # messages per poll, as the bus pipeline hands them over
+# CPU seconds: other work sharing the machine does not inflate them, as it does wall-clock
+# time. The pipeline thread's own for its work (the embedded store's background merges run in
+# threads of this process and must not count as engine time); the whole process's for the sink.
+clock = time.thread_time
+process_clock = time.process_time
 
 
 def produce(ranks: int, steps: int) -> tuple[list[bytes], int, float]:
@@ -57,58 +108,286 @@ def window_pass(payloads: list[bytes]) -> tuple[list, float]:
     """Decode + window + close, through the pipeline's own routing, with no detectors."""
     views: list = []
     pipeline = EmbeddedPipeline([], window_s=15.0, on_window=lambda v, f: views.append(v))
-    chunk = 256  # messages per poll, as the bus pipeline hands them over
-    started = time.perf_counter()
-    for i in range(0, len(payloads), chunk):
+    started = clock()
+    for i in range(0, len(payloads), CHUNK):
         pipeline.process_records(
-            [r for payload in payloads[i : i + chunk] for r in decode_batch(payload)]
+            [r for payload in payloads[i : i + CHUNK] for r in decode_batch(payload)]
         )
     pipeline.finish()
-    return views, time.perf_counter() - started
+    return views, clock() - started
 
 
-def detect_and_sink(views: list, store: Path) -> tuple[int, float, float]:
-    sink = ClickHouseSink.open(store)
+def detect_and_sink(views: list, sink: ClickHouseSink) -> tuple[int, float, float]:
     runner = DetectorRunner([PeerDiffDetector(), StepTimeDetector(), RankAnomalyDetector()])
     detect_s = sink_s = 0.0
     summaries = 0
     for view in views:
-        t0 = time.perf_counter()
+        t0 = clock()
         findings = runner.run(view)
-        t1 = time.perf_counter()
+        detect_s += clock() - t0
+        t1 = process_clock()
         sink.write_window(view, findings)
-        t2 = time.perf_counter()
-        detect_s += t1 - t0
-        sink_s += t2 - t1
+        sink_s += process_clock() - t1
         summaries += len(view.summaries)
     return summaries, detect_s, sink_s
+
+
+# -- the summaries workload ------------------------------------------------------------------
+
+
+@dataclass
+class _Sent:
+    """What one simulated rank sent about one window."""
+
+    batch: SummaryBatch
+    steps: list[StepRecord]
+    metrics: list[MetricSample]
+
+
+def simulate_sources(steps: int) -> tuple[dict[tuple[int, int], _Sent], list[int], float]:
+    """Per (source rank, window): its summary batch, step records and condensed metrics."""
+    dp, pp, tp = SOURCE
+    cluster = SimulatedCluster(ClusterSpec(dp=dp, pp=pp, tp=tp, steps=steps, seed=1),
+                               parse_faults(["slow-gpu:rank=5,factor=1.3"]))
+    columns: dict[str, list[np.ndarray]] = {"rank": [], "fn": [], "start_ns": [], "dur": []}
+    functions: dict[tuple[str, str], int] = {}
+    steps_of: dict[tuple[int, int], list[StepRecord]] = {}
+    samples: dict[tuple[int, int], list[MetricSample]] = {}
+    end_ns = 0
+    for output in cluster.run():
+        for batch in output.spans:
+            ids = np.array([functions.setdefault(f, len(functions))
+                            for f in zip(batch.layers, batch.names, strict=True)])
+            columns["rank"].append(batch.column("rank"))
+            columns["fn"].append(ids[batch.column("fn")])
+            columns["start_ns"].append(batch.column("start_ns"))
+            columns["dur"].append(batch.column("duration_ns"))
+        for record in output.steps:
+            steps_of.setdefault((record.rank, record.start_ns // WINDOW_NS), []).append(record)
+            end_ns = max(end_ns, record.start_ns + record.duration_ns)
+        for sample in output.metrics:
+            samples.setdefault((sample.rank, sample.ts_ns // WINDOW_NS), []).append(sample)
+    rank, fn, start, dur = (np.concatenate(columns[c]) for c in ("rank", "fn", "start_ns", "dur"))
+    window = start // WINDOW_NS
+    names = list(functions)
+    order = np.lexsort((fn, window, rank))
+    rank, fn, window, dur = rank[order], fn[order], window[order], dur[order]
+    cut = np.flatnonzero(np.r_[True, (np.diff(rank) != 0) | (np.diff(window) != 0), True])
+    sent = {}
+    for lo, hi in itertools.pairwise(cut.tolist()):
+        r, w = int(rank[lo]), int(window[lo])
+        durations = {}
+        for f in np.unique(fn[lo:hi]):
+            d = dur[lo:hi][fn[lo:hi] == f]
+            layer, name = names[f]
+            for j, share in enumerate(PARTS):
+                durations[(layer, f"{name}/{j}", 0)] = (d * share).astype(np.int64)
+        (batch,) = summary_batches(durations, job_id=cluster.spec.job_id, rank=r,
+                                   window_start_ns=w * WINDOW_NS,
+                                   window_end_ns=(w + 1) * WINDOW_NS)
+        # The host agent's condensation of the window's NVML readings (stamped inside it).
+        agent = WindowAggregator()
+        agent.add(samples.get((r, w), []))
+        metrics = [x for x in agent.flush(w * WINDOW_NS, (w + 1) * WINDOW_NS - 1)
+                   if isinstance(x, MetricSample)]
+        sent[(r, w)] = _Sent(batch, steps_of.get((r, w), []), metrics)
+    windows = sorted({w for _, w in sent})
+    return sent, windows, (end_ns - cluster.spec.start_ns) / 1e9
+
+
+def tiled_messages(sent: dict[tuple[int, int], _Sent], windows: list[int], ranks: int,
+                   job_id: str) -> Iterator[list[bytes]]:
+    """Per window, the bus payloads of a ``ranks``-rank job: one message per rank (its summary
+    batch and steps), one per host of 8 GPUs (their condensed metrics); the topology first."""
+    target = Layout(*SUMMARY_SIZES[ranks])
+    source = Layout(*SOURCE)
+    origin = []
+    for r in range(ranks):
+        dp_rank, pp_stage, tp_rank = target.coords(r)
+        origin.append(source.rank(dp_rank % source.dp, pp_stage, tp_rank))
+    first = True
+    for w in windows:
+        payloads = [encode_batch([target.topology(job_id)])] if first else []
+        first = False
+        host_metrics: list[Record] = []
+        for r in range(ranks):
+            s = sent.get((origin[r], w))
+            if s is None:
+                continue
+            batch = msgspec.structs.replace(
+                s.batch, rank=np.full(len(s.batch), r, dtype="<i4").tobytes())
+            steps = [msgspec.structs.replace(x, rank=r) for x in s.steps]
+            payloads.append(encode_batch([batch, *steps]))
+            host_metrics += [msgspec.structs.replace(x, rank=r, host=target.host(r))
+                             for x in s.metrics]
+            if r % 8 == 7:
+                payloads.append(encode_batch(host_metrics))
+                host_metrics = []
+        if host_metrics:
+            payloads.append(encode_batch(host_metrics))
+        yield payloads
+
+
+def as_rows(payloads: list[bytes]) -> list[bytes]:
+    """The same messages with each summary batch sent as row FunctionSummary records."""
+    out = []
+    for payload in payloads:
+        records: list[Record] = []
+        for r in decode_batch(payload):
+            records += r.to_summaries() if isinstance(r, SummaryBatch) else [r]
+        out.append(encode_batch(records))
+    return out
+
+
+def engine_rate(payloads: list[bytes], repeats: int = 1) -> float:
+    """Summaries/s of decode + window engine + close over these messages, no detectors; the
+    best of ``repeats`` passes (the machine is shared: the best pass is the least disturbed)."""
+    best = 0.0
+    for _ in range(repeats):
+        pipeline = EmbeddedPipeline([], window_s=WINDOW_S)
+        started = clock()
+        for i in range(0, len(payloads), CHUNK):
+            pipeline.process_records(
+                [r for payload in payloads[i : i + CHUNK] for r in decode_batch(payload)])
+        pipeline.finish()
+        elapsed = clock() - started
+        best = max(best, pipeline.engine.stats.summaries_received / elapsed)
+    return best
+
+
+def only_summaries(payloads: list[bytes]) -> list[bytes]:
+    """The messages' summary batches alone (no step records, no metric samples)."""
+    out = []
+    for payload in payloads:
+        batches = [r for r in decode_batch(payload) if isinstance(r, SummaryBatch)]
+        if batches:
+            out.append(encode_batch(batches))
+    return out
+
+
+@dataclass
+class SummaryRun:
+    summaries: int = 0
+    engine_s: float = 0.0
+    detect_s: float = 0.0
+    sink_s: float = 0.0
+    windows: int = 0
+
+
+def summaries_pass(messages: Iterator[list[bytes]], sink: ClickHouseSink) -> SummaryRun:
+    """The production path; detectors + sink run on each window as it closes, timed apart."""
+    run = SummaryRun()
+    runner = DetectorRunner([PeerDiffDetector(), StepTimeDetector(), RankAnomalyDetector()])
+
+    sink_thread_s = 0.0  # the pipeline thread's share of the sink, taken out of engine time
+
+    def on_window(view: WindowView, _: list) -> None:
+        nonlocal sink_thread_s
+        t0 = clock()
+        findings = runner.run(view)
+        t1, p1 = clock(), process_clock()
+        sink.write_window(view, findings)
+        run.detect_s += t1 - t0
+        run.sink_s += process_clock() - p1
+        sink_thread_s += clock() - t1
+        run.windows += 1
+
+    pipeline = EmbeddedPipeline([], window_s=WINDOW_S, on_window=on_window)
+    total_s = 0.0
+    for payloads in messages:  # producing a window's messages is not timed
+        started = clock()
+        for i in range(0, len(payloads), CHUNK):
+            pipeline.process_records(
+                [r for payload in payloads[i : i + CHUNK] for r in decode_batch(payload)])
+        total_s += clock() - started
+    started = clock()
+    pipeline.finish()
+    total_s += clock() - started
+    run.summaries = pipeline.engine.stats.summaries_received
+    run.engine_s = total_s - run.detect_s - sink_thread_s
+    return run
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# -- the two tables --------------------------------------------------------------------------
+
+
+def span_rows(quick: bool, sink: ClickHouseSink) -> None:
+    steps = {64: 200, 1024: 60} if not quick else {64: 40, 1024: 15}
+    print(f"{'ranks':>6} {'events':>10} {'engine ev/s':>12} {'argsort ev/s':>13} "
+          f"{'engine/argsort':>15} {'summaries':>10} {'det+sink sum/s':>15} "
+          f"{'detect s':>9} {'sink s':>7} {'job s':>7} {'proc s':>7} {'x real time':>11}")
+    for ranks in (64, 1024):
+        payloads, events, job_s = produce(ranks, steps[ranks])
+        keys = np.random.default_rng(0).integers(0, 2**40, events)
+        t0 = clock()
+        np.argsort(keys, kind="stable")
+        argsort_s = clock() - t0
+        views, engine_s = window_pass(payloads)
+        summaries, detect_s, sink_s = detect_and_sink(views, sink)
+        processing_s = engine_s + detect_s + sink_s
+        print(f"{ranks:>6} {events:>10,} {events / engine_s:>12,.0f} "
+              f"{events / argsort_s:>13,.0f} {engine_s / argsort_s:>15.1f} "
+              f"{summaries:>10,} {summaries / (detect_s + sink_s):>15,.0f} "
+              f"{detect_s:>9.2f} {sink_s:>7.2f} {job_s:>7.0f} {processing_s:>7.1f} "
+              f"{job_s / processing_s:>11.1f}")
+
+
+Workload = tuple[dict[tuple[int, int], _Sent], list[int], float]
+
+
+def summary_baselines(workload: Workload) -> dict[int, tuple[float, float]]:
+    """Per job size, on its first full window: summaries/s of its summary batches alone (best
+    of 3), and of the first 1,024 ranks' summaries as row records (older producers' format).
+    Measured before the embedded store is opened, so none of its background work runs."""
+    sent, windows, _ = workload
+    rates = {}
+    for ranks in SUMMARY_SIZES:
+        (window,) = itertools.islice(tiled_messages(sent, windows, ranks, "baseline"), 1, 2)
+        batches = only_summaries(window)
+        rates[ranks] = (engine_rate(batches, repeats=3), engine_rate(as_rows(batches[:1024])))
+    return rates
+
+
+def summary_rows(workload: Workload, baselines: dict[int, tuple[float, float]],
+                 sink: ClickHouseSink) -> None:
+    sent, windows, job_s = workload
+    print(f"{'ranks':>6} {'windows':>7} {'summaries':>10} {'engine sum/s':>13} "
+          f"{'batches sum/s':>13} {'rows sum/s':>11} {'batches/rows':>12} {'detect s':>9} "
+          f"{'sink s':>7} {'job s':>6} {'proc s':>7} {'x real time':>11} {'peak RSS MiB':>12}")
+    for ranks in SUMMARY_SIZES:
+        batch_rate, rows_rate = baselines[ranks]
+        run = summaries_pass(tiled_messages(sent, windows, ranks, f"bench-{ranks}"), sink)
+        processing_s = run.engine_s + run.detect_s + run.sink_s
+        print(f"{ranks:>6} {run.windows:>7} {run.summaries:>10,} "
+              f"{run.summaries / run.engine_s:>13,.0f} {batch_rate:>13,.0f} {rows_rate:>11,.0f} "
+              f"{batch_rate / rows_rate:>12.1f} {run.detect_s:>9.2f} {run.sink_s:>7.2f} "
+              f"{job_s:>6.0f} {processing_s:>7.1f} {job_s / processing_s:>11.1f} "
+              f"{peak_rss_mib():>12,.0f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
+    parser.add_argument("--only", choices=("spans", "summaries"), help="one workload only")
     args = parser.parse_args()
-    steps = {64: 200, 1024: 60} if not args.quick else {64: 40, 1024: 15}
-    print(f"{'ranks':>6} {'events':>10} {'engine ev/s':>12} {'argsort ev/s':>13} "
-          f"{'engine/argsort':>15} {'summaries':>10} {'det+sink sum/s':>15} "
-          f"{'detect s':>9} {'sink s':>7} {'job s':>7} {'proc s':>7} {'x real time':>11}")
+    if hasattr(os, "sched_setaffinity"):  # the whole process, embedded store included
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    pa.set_cpu_count(1)
+    pa.set_io_thread_count(1)
+    if args.only != "spans":
+        workload = simulate_sources(steps=20 if args.quick else 60)
+        baselines = summary_baselines(workload)
     with tempfile.TemporaryDirectory() as tmp:
-        for ranks in (64, 1024):
-            payloads, events, job_s = produce(ranks, steps[ranks])
-            keys = np.random.default_rng(0).integers(0, 2**40, events)
-            t0 = time.perf_counter()
-            np.argsort(keys, kind="stable")
-            argsort_s = time.perf_counter() - t0
-            views, engine_s = window_pass(payloads)
-            # chDB: one store per process, so each size gets its own table prefix via job ids
-            # in one store directory.
-            summaries, detect_s, sink_s = detect_and_sink(views, Path(tmp) / "store")
-            processing_s = engine_s + detect_s + sink_s
-            print(f"{ranks:>6} {events:>10,} {events / engine_s:>12,.0f} "
-                  f"{events / argsort_s:>13,.0f} {engine_s / argsort_s:>15.1f} "
-                  f"{summaries:>10,} {summaries / (detect_s + sink_s):>15,.0f} "
-                  f"{detect_s:>9.2f} {sink_s:>7.2f} {job_s:>7.0f} {processing_s:>7.1f} "
-                  f"{job_s / processing_s:>11.1f}")
+        # chDB: one store per process, shared by every row (each job has its own id).
+        sink = ClickHouseSink.open(Path(tmp) / "store")
+        if args.only != "summaries":
+            span_rows(args.quick, sink)
+        if args.only != "spans":
+            summary_rows(workload, baselines, sink)
 
 
 if __name__ == "__main__":

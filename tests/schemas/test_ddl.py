@@ -10,7 +10,8 @@ import subprocess
 import sys
 import typing
 
-from trainscope.schemas.ddl import TABLES, clickhouse_type
+from trainscope.schemas.ddl import BUS_ONLY, TABLES, clickhouse_type
+from trainscope.schemas.records import RECORD_TYPES
 
 SCRIPT = """
 import json, sys
@@ -46,3 +47,9 @@ def test_tables_on_the_engine_match_the_structs(tmp_path) -> None:
             assert columns[field] == expected, (name, field)
         extra = set(columns) - set(table.struct.__struct_fields__)
         assert extra == set(table.extra), (name, extra)
+
+
+def test_every_record_kind_is_stored_or_declared_bus_only() -> None:
+    stored = {table.struct for table in TABLES.values()}
+    assert not stored & set(BUS_ONLY)
+    assert stored | set(BUS_ONLY) == set(RECORD_TYPES)

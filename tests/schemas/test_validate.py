@@ -18,6 +18,7 @@ from trainscope.schemas.records import (
     SpanBatch,
     SpanEvent,
     StepRecord,
+    SummaryBatch,
     Topology,
     WorkerInfo,
 )
@@ -49,6 +50,16 @@ def summary(**fields: object) -> FunctionSummary:
                                "count": 2, "total_ns": 10, "min_ns": 4, "max_ns": 6} | fields))
 
 
+def summaries(**columns: list) -> SummaryBatch:
+    """Two rows of what producers send: one function on ranks 0 and 1."""
+    base = {"rank": [0, 1], "fn": [0, 0], "count": [2, 2], "total_ns": [10, 12],
+            "min_ns": [4, 5], "max_ns": [6, 7], "m2_ns2": [2.0, 2.0],
+            "sketch_offsets": [0, 1, 2], "sketch_keys": [7, 8], "sketch_counts": [2, 2]}
+    return SummaryBatch.from_arrays(job_id="j", window_start_ns=T0,
+                                    window_end_ns=T0 + 15 * 10**9, layers=["gc"],
+                                    names=["gc.collect"], **(base | columns))
+
+
 def reason(records: list, v: Validator | None = None) -> str:
     with pytest.raises(InvalidRecord) as info:
         (v or validator()).validate(records)
@@ -59,7 +70,7 @@ def test_valid_records_pass() -> None:
     topology = Topology(job_id="j", dp_size=4, workers=[WorkerInfo(rank=r, dp_rank=r)
                                                         for r in range(4)])
     metric = MetricSample(job_id="j", ts_ns=T0, name="sm_clock_mhz", value=1980.0)
-    validator().validate([topology, batch(), step(), summary(), metric])
+    validator().validate([topology, batch(), step(), summary(), summaries(), metric])
 
 
 @pytest.mark.parametrize(
@@ -79,6 +90,15 @@ def test_valid_records_pass() -> None:
         (summary(total_ns=2**64 - 1), "total_ns=18446744073709551615 not in"),
         (summary(min_ns=9), "min_ns=9 is above max_ns=6"),
         (summary(m2_ns2=-1.0), "m2_ns2=-1.0 is not a finite number"),
+        (summaries(rank=[0, 2**20]), "records[0] (summaries): rank[1]=1048576 not in [0, 131071]"),
+        (summaries(min_ns=[4, 9]), "min_ns[1]=9 is above max_ns[1]=7"),
+        (summaries(m2_ns2=[math.nan, 1.0]), "m2_ns2[0]=nan is not a finite number"),
+        (summaries(total_ns=[-1, 1]), "total_ns[0]=-1 not in"),
+        (summaries(sketch_counts=[2, -2]), "sketch_counts[1]=-2 not in"),
+        (SummaryBatch.from_arrays(job_id="j", window_start_ns=0, window_end_ns=10,
+                                  layers=["gc"], names=["gc.collect"], rank=[0], fn=[0],
+                                  count=[1], total_ns=[1], min_ns=[1], max_ns=[1]),
+         "window_start_ns=0 not in"),
         (batch(rank=[0, 2**31 - 1, 1]), "rank[1]=2147483647 not in [0, 131071]"),
         (batch(start_ns=[T0, 0, T0]), "start_ns[1]=0 not in"),
         (batch(duration_ns=[5, 5, -1]), "duration_ns[2]=-1 not in"),

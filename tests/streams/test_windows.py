@@ -190,3 +190,96 @@ def test_an_evicted_job_has_its_open_windows_closed_and_starts_afresh() -> None:
     assert [v.window_start_ns for v in views] == [0, WINDOW_NS, 2 * WINDOW_NS]
     assert sum(int(v.summaries["count"].sum()) for v in views) == 50
     assert engine.open_windows() == 0 and engine.evict_job("job") == []
+
+
+def _frame(view) -> list[tuple]:
+    cols = ["rank", "layer", "name", "callpath_id", "count", "total_ns", "min_ns", "max_ns",
+            "bytes_total", "sketch_keys", "sketch_counts"]
+    rows = view.summaries[cols].itertuples(index=False)
+    return sorted(tuple(tuple(v) if isinstance(v, list) else v for v in r) for r in rows)
+
+
+def test_summary_batches_merge_like_the_spans_they_summarise() -> None:
+    rng = np.random.default_rng(11)
+    batches = [random_batch(rng, 3_000, k * WINDOW_NS // 2, WINDOW_NS // 2) for k in range(4)]
+    from_spans = WindowEngine(window_s=1.0)
+    from_spans.add_spans(batches)
+    # What a producer on each rank would send: per rank and window, one summary batch of the
+    # spans that started in it, made by the producers' own code.
+    sent = []
+    for batch in batches:
+        rank, fn, start = batch.column("rank"), batch.column("fn"), batch.column("start_ns")
+        window = start // WINDOW_NS
+        for r, w in sorted(set(zip(rank.tolist(), window.tolist(), strict=True))):
+            here = (rank == r) & (window == w)
+            keys = [(batch.layers[f], batch.names[f], 0) for f in range(len(batch.layers))]
+            durations = {k: batch.column("duration_ns")[here & (fn == f)]
+                         for f, k in enumerate(keys)}
+            moved = {k: int(batch.column("bytes_moved")[here & (fn == f)].sum())
+                     for f, k in enumerate(keys)}
+            sent += summaries.summary_batches(
+                durations, job_id="job", rank=r, window_start_ns=w * WINDOW_NS,
+                window_end_ns=(w + 1) * WINDOW_NS, bytes_total=moved, max_rows=2)
+    from_summaries = WindowEngine(window_s=1.0)
+    from_summaries.add_summaries(sent)
+    expected, got = from_spans.close_all(), from_summaries.close_all()
+    assert [v.window_start_ns for v in got] == [v.window_start_ns for v in expected]
+    assert len(got) == 2
+    for a, b in zip(got, expected, strict=True):
+        assert _frame(a) == _frame(b)
+        assert np.allclose(np.sort(a.summaries["m2_ns2"]), np.sort(b.summaries["m2_ns2"]))
+    assert from_summaries.stats.summaries_received == sum(len(b) for b in sent)
+
+
+def test_row_summaries_and_batches_take_the_same_path() -> None:
+    rows = [
+        summaries.summarize([5, 7, 9 + r], job_id="job", rank=r, layer="gc", name="gc.collect",
+                            window_start_ns=w * WINDOW_NS, window_end_ns=(w + 1) * WINDOW_NS)
+        for r in range(3) for w in range(2)
+    ]
+    by_rows, by_batches = WindowEngine(window_s=1.0), WindowEngine(window_s=1.0)
+    by_rows.add_summaries(rows)
+    by_batches.add_summaries(summaries.batches_of(rows))
+    for a, b in zip(by_rows.close_all(), by_batches.close_all(), strict=True):
+        assert _frame(a) == _frame(b) and len(a.summaries) == 3
+
+
+def test_late_and_out_of_range_summaries_are_counted_not_merged() -> None:
+    def batch(window: int, ranks: list[int]):
+        (made,) = summaries.batches_of([
+            summaries.summarize([10, 20], job_id="job", rank=r, layer="gc", name="gc",
+                                window_start_ns=window * WINDOW_NS,
+                                window_end_ns=(window + 1) * WINDOW_NS)
+            for r in ranks
+        ])
+        return made
+
+    engine = WindowEngine(window_s=1.0, allowed_lateness_s=0.0)
+    engine.add_summaries([batch(5, [0, 1])])
+    engine.add_summaries([batch(7, [0, 1])])  # the watermark passes window 5
+    assert [v.window_start_ns for v in engine.close_ready()] == [5 * WINDOW_NS]
+    engine.add_summaries([batch(5, [0]), batch(7, [2, -1, 2**21])])
+    assert engine.stats.late_events == 2  # the two durations of the late row
+    assert engine.stats.rejected == 2
+    (view,) = engine.close_all()
+    assert sorted(view.summaries["rank"]) == [0, 1, 2]
+
+
+def test_each_row_keeps_its_own_sketch_whatever_order_ranks_arrive_in() -> None:
+    def batch(rank: int, scale: int):
+        durations = {("torch_op", "mm", 0): np.array([1, 2, 3]) * scale,
+                     ("gc", "gc", 0): np.array([7]) * scale}
+        return summaries.summary_batches(durations, job_id="job", rank=rank, window_start_ns=0,
+                                         window_end_ns=WINDOW_NS)
+
+    engine = WindowEngine(window_s=1.0)
+    arrivals = [(5, 10**6), (3, 10**3), (9, 10**5), (0, 10)]  # not in rank order
+    for rank, scale in arrivals:
+        engine.add_summaries(batch(rank, scale))
+    (view,) = engine.close_all()
+    expected = {(rank, s.name): (s.sketch_keys, s.sketch_counts)
+                for rank, scale in arrivals for b in batch(rank, scale)
+                for s in b.to_summaries()}
+    got = {(r.rank, r.name): (list(r.sketch_keys), list(r.sketch_counts))
+           for r in view.summaries.itertuples()}
+    assert got == expected

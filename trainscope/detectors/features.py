@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from trainscope.detectors.base import WindowView
+from trainscope.schemas.metrics import THROTTLE_REASONS, THROTTLED_FRAC, THROTTLING_REASONS_MASK
 
 # Layers whose time a rank spends on its own account; collective time can be waiting for peers.
 OWN_WORK_CATEGORY = {
@@ -78,6 +79,25 @@ def metric_means(view: WindowView) -> pd.DataFrame:
         return pd.DataFrame()
     m = m[m["rank"] >= 0]
     return m.pivot_table(index="rank", columns="name", values="value", aggfunc="mean")
+
+
+def throttled_fraction(view: WindowView) -> pd.Series:
+    """Per rank, the share (0..1) of GPU readings in the window with a throttling reason.
+
+    Each ``throttle_reasons`` sample is one reading, judged on its own through the throttling
+    mask (idle and clock settings are reasons, not throttling); a producer that condensed its
+    readings already sends that share as ``throttled_frac``, which is used where present.
+    """
+    metrics = view.metrics
+    if metrics.empty:
+        return pd.Series(dtype=float)
+    metrics = metrics[metrics["rank"] >= 0]
+    reasons = metrics[metrics["name"] == THROTTLE_REASONS]
+    throttled = (reasons["value"].astype(np.int64) & THROTTLING_REASONS_MASK) != 0
+    per_reading = throttled.groupby(reasons["rank"]).mean()
+    condensed = metrics[metrics["name"] == THROTTLED_FRAC]
+    shares = condensed.groupby("rank")["value"].mean()
+    return shares.combine_first(per_reading).astype(float)
 
 
 def robust_z(

@@ -37,6 +37,7 @@ from trainscope.detectors.features import (
     per_step_times,
     robust_z,
     step_time_ns,
+    throttled_fraction,
 )
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding
@@ -76,6 +77,7 @@ class PeerDiffDetector:
         stage_imbalance_frac: float = 0.10,
         throughput_drop_frac: float = 0.2,
         history_windows: int = 8,
+        throttled_frac_min: float = 0.25,
     ) -> None:
         self.z_min = z_min
         self.z_full = z_full
@@ -87,6 +89,7 @@ class PeerDiffDetector:
         self.stage_imbalance_frac = stage_imbalance_frac
         self.throughput_drop_frac = throughput_drop_frac
         self.history_windows = history_windows
+        self.throttled_frac_min = throttled_frac_min
         self._history: list[pd.DataFrame] = []
         self._step_history: list[float] = []
 
@@ -285,22 +288,29 @@ class PeerDiffDetector:
             )
         return suspects
 
-    @staticmethod
-    def _categorise_compute(window: WindowView, suspects: list[_Suspect]) -> None:
-        """A compute suspect whose SM clock dropped (or NVML reports throttling) is throttled."""
-        means = metric_means(window)
-        if means.empty or m.SM_CLOCK_MHZ not in means.columns:
+    def _categorise_compute(self, window: WindowView, suspects: list[_Suspect]) -> None:
+        """A compute suspect whose SM clock dropped, or whose GPU reported a throttling reason
+        in at least ``throttled_frac_min`` of its readings, is throttled."""
+        if not any(s.category == "gpu-compute" for s in suspects):
             return
-        clock = means[m.SM_CLOCK_MHZ]
-        reference = float(clock.median())
-        reasons = means.get(m.THROTTLE_REASONS)
+        means = metric_means(window)
+        clock = means[m.SM_CLOCK_MHZ] if m.SM_CLOCK_MHZ in means.columns else None
+        reference = float(clock.median()) if clock is not None else 0.0
+        throttled = throttled_fraction(window)
         for s in suspects:
-            if s.category != "gpu-compute" or s.rank not in clock.index:
+            if s.category != "gpu-compute":
                 continue
-            ratio = float(clock[s.rank]) / reference if reference > 0 else 1.0
-            throttled = reasons is not None and float(reasons.get(s.rank, 0.0)) > 0
-            s.evidence = {**(s.evidence or {}), "sm_clock_ratio": ratio}
-            if ratio <= 0.9 or throttled:
+            evidence = dict(s.evidence or {})
+            if clock is not None and s.rank in clock.index:
+                ratio = float(clock[s.rank]) / reference if reference > 0 else 1.0
+                evidence["sm_clock_ratio"] = ratio
+            else:
+                ratio = 1.0
+            frac = throttled.get(s.rank)
+            if frac is not None:
+                evidence["throttled_frac"] = float(frac)
+            s.evidence = evidence or None
+            if ratio <= 0.9 or (frac is not None and frac >= self.throttled_frac_min):
                 s.category = "gpu-throttle"
 
     # -- findings ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from trainscope.schemas.records import (
     SpanBatch,
     SpanEvent,
     StepRecord,
+    SummaryBatch,
     Topology,
     WorkerInfo,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "SpanBatch",
     "SpanEvent",
     "StepRecord",
+    "SummaryBatch",
     "Topology",
     "WorkerInfo",
     "decode_batch",

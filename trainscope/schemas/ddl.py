@@ -16,10 +16,14 @@ from functools import cached_property
 import msgspec
 
 from trainscope.schemas.records import (
+    ControlMessage,
     Finding,
     FunctionSummary,
     MetricSample,
+    SpanBatch,
+    SpanEvent,
     StepRecord,
+    SummaryBatch,
     Topology,
 )
 
@@ -122,6 +126,10 @@ TABLES: dict[str, Table] = {
         ),
     )
 }
+
+# Records that travel on the bus but are not stored as such: spans and summary batches become
+# rows of function_summaries once windowed; control messages are addressed to producers.
+BUS_ONLY: tuple[type[msgspec.Struct], ...] = (SpanEvent, SpanBatch, SummaryBatch, ControlMessage)
 
 DEAD_LETTERS_DDL = """CREATE TABLE IF NOT EXISTS dead_letters (
     `received_ns` Int64,

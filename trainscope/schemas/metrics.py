@@ -15,8 +15,11 @@ POWER_LIMIT_W = "power_limit_w"
 TEMPERATURE_C = "temperature_c"
 MEM_USED_BYTES = "mem_used_bytes"
 MEM_TOTAL_BYTES = "mem_total_bytes"
-# Bitmask of NVML clocks-event (throttle) reasons; decoded names live with the NVML sampler.
+# Bitmask of NVML clocks-event (throttle) reasons; decoded names live with the NVML sampler. A
+# producer that condenses several readings into one sample ORs them (which reasons occurred).
 THROTTLE_REASONS = "throttle_reasons"
+# Share of the readings in a window (0..1) with a bit of THROTTLING_REASONS_MASK set.
+THROTTLED_FRAC = "throttled_frac"
 PCIE_TX_BYTES_PER_S = "pcie_tx_bytes_per_s"
 PCIE_RX_BYTES_PER_S = "pcie_rx_bytes_per_s"
 PCIE_REPLAY_COUNT = "pcie_replay_count"
@@ -36,3 +39,21 @@ NVLINK_ERROR_COUNT = "nvlink_error_count"
 HOST_CPU_UTIL_PCT = "host_cpu_util_pct"
 HOST_NET_TX_BYTES_PER_S = "host_net_tx_bytes_per_s"
 HOST_NET_RX_BYTES_PER_S = "host_net_rx_bytes_per_s"
+
+# NVML clocks-event (formerly "throttle") reason bits, as in nvml.h
+# (``nvmlClocksEventReason*``; older bindings name them ``nvmlClocksThrottleReason*``).
+THROTTLE_REASON_NAMES: dict[int, str] = {
+    0x001: "gpu_idle",
+    0x002: "applications_clocks_setting",
+    0x004: "sw_power_cap",
+    0x008: "hw_slowdown",
+    0x010: "sync_boost",
+    0x020: "sw_thermal_slowdown",
+    0x040: "hw_thermal_slowdown",
+    0x080: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+# The reasons that mean "slower than the GPU could run": power and thermal limits. Idle, and the
+# clocks someone chose (application, sync-boost or display clock settings), do not — an idle
+# moment between steps would otherwise turn every slow GPU into a throttled one.
+THROTTLING_REASONS_MASK = 0x004 | 0x008 | 0x020 | 0x040 | 0x080

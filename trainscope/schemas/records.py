@@ -9,7 +9,8 @@ Span events are high-volume, so they travel as a columnar :class:`SpanBatch` who
 columns are little-endian arrays in ``bytes`` fields: decoding is zero-copy into numpy
 (``np.frombuffer``), which is what lets the window engine sustain millions of events per second
 on one core. :class:`SpanEvent` is the same record in row form, for producers and tests that deal
-with a handful of events at a time.
+with a handful of events at a time. Function summaries likewise travel as a columnar
+:class:`SummaryBatch` (one per job and window); :class:`FunctionSummary` is their row form.
 """
 
 from __future__ import annotations
@@ -314,6 +315,231 @@ class FunctionSummary(msgspec.Struct, tag="summary", kw_only=True, frozen=True):
             )
 
 
+# Numeric columns of a SummaryBatch: one entry per row (function summary) ...
+SUMMARY_COLUMNS: dict[str, str] = {
+    "rank": "<i4",
+    "fn": "<i4",
+    "count": "<i8",
+    "total_ns": "<i8",
+    "m2_ns2": "<f8",
+    "min_ns": "<i8",
+    "max_ns": "<i8",
+    "bytes_total": "<i8",
+}
+# ... and the sketches of all rows, flattened: row i owns entries
+# ``sketch_offsets[i]:sketch_offsets[i + 1]`` of ``sketch_keys``/``sketch_counts``.
+SUMMARY_SKETCH_COLUMNS: dict[str, str] = {
+    "sketch_offsets": "<i8",
+    "sketch_keys": "<i4",
+    "sketch_counts": "<i8",
+}
+_SUMMARY_ALL_COLUMNS = {**SUMMARY_COLUMNS, **SUMMARY_SKETCH_COLUMNS}
+# (column, bytes per value, one value per row (else per sketch entry)), offsets aside.
+_SUMMARY_WIDTHS = tuple(
+    (name, np.dtype(dtype).itemsize, name in SUMMARY_COLUMNS)
+    for name, dtype in _SUMMARY_ALL_COLUMNS.items()
+    if name != "sketch_offsets"
+)
+
+
+class SummaryBatch(msgspec.Struct, tag="summaries", kw_only=True, frozen=True):
+    """The function summaries of one job and one window, column by column.
+
+    The columnar form of many :class:`FunctionSummary` records, which is what producers send:
+    ``layers[i]``/``names[i]``/``callpaths[i]`` describe function ``i`` and column ``fn`` holds,
+    per row, the index of its function. Numeric columns are packed little-endian arrays (dtypes
+    in ``SUMMARY_COLUMNS`` and ``SUMMARY_SKETCH_COLUMNS``); ``sketch_offsets`` has one entry
+    more than there are rows.
+    """
+
+    v: int = SCHEMA_VERSION
+    job_id: str
+    host: str = ""
+    window_start_ns: int
+    window_end_ns: int
+    layers: list[str]
+    names: list[str]
+    callpaths: list[int]
+    rank: bytes
+    fn: bytes
+    count: bytes
+    total_ns: bytes
+    m2_ns2: bytes
+    min_ns: bytes
+    max_ns: bytes
+    bytes_total: bytes
+    sketch_offsets: bytes
+    sketch_keys: bytes
+    sketch_counts: bytes
+
+    def __post_init__(self) -> None:
+        if self.window_end_ns <= self.window_start_ns:
+            raise ValueError(
+                f"window_end_ns {self.window_end_ns} is not after window_start_ns "
+                f"{self.window_start_ns}"
+            )
+        functions = len(self.layers)
+        if len(self.names) != functions or len(self.callpaths) != functions:
+            raise ValueError(
+                f"layers, names and callpaths must have one entry per function, got "
+                f"{functions}, {len(self.names)} and {len(self.callpaths)}"
+            )
+        # Decoding runs this once per batch of a few dozen rows: plain length checks first,
+        # then as few numpy calls as possible.
+        n = len(self.rank) // 4
+        entries = len(self.sketch_keys) // 4
+        for column, width, per_row in _SUMMARY_WIDTHS:
+            expected = (n if per_row else entries) * width
+            if len(getattr(self, column)) != expected:
+                raise ValueError(
+                    f"column {column} holds {len(getattr(self, column))} bytes, expected "
+                    f"{expected} ({expected // width} {'rows' if per_row else 'entries'} "
+                    f"of {width} bytes)"
+                )
+        if len(self.sketch_offsets) != (n + 1) * 8:
+            raise ValueError(
+                f"column sketch_offsets holds {len(self.sketch_offsets)} bytes, expected "
+                f"{(n + 1) * 8} (rows + 1 of 8 bytes)"
+            )
+        offsets = np.frombuffer(self.sketch_offsets, dtype="<i8")
+        if offsets[0] != 0 or offsets[-1] != entries or (offsets[1:] < offsets[:-1]).any():
+            raise ValueError(
+                f"sketch_offsets must rise from 0 to {entries} (the sketch entries), "
+                f"got {offsets[0]}..{offsets[-1]}"
+            )
+        if not n:
+            return
+        if not functions:
+            raise ValueError(f"{n} rows but no functions declared")
+        # Read as unsigned, a negative index is huge: one reduction checks both bounds.
+        if int(np.frombuffer(self.fn, dtype="<u4").max()) >= functions:
+            fn = np.frombuffer(self.fn, dtype="<i4")
+            bad = int(fn.min()) if fn.min() < 0 else int(fn.max())
+            raise ValueError(f"fn index {bad} out of range for {functions} functions")
+        count = np.frombuffer(self.count, dtype="<i8")
+        if int(count.min()) < 0:
+            raise ValueError(f"count must be >= 0, got {int(count.min())}")
+
+    def __len__(self) -> int:
+        return len(self.rank) // 4
+
+    def column(self, name: str) -> np.ndarray:
+        """A read-only numpy view of one numeric column."""
+        return np.frombuffer(getattr(self, name), dtype=_SUMMARY_ALL_COLUMNS[name])
+
+    @classmethod
+    def from_arrays(
+        cls,
+        *,
+        job_id: str,
+        window_start_ns: int,
+        window_end_ns: int,
+        layers: list[str],
+        names: list[str],
+        callpaths: list[int] | None = None,
+        host: str = "",
+        **columns: Any,
+    ) -> SummaryBatch:
+        """Pack numpy arrays (or lists); ``m2_ns2``, ``bytes_total`` and the sketch may be left
+        out (zeros, no sketch)."""
+        n = len(columns["rank"]) if "rank" in columns else 0
+        defaults = {"m2_ns2": np.zeros(n), "bytes_total": np.zeros(n, dtype=np.int64),
+                    "sketch_offsets": np.zeros(n + 1, dtype=np.int64),
+                    "sketch_keys": (), "sketch_counts": ()}
+        packed = {}
+        for name, dtype in _SUMMARY_ALL_COLUMNS.items():
+            values = columns.pop(name, None)
+            if values is None:
+                if name not in defaults:
+                    raise TypeError(f"missing column {name}")
+                values = defaults[name]
+            packed[name] = np.ascontiguousarray(values, dtype=dtype).tobytes()
+        if columns:
+            raise TypeError(f"unknown columns: {sorted(columns)}")
+        return cls(
+            job_id=job_id,
+            host=host,
+            window_start_ns=window_start_ns,
+            window_end_ns=window_end_ns,
+            layers=list(layers),
+            names=list(names),
+            callpaths=[0] * len(layers) if callpaths is None else list(callpaths),
+            **packed,
+        )
+
+    @classmethod
+    def from_summaries(cls, summaries: list[FunctionSummary], host: str = "") -> SummaryBatch:
+        """Pack row summaries, all of one job and one window, into one batch."""
+        if not summaries:
+            raise ValueError("cannot build a SummaryBatch from no summaries")
+        first = summaries[0]
+        key = (first.job_id, first.window_start_ns, first.window_end_ns)
+        functions: dict[tuple[str, str, int], int] = {}
+        fn = []
+        keys: list[int] = []
+        counts: list[int] = []
+        offsets = [0]
+        for s in summaries:
+            if (s.job_id, s.window_start_ns, s.window_end_ns) != key:
+                raise ValueError(
+                    f"summaries of two jobs or windows in one batch: {key}, "
+                    f"{(s.job_id, s.window_start_ns, s.window_end_ns)}"
+                )
+            fn.append(functions.setdefault((s.layer, s.name, s.callpath_id), len(functions)))
+            keys += s.sketch_keys
+            counts += s.sketch_counts
+            offsets.append(len(keys))
+        return cls.from_arrays(
+            job_id=first.job_id,
+            host=host,
+            window_start_ns=first.window_start_ns,
+            window_end_ns=first.window_end_ns,
+            layers=[layer for layer, _, _ in functions],
+            names=[name for _, name, _ in functions],
+            callpaths=[callpath for _, _, callpath in functions],
+            rank=[s.rank for s in summaries],
+            fn=fn,
+            count=[s.count for s in summaries],
+            total_ns=[s.total_ns for s in summaries],
+            m2_ns2=[s.m2_ns2 for s in summaries],
+            min_ns=[s.min_ns for s in summaries],
+            max_ns=[s.max_ns for s in summaries],
+            bytes_total=[s.bytes_total for s in summaries],
+            sketch_offsets=offsets,
+            sketch_keys=keys,
+            sketch_counts=counts,
+        )
+
+    def to_summaries(self) -> list[FunctionSummary]:
+        """The rows as :class:`FunctionSummary` records (for tests and small consumers)."""
+        cols = {name: self.column(name).tolist() for name in _SUMMARY_ALL_COLUMNS}
+        offsets = cols["sketch_offsets"]
+        out = []
+        for i in range(len(self)):
+            f = cols["fn"][i]
+            lo, hi = offsets[i], offsets[i + 1]
+            out.append(
+                FunctionSummary(
+                    job_id=self.job_id,
+                    rank=cols["rank"][i],
+                    layer=self.layers[f],
+                    name=self.names[f],
+                    callpath_id=self.callpaths[f],
+                    window_start_ns=self.window_start_ns,
+                    window_end_ns=self.window_end_ns,
+                    count=cols["count"][i],
+                    total_ns=cols["total_ns"][i],
+                    m2_ns2=cols["m2_ns2"][i],
+                    min_ns=cols["min_ns"][i],
+                    max_ns=cols["max_ns"][i],
+                    bytes_total=cols["bytes_total"][i],
+                    sketch_keys=cols["sketch_keys"][lo:hi],
+                    sketch_counts=cols["sketch_counts"][lo:hi],
+                )
+            )
+        return out
+
+
 class Finding(msgspec.Struct, tag="finding", kw_only=True, frozen=True):
     """What a detector concluded about one window of one job.
 
@@ -362,6 +588,7 @@ Record = (
     | StepRecord
     | MetricSample
     | FunctionSummary
+    | SummaryBatch
     | Finding
     | ControlMessage
 )
@@ -373,6 +600,7 @@ RECORD_TYPES: tuple[type[msgspec.Struct], ...] = (
     StepRecord,
     MetricSample,
     FunctionSummary,
+    SummaryBatch,
     Finding,
     ControlMessage,
 )

@@ -36,6 +36,7 @@ from trainscope.schemas.records import (
     SpanBatch,
     SpanEvent,
     StepRecord,
+    SummaryBatch,
     Topology,
 )
 
@@ -249,6 +250,8 @@ class Validator:
             self._step(record, declared)
         elif isinstance(record, MetricSample):
             self._metric(record, declared)
+        elif isinstance(record, SummaryBatch):
+            self._summary_batch(record, declared)
         elif isinstance(record, FunctionSummary):
             self._summary(record, declared)
         elif isinstance(record, SpanEvent):
@@ -360,6 +363,48 @@ class Validator:
             _int_in(f"sketch_keys[{i}]", key, -(2**31), 2**31 - 1)
             _int_in(f"sketch_counts[{i}]", count, 0, _INT64_MAX)
 
+    def _summary_batch(self, batch: SummaryBatch, declared: dict[str, int]) -> None:
+        """The row summary's checks, one numpy pass per column (decoding already checked that
+        the columns agree in length and that function indices and counts are in range)."""
+        self._text("host", batch.host, self.limits.max_id_chars, empty_ok=True)
+        self._time("window_start_ns", batch.window_start_ns)
+        self._time("window_end_ns", batch.window_end_ns)
+        self._duration("window length", batch.window_end_ns - batch.window_start_ns)
+        if len(batch.names) > self.limits.max_functions:
+            raise _Bad(f"{len(batch.names)} functions, more than {self.limits.max_functions}")
+        for i, (layer, name, path) in enumerate(
+            zip(batch.layers, batch.names, batch.callpaths, strict=True)
+        ):
+            try:
+                self._function(layer, name)
+                _int_in("callpath_id", path, 0, _UINT64_MAX)
+            except _Bad as exc:
+                raise _Bad(f"function {i}: {exc}") from None
+        if not len(batch):
+            return
+        rank_bound, why = self._rank_bound(batch.job_id, declared)
+        _column_in(batch, "rank", 0, rank_bound - 1, why)
+        _column_in(batch, "total_ns", 0, _INT64_MAX)
+        _column_in(batch, "min_ns", 0, self.limits.max_duration_ns)
+        _column_in(batch, "max_ns", 0, self.limits.max_duration_ns)
+        _column_in(batch, "bytes_total", 0, _INT64_MAX)
+        m2 = batch.column("m2_ns2")
+        if not (np.isfinite(m2).all() and m2.min() >= 0):
+            i = int(np.flatnonzero(~np.isfinite(m2) | (m2 < 0))[0])
+            raise _Bad(f"m2_ns2[{i}]={float(m2[i])!r} is not a finite number >= 0")
+        inverted = (batch.column("count") > 0) & (batch.column("min_ns") > batch.column("max_ns"))
+        if inverted.any():
+            i = int(np.flatnonzero(inverted)[0])
+            raise _Bad(f"min_ns[{i}]={int(batch.column('min_ns')[i])} is above "
+                       f"max_ns[{i}]={int(batch.column('max_ns')[i])}")
+        buckets = np.diff(batch.column("sketch_offsets"))
+        if buckets.max() > self.limits.max_sketch_buckets:
+            i = int(np.argmax(buckets))
+            raise _Bad(f"sketch of row {i} has {int(buckets[i])} buckets, more than "
+                       f"{self.limits.max_sketch_buckets}")
+        if len(batch.sketch_counts):
+            _column_in(batch, "sketch_counts", 0, _INT64_MAX)
+
     def _topology(self, topology: Topology) -> int:
         world = topology.world_size
         if world > self.limits.max_ranks:
@@ -392,7 +437,7 @@ def _number_in(name: str, value: float, lo: float, hi: float) -> None:
         raise _Bad(f"{name}={value!r} is not a finite number in [{lo}, {hi}]")
 
 
-def _column_in(batch: SpanBatch, name: str, lo: int, hi: int, why: str = "") -> None:
+def _column_in(batch: SpanBatch | SummaryBatch, name: str, lo: int, hi: int, why: str = "") -> None:
     column = batch.column(name)
     if column.min() >= lo and column.max() <= hi:
         return

@@ -28,7 +28,7 @@ class Partials:
     min_ns: np.ndarray
     max_ns: np.ndarray
     bytes_total: np.ndarray
-    sketch_row: np.ndarray  # index into ``group``
+    sketch_row: np.ndarray  # index into ``group``, non-decreasing: a row's entries are contiguous
     sketch_key: np.ndarray
     sketch_count: np.ndarray
 
@@ -119,12 +119,18 @@ def reduce_events(
 
 def merge_partials(p: Partials) -> Partials:
     """Merge partial summaries with equal group keys (Chan et al. for the variance)."""
+    if len(p.group) < 2 or (p.group[1:] > p.group[:-1]).all():
+        return p  # sorted and unique: nothing to merge or move
     order = np.argsort(p.group, kind="stable")
     keys = p.group[order]
     starts = _runs(keys)
-    if len(starts) == len(keys):  # nothing to merge
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
+    if len(starts) == len(keys):  # nothing to merge: reorder rows, and their sketch entries
+        entries = np.bincount(p.sketch_row, minlength=len(order))
+        first = np.cumsum(entries) - entries  # each row's first entry (rows are contiguous)
+        moved = entries[order]
+        source = np.repeat(first[order] - (np.cumsum(moved) - moved), moved) + np.arange(
+            len(p.sketch_row)
+        )
         return Partials(
             group=keys,
             count=p.count[order],
@@ -133,9 +139,9 @@ def merge_partials(p: Partials) -> Partials:
             min_ns=p.min_ns[order],
             max_ns=p.max_ns[order],
             bytes_total=p.bytes_total[order],
-            sketch_row=inverse[p.sketch_row],
-            sketch_key=p.sketch_key,
-            sketch_count=p.sketch_count,
+            sketch_row=np.repeat(np.arange(len(order)), moved),
+            sketch_key=p.sketch_key[source],
+            sketch_count=p.sketch_count[source],
         )
     count_i = p.count[order]
     total_i = p.total_ns[order]

@@ -40,6 +40,7 @@ from trainscope.schemas.records import (
     SpanBatch,
     SpanEvent,
     StepRecord,
+    SummaryBatch,
     Topology,
 )
 from trainscope.schemas.validate import InvalidRecord, Limits, Validator
@@ -221,7 +222,7 @@ class EmbeddedPipeline:
 
     def _ingest_job(self, records: list[Record]) -> None:
         spans: list[SpanBatch] = []
-        summaries: list[FunctionSummary] = []
+        summaries: list[SummaryBatch | FunctionSummary] = []
         steps: list[StepRecord] = []
         metrics: list[MetricSample] = []
         events: list[SpanEvent] = []
@@ -232,7 +233,7 @@ class EmbeddedPipeline:
                 steps.append(record)
             elif isinstance(record, MetricSample):
                 metrics.append(record)
-            elif isinstance(record, FunctionSummary):
+            elif isinstance(record, SummaryBatch | FunctionSummary):
                 summaries.append(record)
             elif isinstance(record, SpanEvent):
                 events.append(record)
@@ -243,7 +244,10 @@ class EmbeddedPipeline:
         if events:
             spans.append(SpanBatch.from_events(events))
         self._stats.window.received += (
-            sum(len(b) for b in spans) + len(summaries) + len(steps) + len(metrics)
+            sum(len(b) for b in spans)
+            + sum(len(s) if isinstance(s, SummaryBatch) else 1 for s in summaries)
+            + len(steps)
+            + len(metrics)
         )
         if spans:
             self.engine.add_spans(spans)

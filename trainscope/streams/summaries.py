@@ -1,17 +1,120 @@
-"""Building and merging :class:`FunctionSummary` records outside the window engine.
+"""Building and merging function summaries outside the window engine.
 
-In-process producers (the PyTorch hook, the host agent) condense their own measurements with
+Producers (the PyTorch hook, the host agent, trace replay) condense their own measurements with
 these functions, so a summary made on a GPU host and one made by the window engine are the same
-thing and merge the same way.
+thing and merge the same way: :func:`summary_batches` reduces durations with the engine's own
+group-by (:func:`trainscope.streams.grouping.reduce_events`) into the columnar
+:class:`SummaryBatch` that producers send.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
 import msgspec
 import numpy as np
 
-from trainscope.schemas.records import FunctionSummary
+from trainscope.schemas.records import FunctionSummary, SummaryBatch
 from trainscope.streams import sketch
+from trainscope.streams.grouping import reduce_events
+
+FunctionKey = tuple[str, str, int]  # layer, name, callpath_id
+# Rows per batch: a batch of this many summaries with typical sketches stays a few hundred KiB,
+# far below Kafka's default 1 MiB message limit.
+MAX_BATCH_ROWS = 500
+
+
+def summary_batches(
+    durations_ns: Mapping[FunctionKey, Sequence[int] | np.ndarray],
+    *,
+    job_id: str,
+    rank: int,
+    window_start_ns: int,
+    window_end_ns: int,
+    bytes_total: Mapping[FunctionKey, int] | None = None,
+    host: str = "",
+    max_rows: int = MAX_BATCH_ROWS,
+) -> list[SummaryBatch]:
+    """The summaries of one rank's functions in one window, as columnar batches.
+
+    ``durations_ns`` maps each function to the durations of its executions (functions without
+    any are left out); ``bytes_total`` the bytes each function moved in the window.
+    """
+    keys = [key for key, values in durations_ns.items() if len(values)]
+    if not keys:
+        return []
+    lengths = np.array([len(durations_ns[key]) for key in keys], dtype=np.int64)
+    durations = np.concatenate([np.asarray(durations_ns[key], dtype=np.int64) for key in keys])
+    fn = np.repeat(np.arange(len(keys), dtype=np.int64), lengths)
+    parts = reduce_events(fn, durations, np.zeros(len(durations), dtype=np.int64))
+    moved = np.array([(bytes_total or {}).get(key, 0) for key in keys], dtype=np.int64)
+    offsets = np.searchsorted(parts.sketch_row, np.arange(len(keys) + 1))
+    batches = []
+    for lo, hi in _chunks(len(keys), max_rows):
+        a, b = offsets[lo], offsets[hi]
+        batches.append(
+            SummaryBatch.from_arrays(
+                job_id=job_id,
+                host=host,
+                window_start_ns=window_start_ns,
+                window_end_ns=window_end_ns,
+                layers=[layer for layer, _, _ in keys[lo:hi]],
+                names=[name for _, name, _ in keys[lo:hi]],
+                callpaths=[callpath for _, _, callpath in keys[lo:hi]],
+                rank=np.full(hi - lo, rank),
+                fn=np.arange(hi - lo),
+                count=parts.count[lo:hi],
+                total_ns=parts.total_ns[lo:hi],
+                m2_ns2=parts.m2_ns2[lo:hi],
+                min_ns=parts.min_ns[lo:hi],
+                max_ns=parts.max_ns[lo:hi],
+                bytes_total=moved[lo:hi],
+                sketch_offsets=offsets[lo : hi + 1] - a,
+                sketch_keys=parts.sketch_key[a:b],
+                sketch_counts=parts.sketch_count[a:b],
+            )
+        )
+    return batches
+
+
+def batches_of(
+    summaries: Sequence[FunctionSummary], host: str = "", max_rows: int = MAX_BATCH_ROWS
+) -> list[SummaryBatch]:
+    """Row summaries packed into columnar batches, one or more per job and window."""
+    groups: dict[tuple[str, int, int], list[FunctionSummary]] = {}
+    for s in summaries:
+        groups.setdefault((s.job_id, s.window_start_ns, s.window_end_ns), []).append(s)
+    return [
+        SummaryBatch.from_summaries(group[lo:hi], host=host)
+        for group in groups.values()
+        for lo, hi in _chunks(len(group), max_rows)
+    ]
+
+
+def message_chunks(records: Sequence[Any], max_rows: int) -> list[list[Any]]:
+    """Consecutive records grouped into bus messages of at most ``max_rows`` rows, a summary
+    batch weighing its rows (a larger batch travels alone; :func:`summary_batches` bounds it)."""
+    chunks: list[list[Any]] = []
+    chunk: list[Any] = []
+    rows = 0
+    for record in records:
+        weight = len(record) if isinstance(record, SummaryBatch) else 1
+        if chunk and rows + weight > max_rows:
+            chunks.append(chunk)
+            chunk, rows = [], 0
+        chunk.append(record)
+        rows += weight
+    if chunk:
+        chunks.append(chunk)
+    return chunks
+
+
+def _chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
+    if size < 1:
+        raise ValueError(f"max_rows must be >= 1, got {size}")
+    for lo in range(0, n, size):
+        yield lo, min(lo + size, n)
 
 
 def summarize(

@@ -22,7 +22,7 @@ from trainscope.producers.agent.ebpf import EbpfCollector
 from trainscope.producers.agent.host import HostCollector
 from trainscope.schemas import metrics as m
 from trainscope.schemas.codec import decode_batch
-from trainscope.schemas.records import FunctionSummary, MetricSample, Record
+from trainscope.schemas.records import FunctionSummary, MetricSample, Record, SummaryBatch
 from trainscope.streams.bus import EVENTS_TOPIC, METRICS_TOPIC
 from trainscope.streams.memory_bus import MemoryBus
 from trainscope.streams.summaries import summarize
@@ -163,6 +163,7 @@ def test_window_aggregation_reducers_and_bound() -> None:
             sample(m.SM_CLOCK_MHZ, 2000),
             sample(m.THROTTLE_REASONS, 0x4),
             sample(m.THROTTLE_REASONS, 0x40),
+            sample(m.THROTTLE_REASONS, 0x1),  # idle: a reason, but not throttling
             sample(m.XID_EVENTS, 1),
             sample(m.XID_EVENTS, 1),
             sample(m.PCIE_REPLAY_COUNT, 7),
@@ -184,14 +185,16 @@ def test_window_aggregation_reducers_and_bound() -> None:
     out = {r.name: r for r in agg.flush(10, 20)}
     assert {k: v.value for k, v in out.items()} == {  # type: ignore[union-attr]
         m.SM_CLOCK_MHZ: 1500,
-        m.THROTTLE_REASONS: 0x44,
+        m.THROTTLE_REASONS: 0x45,
+        m.THROTTLED_FRAC: 2 / 3,
         m.XID_EVENTS: 2,
         m.PCIE_REPLAY_COUNT: 9,
     }
     assert all(r.ts_ns == 20 for r in out.values())  # type: ignore[union-attr]
     agg.add([s1, s1])
-    [merged] = agg.flush(20, 30)
-    assert isinstance(merged, FunctionSummary)
+    [batch] = agg.flush(20, 30)
+    assert isinstance(batch, SummaryBatch)
+    [merged] = batch.to_summaries()
     assert (merged.count, merged.total_ns, merged.window_start_ns) == (4, 600, 20)
 
 
@@ -224,7 +227,9 @@ def test_agent_publishes_ebpf_summaries_to_the_bus(fake_cuda: FakeCuda) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    summaries = [r for r in published(bus, EVENTS_TOPIC) if isinstance(r, FunctionSummary)]
+    records = published(bus, EVENTS_TOPIC)
+    assert not [r for r in records if isinstance(r, FunctionSummary)]  # batches only
+    summaries = [s for r in records if isinstance(r, SummaryBatch) for s in r.to_summaries()]
     counts: dict[str, int] = {}
     for s in summaries:
         assert (s.job_id, s.rank) == ("bus-job", 2)

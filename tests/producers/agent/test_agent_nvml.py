@@ -241,6 +241,26 @@ def test_throttle_reasons_are_decoded_to_names() -> None:
     ]
 
 
+def test_reason_bits_and_throttling_mask_match_nvml() -> None:
+    import pynvml  # nvidia-ml-py: a dependency of the host extra, installed for tests
+    throttling = {"SwPowerCap", "HwSlowdown", "SwThermalSlowdown", "HwThermalSlowdown",
+                  "HwPowerBrakeSlowdown"}
+    not_throttling = {"GpuIdle", "ApplicationsClocksSetting", "SyncBoost",
+                      "DisplayClockSetting"}
+    for reason in throttling | not_throttling:
+        bit = getattr(pynvml, f"nvmlClocksEventReason{reason}", None)
+        if bit is None:  # bindings older than the rename
+            bit = getattr(pynvml, f"nvmlClocksThrottleReason{reason}")
+        snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in reason).lstrip("_")
+        assert m.THROTTLE_REASON_NAMES[bit].replace("_", "") == snake.replace("_", ""), reason
+        assert bool(bit & m.THROTTLING_REASONS_MASK) == (reason in throttling), reason
+    assert set(m.THROTTLE_REASON_NAMES) == {
+        getattr(pynvml, f"nvmlClocksEventReason{r}", None)
+        or getattr(pynvml, f"nvmlClocksThrottleReason{r}")
+        for r in throttling | not_throttling
+    }
+
+
 def test_processes_mapped_to_pid_job_and_rank() -> None:
     envs = [
         {"RANK": "5", "LOCAL_RANK": "1", "TRAINSCOPE_JOB_ID": "llm-7"},

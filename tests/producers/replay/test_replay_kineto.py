@@ -19,7 +19,7 @@ from trainscope.producers.replay.kineto import condense, layer_of, load, trace_f
 from trainscope.producers.replay.publish import publish_records
 from trainscope.producers.torch.profiling import callpath_id, normalise_name
 from trainscope.schemas.codec import decode_batch
-from trainscope.schemas.records import FunctionSummary, StepRecord
+from trainscope.schemas.records import FunctionSummary, StepRecord, SummaryBatch
 from trainscope.streams.bus import EVENTS_TOPIC
 from trainscope.streams.memory_bus import MemoryBus
 
@@ -75,7 +75,8 @@ def test_summaries_total_what_the_traces_hold(traces: Path) -> None:
         publish_records(bus, "replayed", [*result.steps, *result.summaries])
     consumer = bus.consumer([EVENTS_TOPIC], "check")
     records = [r for m in consumer.poll(max_records=100_000) for r in decode_batch(m.value)]
-    summaries = [r for r in records if isinstance(r, FunctionSummary)]
+    assert not [r for r in records if isinstance(r, FunctionSummary)]  # batches only
+    summaries = [s for r in records if isinstance(r, SummaryBatch) for s in r.to_summaries()]
     got: dict[tuple[int, str, str], list[int]] = defaultdict(lambda: [0, 0])
     for s in summaries:
         got[(s.rank, s.layer, s.name)][0] += s.count
@@ -108,12 +109,13 @@ def test_summaries_total_what_the_traces_hold(traces: Path) -> None:
 def test_call_paths_follow_the_nesting_of_the_trace(traces: Path) -> None:
     trace = load(trace_files([traces])[0])
     result = condense(trace, "replayed", WINDOW_NS)
-    ids = {s.callpath_id for s in result.summaries}
-    linear = [s for s in result.summaries if s.name == "aten::linear"]
+    rows = [s for batch in result.summaries for s in batch.to_summaries()]
+    ids = {s.callpath_id for s in rows}
+    linear = [s for s in rows if s.name == "aten::linear"]
     assert linear
     # aten::linear is called from a Python frame: its id is not the root-level one.
     assert all(s.callpath_id != callpath_id(0, "torch_op", "aten::linear") for s in linear)
-    assert len(ids) > len({(s.layer, s.name) for s in result.summaries}) / 2
+    assert len(ids) > len({(s.layer, s.name) for s in rows}) / 2
 
 
 def test_the_command_reads_a_directory_and_publishes(traces: Path, monkeypatch) -> None:
@@ -129,7 +131,9 @@ def test_the_command_reads_a_directory_and_publishes(traces: Path, monkeypatch) 
         for m in bus.consumer([EVENTS_TOPIC], "c").poll(max_records=100_000)
         for r in decode_batch(m.value)
     ]
-    assert {r.rank for r in records} == {0, 1} and {r.job_id for r in records} == {"J"}
+    ranks = {int(r.column("rank")[0]) if isinstance(r, SummaryBatch) else r.rank
+             for r in records}
+    assert ranks == {0, 1} and {r.job_id for r in records} == {"J"}
     assert f"published {len(records)} records" in result.output
 
 
@@ -140,7 +144,8 @@ def test_rank_from_the_file_name_when_the_trace_has_no_distributed_info(tmp_path
     path.write_text(json.dumps(doc))
     trace = load(path)
     assert trace.rank == 7
-    (summary,) = condense(trace, "j", WINDOW_NS).summaries
+    (batch,) = condense(trace, "j", WINDOW_NS).summaries
+    (summary,) = batch.to_summaries()
     assert (summary.count, summary.total_ns, summary.rank) == (1, 2500, 7)
     assert summary.window_start_ns == (10**18 + 1000) // WINDOW_NS * WINDOW_NS
 

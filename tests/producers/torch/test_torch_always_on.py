@@ -10,12 +10,12 @@ import time
 
 import pytest
 import torch
-from torch_producer_helpers import TinyModel, by_type, read_records, train
+from torch_producer_helpers import TinyModel, by_type, read_records, summaries_of, train
 
 import trainscope
 from trainscope.producers.torch import api
 from trainscope.producers.torch.options import resolve
-from trainscope.schemas.records import FunctionSummary, StepRecord, Topology
+from trainscope.schemas.records import StepRecord, Topology
 
 
 def test_importing_trainscope_does_not_import_torch() -> None:
@@ -55,7 +55,7 @@ def test_a_plain_training_loop_yields_steps_and_function_summaries(attach, memor
     # Consecutive steps tile the timeline: each starts where the previous ended.
     for a, b in itertools.pairwise(step_records):
         assert b.start_ns == a.start_ns + a.duration_ns
-    summaries = by_type(records, FunctionSummary)
+    summaries = summaries_of(records)
     window_ns = 500_000_000
     assert all(s.window_start_ns % window_ns == 0 for s in summaries)
     assert all(s.window_end_ns - s.window_start_ns == window_ns for s in summaries)
@@ -83,7 +83,7 @@ def test_the_forward_of_submodules_is_not_counted_as_a_model_forward(attach, mem
     assert len(handles) == 2 and not att.model_hooks._global_handles
     att.detach()
     forward = [
-        s for s in by_type(read_records(memory_bus), FunctionSummary) if s.name == "forward"
+        s for s in summaries_of(read_records(memory_bus)) if s.name == "forward"
     ]
     assert sum(s.count for s in forward) == 5
 
@@ -95,7 +95,7 @@ def test_backward_time_is_measured_and_excludes_forward(attach, memory_bus) -> N
     att.detach()
     totals = {
         s.name: s.total_ns
-        for s in by_type(read_records(memory_bus), FunctionSummary)
+        for s in summaries_of(read_records(memory_bus))
         if s.layer == "torch_op"
     }
     steps = sum(r.duration_ns for r in by_type(read_records(memory_bus, "b"), StepRecord))
@@ -122,7 +122,7 @@ def test_data_loader_wait_is_the_time_next_blocks(attach, memory_bus) -> None:
     train(TinyModel(), steps=4, loader=loader)
     att.detach()
     waits = [
-        s for s in by_type(read_records(memory_bus), FunctionSummary) if s.layer == "dataloader"
+        s for s in summaries_of(read_records(memory_bus)) if s.layer == "dataloader"
     ]
     batches = sum(s.count for s in waits) - 1  # the last next() only raised StopIteration
     assert batches == 4
@@ -135,7 +135,7 @@ def test_gc_pauses_are_recorded(attach, memory_bus) -> None:
     for _ in range(3):
         gc.collect()
     att.detach()
-    pauses = [s for s in by_type(read_records(memory_bus), FunctionSummary) if s.layer == "gc"]
+    pauses = [s for s in summaries_of(read_records(memory_bus)) if s.layer == "gc"]
     assert sum(s.count for s in pauses) >= 3
     assert all(s.name == "gc.collect" for s in pauses)
 

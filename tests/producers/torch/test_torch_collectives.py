@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from torch_producer_helpers import TinyModel, by_type, read_records, train
+from torch_producer_helpers import TinyModel, read_records, summaries_of, train
 
 from trainscope.schemas.records import FunctionSummary
 
@@ -25,7 +25,7 @@ def gloo_group(tmp_path) -> Iterator[None]:
 
 def _by_name(records: list[object]) -> dict[str, list[FunctionSummary]]:
     out: dict[str, list[FunctionSummary]] = {}
-    for s in by_type(records, FunctionSummary):
+    for s in summaries_of(records):
         out.setdefault(s.name, []).append(s)
     return out
 

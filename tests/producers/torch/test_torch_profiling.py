@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
-from torch_producer_helpers import TinyModel, by_type, read_records, train
+from torch_producer_helpers import TinyModel, by_type, read_records, summaries_of, train
 
 from trainscope.producers.torch.cli import profile, profile_request
 from trainscope.producers.torch.control import wait_until
@@ -25,7 +25,7 @@ def _request(bus, job: str, rank: int, steps: int) -> str:
 def _fine(records: list[object]) -> list[FunctionSummary]:
     return [
         s
-        for s in by_type(records, FunctionSummary)
+        for s in summaries_of(records)
         if s.layer in FINE_LAYERS and s.callpath_id != 0
     ]
 

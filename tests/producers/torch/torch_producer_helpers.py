@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from trainscope.schemas.codec import decode_batch
+from trainscope.schemas.records import FunctionSummary, SummaryBatch
 from trainscope.streams.bus import EVENTS_TOPIC
 from trainscope.streams.memory_bus import MemoryBus
 
@@ -52,3 +53,9 @@ def train(model: torch.nn.Module, steps: int, batch: int = 8, loader: Any = None
 
 def by_type(records: list[Any], kind: type) -> list[Any]:
     return [r for r in records if isinstance(r, kind)]
+
+
+def summaries_of(records: list[Any]) -> list[FunctionSummary]:
+    """The rows of the summary batches the producer sent; it sends no row summaries."""
+    assert not by_type(records, FunctionSummary), "the producer sent row summaries"
+    return [s for batch in by_type(records, SummaryBatch) for s in batch.to_summaries()]

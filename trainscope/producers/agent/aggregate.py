@@ -3,7 +3,11 @@
 Collectors report every interval (1 s by default); the agent publishes once per window. Metric
 samples of one series (job, host, rank, device, name) become one sample per window — the mean
 for gauges, the OR of bits for the clock-event reason mask, the sum for event counts, the last
-value for cumulative counters. Function summaries of one function and rank merge exactly.
+value for cumulative counters. The reason mask also yields ``throttled_frac``, the share of
+readings with a throttling bit set, judged reading by reading: the OR over a window would call a
+GPU throttled after a single power-cap blip (idle and clock-setting bits never count).
+Function summaries of one function and rank merge exactly, and leave as one
+:class:`SummaryBatch` per job and rank.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 import msgspec
 
 from trainscope.schemas import metrics as m
-from trainscope.schemas.records import FunctionSummary, MetricSample, Record
+from trainscope.schemas.records import FunctionSummary, MetricSample, Record, SummaryBatch
 from trainscope.streams import summaries
 
 _BITS = frozenset({m.THROTTLE_REASONS})
@@ -29,6 +33,7 @@ class _Series:
     total: float = 0.0
     count: int = 0
     bits: int = 0
+    throttled: int = 0  # readings with a throttling reason
     last: float = 0.0
 
 
@@ -73,6 +78,7 @@ class WindowAggregator:
         series.last = sample.value
         if sample.name in _BITS:
             series.bits |= int(sample.value)
+            series.throttled += bool(int(sample.value) & m.THROTTLING_REASONS_MASK)
 
     def _add_summary(self, summary: FunctionSummary) -> None:
         key = (summary.job_id, summary.rank, summary.layer, summary.name, summary.callpath_id)
@@ -86,35 +92,40 @@ class WindowAggregator:
 
     def flush(
         self, window_start_ns: int, window_end_ns: int
-    ) -> list[MetricSample | FunctionSummary]:
+    ) -> list[MetricSample | SummaryBatch]:
         """The window's records, stamped with its bounds; the aggregator starts empty again."""
-        out: list[MetricSample | FunctionSummary] = []
+        out: list[MetricSample | SummaryBatch] = []
         for (job_id, host, rank, device, name), s in self._metrics.items():
             if name in _BITS:
-                value = float(s.bits)
+                values = {name: float(s.bits), m.THROTTLED_FRAC: s.throttled / s.count}
             elif name in _SUMS:
-                value = s.total
+                values = {name: s.total}
             elif name in _LAST:
-                value = s.last
+                values = {name: s.last}
             else:
-                value = s.total / s.count
-            out.append(
+                values = {name: s.total / s.count}
+            out += [
                 MetricSample(
                     job_id=job_id,
                     host=host,
                     rank=rank,
                     device=device,
                     ts_ns=window_end_ns,
-                    name=name,
+                    name=metric,
                     value=value,
                 )
-            )
+                for metric, value in values.items()
+            ]
+        by_rank: dict[tuple[str, int], list[FunctionSummary]] = {}
         for summary in self._functions.values():
-            out.append(
+            by_rank.setdefault((summary.job_id, summary.rank), []).append(
                 msgspec.structs.replace(
                     summary, window_start_ns=window_start_ns, window_end_ns=window_end_ns
                 )
             )
+        # One batch per job and rank, so the daemon can key each by its rank's partition.
+        for rows in by_rank.values():
+            out += summaries.batches_of(rows)
         self._metrics.clear()
         self._functions.clear()
         return out

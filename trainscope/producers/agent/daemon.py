@@ -24,7 +24,7 @@ from typing import Any
 from trainscope.producers.agent.aggregate import WindowAggregator
 from trainscope.producers.agent.base import Collector, CollectorStats, CollectorUnavailable
 from trainscope.schemas.codec import encode_batch
-from trainscope.schemas.records import FunctionSummary, MetricSample, Record
+from trainscope.schemas.records import MetricSample, Record, SummaryBatch
 from trainscope.streams.bus import EVENTS_TOPIC, METRICS_TOPIC, Bus, rank_key
 
 log = logging.getLogger("trainscope.agent")
@@ -209,10 +209,13 @@ class Agent:
     def _publish_window(self, window_start_ns: int, window_end_ns: int) -> None:
         records = self._aggregator.flush(window_start_ns, max(window_end_ns, window_start_ns + 1))
         self.stats.windows += 1
-        groups: dict[tuple[str, bytes], list[MetricSample | FunctionSummary]] = {}
+        groups: dict[tuple[str, bytes], list[MetricSample | SummaryBatch]] = {}
         for record in records:
-            topic = METRICS_TOPIC if isinstance(record, MetricSample) else EVENTS_TOPIC
-            groups.setdefault((topic, rank_key(record.job_id, record.rank)), []).append(record)
+            if isinstance(record, MetricSample):
+                topic, rank = METRICS_TOPIC, record.rank
+            else:  # the aggregator makes one summary batch per job and rank
+                topic, rank = EVENTS_TOPIC, int(record.column("rank")[0])
+            groups.setdefault((topic, rank_key(record.job_id, rank)), []).append(record)
         for (topic, key), group in groups.items():
             for i in range(0, len(group), MAX_RECORDS_PER_MESSAGE):
                 chunk = group[i : i + MAX_RECORDS_PER_MESSAGE]

@@ -1,22 +1,13 @@
 """NVML clocks-event ("throttle") reasons: the bits of the mask the sampler publishes as
-``throttle_reasons``, and their names."""
+``throttle_reasons``, and their names (defined with the metric vocabulary, which detectors share).
+"""
 
 from __future__ import annotations
 
-# NVML clocks-event (formerly "throttle") reason bits, as in nvml.h.
-THROTTLE_REASON_NAMES: dict[int, str] = {
-    0x001: "gpu_idle",
-    0x002: "applications_clocks_setting",
-    0x004: "sw_power_cap",
-    0x008: "hw_slowdown",
-    0x010: "sync_boost",
-    0x020: "sw_thermal_slowdown",
-    0x040: "hw_thermal_slowdown",
-    0x080: "hw_power_brake_slowdown",
-    0x100: "display_clock_setting",
-}
-# The reasons that mean "slower than it could be" (idle, application or sync settings do not).
-THROTTLING_MASK = 0x004 | 0x008 | 0x020 | 0x040 | 0x080
+from trainscope.schemas.metrics import THROTTLE_REASON_NAMES
+from trainscope.schemas.metrics import THROTTLING_REASONS_MASK as THROTTLING_MASK
+
+__all__ = ["THROTTLE_REASON_NAMES", "THROTTLING_MASK", "decode_throttle_reasons"]
 
 
 def decode_throttle_reasons(mask: int) -> list[str]:

@@ -56,11 +56,15 @@ def kineto(paths: tuple[Path, ...], job_id: str | None, bus_url: str | None, win
             raise click.ClickException(str(exc)) from None
         records.extend(result.steps)
         records.extend(result.summaries)
-        for s in result.summaries:
-            count, total = totals.get((s.layer, s.name), (0, 0))
-            totals[(s.layer, s.name)] = (count + s.count, total + s.total_ns)
+        for batch in result.summaries:
+            counts, totals_ns = batch.column("count"), batch.column("total_ns")
+            for i, f in enumerate(batch.column("fn").tolist()):
+                key = (batch.layers[f], batch.names[f])
+                count, total = totals.get(key, (0, 0))
+                totals[key] = (count + int(counts[i]), total + int(totals_ns[i]))
+        rows = sum(len(batch) for batch in result.summaries)
         click.echo(f"{trace.path.name}: rank {trace.rank}, {result.events} events, "
-                   f"{len(result.summaries)} summaries, {len(result.steps)} steps")
+                   f"{rows} summaries, {len(result.steps)} steps")
     ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
     for (layer, name), (count, total_ns) in ranked:
         click.echo(f"  {total_ns / 1e6:12.3f} ms {count:8d}x  {layer:12s} {name[:80]}")

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from trainscope.producers.torch.profiling import callpath_id, normalise_name
-from trainscope.schemas.records import FunctionSummary, StepRecord
-from trainscope.streams.summaries import summarize
+from trainscope.schemas.records import StepRecord, SummaryBatch
+from trainscope.streams.summaries import FunctionKey, summary_batches
 
 CATEGORY_LAYERS = {
     "python_function": "python",
@@ -57,7 +57,7 @@ class RankTrace:
 
 @dataclass
 class ReplayResult:
-    summaries: list[FunctionSummary] = field(default_factory=list)
+    summaries: list[SummaryBatch] = field(default_factory=list)  # one or more per window
     steps: list[StepRecord] = field(default_factory=list)
     events: int = 0
     ranks: dict[int, int] = field(default_factory=dict)  # rank -> events
@@ -216,10 +216,14 @@ def condense(trace: RankTrace, job_id: str, window_ns: int) -> ReplayResult:
         parent = runtime_by_correlation.get(correlation, 0)
         add(start, duration, layer, name, callpath_id(parent, layer, name))
     result.ranks[trace.rank] = result.events
+    by_window: dict[int, dict[FunctionKey, list[int]]] = {}
+    for (window, layer, name, cp), values in durations.items():
+        by_window.setdefault(window, {})[(layer, name, cp)] = values
     result.summaries = [
-        summarize(values, job_id=job_id, rank=trace.rank, layer=layer, name=name,
-                  callpath_id=cp, window_start_ns=window, window_end_ns=window + window_ns)
-        for (window, layer, name, cp), values in durations.items()
+        batch
+        for window, functions in sorted(by_window.items())
+        for batch in summary_batches(functions, job_id=job_id, rank=trace.rank,
+                                     window_start_ns=window, window_end_ns=window + window_ns)
     ]
     return result
 

@@ -6,22 +6,32 @@ from collections.abc import Sequence
 from typing import Any
 
 from trainscope.schemas.codec import encode_batch
+from trainscope.schemas.records import SummaryBatch
 from trainscope.streams.bus import EVENTS_TOPIC, Bus, rank_key
+from trainscope.streams.summaries import message_chunks
 
+# Rows per message (a summary batch weighs its rows), as the live producer sends them.
 BATCH_RECORDS = 500
 
 
 def publish_records(bus: Bus, job_id: str, records: Sequence[Any]) -> int:
-    """Publish records grouped per rank (one key per rank keeps a rank's order); returns count."""
+    """Publish records grouped per rank (one key per rank keeps a rank's order); returns the
+    number of records sent (a summary batch is one record)."""
     by_rank: dict[int, list[Any]] = {}
     for record in records:
-        by_rank.setdefault(getattr(record, "rank", -1), []).append(record)
+        by_rank.setdefault(_rank(record), []).append(record)
     sent = 0
     for rank, items in sorted(by_rank.items()):
         key = rank_key(job_id, rank)
-        for lo in range(0, len(items), BATCH_RECORDS):
-            chunk = items[lo : lo + BATCH_RECORDS]
+        for chunk in message_chunks(items, BATCH_RECORDS):
             bus.publish(EVENTS_TOPIC, encode_batch(chunk), key=key)
             sent += len(chunk)
     bus.flush()
     return sent
+
+
+def _rank(record: Any) -> int:
+    if isinstance(record, SummaryBatch):  # replay makes one batch per rank and window
+        ranks = record.column("rank")
+        return int(ranks[0]) if len(ranks) else -1
+    return int(getattr(record, "rank", -1))

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trainscope.schemas.records import ControlMessage, FunctionSummary
-from trainscope.streams.summaries import summarize
+from trainscope.schemas.records import ControlMessage, SummaryBatch
+from trainscope.streams.summaries import FunctionKey, summary_batches
 
 if TYPE_CHECKING:
     from trainscope.producers.torch.runtime import Attachment
@@ -151,10 +151,10 @@ class ProfileController:
         report.stop_reason = reason
         att = self.att
 
-        def summarise() -> list[FunctionSummary]:
+        def summarise() -> list[SummaryBatch]:
             try:
                 summaries = summarise_result(result, att, report)
-                report.summaries = len(summaries)
+                report.summaries = sum(len(batch) for batch in summaries)
                 self.counts["completed"] += 1
                 self.reports.append(report)
                 return summaries
@@ -207,7 +207,7 @@ def _disable() -> Any:
     return _disable_profiler()
 
 
-def summarise_result(result: Any, att: Attachment, report: ProfileReport) -> list[FunctionSummary]:
+def summarise_result(result: Any, att: Attachment, report: ProfileReport) -> list[SummaryBatch]:
     """Condense the profiler's event tree into per-(window, function, call path) summaries."""
     from torch._C._profiler import _EventType
 
@@ -260,17 +260,18 @@ def summarise_result(result: Any, att: Attachment, report: ProfileReport) -> lis
         bucket.append(max(0, int(event.duration_time_ns)))
         report.events += 1
         stack.extend((child, cp) for child in reversed(event.children))
+    by_window: dict[int, dict[FunctionKey, list[int]]] = {}
+    for (window, layer, name, cp), values in durations.items():
+        by_window.setdefault(window, {})[(layer, name, cp)] = values
     options = att.options
     return [
-        summarize(
-            values,
+        batch
+        for window, functions in sorted(by_window.items())
+        for batch in summary_batches(
+            functions,
             job_id=options.job_id,
             rank=options.rank,
-            layer=layer,
-            name=name,
-            callpath_id=cp,
             window_start_ns=window,
             window_end_ns=window + window_ns,
         )
-        for (window, layer, name, cp), values in durations.items()
     ]

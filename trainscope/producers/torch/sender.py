@@ -32,9 +32,11 @@ from trainscope.producers.torch.outage import OutageLog
 from trainscope.producers.torch.safety import Guard, log
 from trainscope.schemas.codec import encode_batch
 from trainscope.streams.bus import EVENTS_TOPIC, Bus, TrackingBus
+from trainscope.streams.summaries import message_chunks
 
-# Records per bus message: large enough to amortise the per-message cost, small enough to stay
-# far below Kafka's 1 MiB message limit with summaries of a few hundred bytes each.
+# Rows per bus message (records, or the rows of a summary batch): large enough to amortise the
+# per-message cost, small enough to stay far below Kafka's 1 MiB message limit with summaries of
+# a few hundred bytes each.
 MAX_BATCH_RECORDS = 500
 FLUSH_TIMEOUT_S = 5.0
 
@@ -226,8 +228,7 @@ class Sender:
         self._outage.dropping(self.counts["dropped"])
 
     def _enqueue_payloads(self, records: list[Any]) -> None:
-        for i in range(0, len(records), MAX_BATCH_RECORDS):
-            chunk = records[i : i + MAX_BATCH_RECORDS]
+        for chunk in message_chunks(records, MAX_BATCH_RECORDS):
             with self._cond:
                 room = self.capacity - self._outbox_records - self._in_flight_records
                 if room < len(chunk):
@@ -406,3 +407,4 @@ class Sender:
             bus.close()
         except Exception as exc:
             self._guard.report("bus close", exc)
+

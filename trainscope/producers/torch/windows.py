@@ -1,7 +1,7 @@
 """In-process per-window accumulation of function durations.
 
 The training thread only appends integers under a lock; condensing a closed window into
-:class:`FunctionSummary` records (numpy, sketch) happens on the sender thread. Windows are
+:class:`SummaryBatch` records (numpy, sketch) happens on the sender thread. Windows are
 aligned to the epoch (``window_start_ns = start_ns // window_ns * window_ns``) and a span
 belongs to the window in which it *started*, like step records.
 """
@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import threading
 
-from trainscope.schemas.records import FunctionSummary
-from trainscope.streams.summaries import summarize
-
-FunctionKey = tuple[str, str, int]  # layer, name, callpath_id
+from trainscope.schemas.records import SummaryBatch
+from trainscope.streams.summaries import FunctionKey, summary_batches
 
 
 class _Durations:
@@ -83,19 +81,12 @@ class WindowRecorder:
         rank: int,
         window_start_ns: int,
         functions: dict[FunctionKey, _Durations],
-    ) -> list[FunctionSummary]:
-        out = []
-        for (layer, name, callpath_id), acc in functions.items():
-            summary = summarize(
-                acc.durations_ns,
-                job_id=job_id,
-                rank=rank,
-                layer=layer,
-                name=name,
-                callpath_id=callpath_id,
-                window_start_ns=window_start_ns,
-                window_end_ns=window_start_ns + self.window_ns,
-                bytes_moved=[acc.bytes_total],
-            )
-            out.append(summary)
-        return out
+    ) -> list[SummaryBatch]:
+        return summary_batches(
+            {key: acc.durations_ns for key, acc in functions.items()},
+            job_id=job_id,
+            rank=rank,
+            window_start_ns=window_start_ns,
+            window_end_ns=window_start_ns + self.window_ns,
+            bytes_total={key: acc.bytes_total for key, acc in functions.items()},
+        )
