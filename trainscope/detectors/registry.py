@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 
 from trainscope.detectors.base import Detector, WindowView
+from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import Finding
 
 GROUP = "trainscope.detectors"
 log = logging.getLogger(__name__)
 
 
-class UnknownDetector(LookupError):
+class UnknownDetector(LookupError, TrainscopeError):
     pass
 
 

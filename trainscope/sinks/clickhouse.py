@@ -20,10 +20,11 @@ import pandas as pd
 from trainscope import env
 from trainscope.detectors.base import WindowView
 from trainscope.schemas.ddl import TABLES, all_ddl
+from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import SCHEMA_VERSION, Finding, Topology
 
 
-class StoreError(RuntimeError):
+class StoreError(RuntimeError, TrainscopeError):
     """The store cannot be opened or refused a statement; the text says why."""
 
 

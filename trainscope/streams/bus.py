@@ -12,6 +12,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from trainscope.schemas.errors import TrainscopeError
+
 EVENTS_TOPIC = "trainscope.events"
 METRICS_TOPIC = "trainscope.metrics"
 CONTROL_TOPIC = "trainscope.control"
@@ -21,7 +23,7 @@ ALL_TOPICS = (EVENTS_TOPIC, METRICS_TOPIC, CONTROL_TOPIC, DEAD_LETTER_TOPIC)
 DEFAULT_PARTITIONS = 4
 
 
-class BusError(RuntimeError):
+class BusError(RuntimeError, TrainscopeError):
     """The bus cannot be reached or refused an operation."""
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from trainscope.producers.torch.profiling import callpath_id, normalise_name
+from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import FunctionSummary, StepRecord
 from trainscope.streams.summaries import summarize
 
@@ -42,7 +43,7 @@ _TRAILING_NUMBER = re.compile(r"(\d+)$")
 TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".pt.trace.json.gz")
 
 
-class KinetoError(ValueError):
+class KinetoError(ValueError, TrainscopeError):
     """A trace that cannot be read; the message names the file and the position."""
 
 
