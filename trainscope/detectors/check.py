@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import pandas as pd
 
-from trainscope.detectors.base import Detector, WindowView
+from trainscope.detectors.base import Detector
+from trainscope.schemas.window import WindowView
 
 
 def sample_windows(steps: int = 60, seed: int = 5) -> list[WindowView]:

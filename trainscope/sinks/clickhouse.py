@@ -18,10 +18,10 @@ from typing import Any
 import pandas as pd
 
 from trainscope import env
-from trainscope.detectors.base import WindowView
 from trainscope.schemas.ddl import TABLES, all_ddl
 from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import SCHEMA_VERSION, Finding, Topology
+from trainscope.schemas.window import WindowView
 
 
 class StoreError(RuntimeError, TrainscopeError):

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainscope.detectors.base import Detector, WindowView
+from trainscope.detectors.base import Detector
 from trainscope.detectors.registry import DetectorRunner, load
 from trainscope.schemas.codec import BadMessage, decode_batch
 from trainscope.schemas.records import (
@@ -31,6 +31,7 @@ from trainscope.schemas.records import (
     StepRecord,
     Topology,
 )
+from trainscope.schemas.window import WindowView
 from trainscope.streams.bus import DEAD_LETTER_TOPIC, EVENTS_TOPIC, METRICS_TOPIC, Bus, Message
 from trainscope.streams.windows import WindowEngine
 

@@ -22,7 +22,6 @@ import msgspec
 import numpy as np
 import pandas as pd
 
-from trainscope.detectors.base import METRIC_COLUMNS, STEP_COLUMNS, WindowView
 from trainscope.schemas.records import (
     FunctionSummary,
     MetricSample,
@@ -30,6 +29,7 @@ from trainscope.schemas.records import (
     StepRecord,
     Topology,
 )
+from trainscope.schemas.window import METRIC_COLUMNS, STEP_COLUMNS, WindowView
 from trainscope.streams.grouping import Partials, merge_partials, reduce_events
 
 _FN_BITS = 20
