@@ -25,7 +25,7 @@ from typing import Any
 from trainscope.producers.torch.profiling import callpath_id, normalise_name
 from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import FunctionSummary, StepRecord
-from trainscope.streams.summaries import summarize
+from trainscope.schemas.summaries import summarize
 
 CATEGORY_LAYERS = {
     "python_function": "python",

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from trainscope.schemas.records import ControlMessage, FunctionSummary
-from trainscope.streams.summaries import summarize
+from trainscope.schemas.summaries import summarize
 
 if TYPE_CHECKING:
     from trainscope.producers.torch.runtime import Attachment

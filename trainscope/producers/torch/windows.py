@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 from trainscope.schemas.records import FunctionSummary
-from trainscope.streams.summaries import summarize
+from trainscope.schemas.summaries import summarize
 
 FunctionKey = tuple[str, str, int]  # layer, name, callpath_id
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from trainscope.schemas import sketch
 from trainscope.schemas.records import FunctionSummary
-from trainscope.streams import sketch
 
 
 def summarize(
