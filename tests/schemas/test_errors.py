@@ -15,7 +15,7 @@ ERRORS = [
     ("trainscope.producers.simulate.faults", "FaultSpecError", ValueError),
     ("trainscope.producers.agent.base", "CollectorUnavailable", RuntimeError),
     ("trainscope.producers.replay.kineto", "KinetoError", ValueError),
-    ("trainscope.whatif.trace", "TraceError", ValueError),
+    ("trainscope.schemas.optrace", "TraceError", ValueError),
     ("trainscope.detectors.registry", "UnknownDetector", LookupError),
 ]
 

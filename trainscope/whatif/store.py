@@ -15,10 +15,10 @@ from typing import Any
 import pandas as pd
 
 from trainscope import env
+from trainscope.schemas.optrace import JobMeta, TraceError
+from trainscope.schemas.optypes import OPTYPES
 from trainscope.schemas.whatif import DDL, SCHEMA_VERSION, TABLE_STRUCTS
 from trainscope.whatif.analysis import WhatIf
-from trainscope.whatif.optypes import OPTYPES
-from trainscope.whatif.trace import JobMeta, TraceError
 
 # Rows per insert: big enough to amortise the per-insert cost, small enough to bound memory.
 INSERT_CHUNK_ROWS = 2_000_000
@@ -42,7 +42,7 @@ def connect(store_dir: str | Path | None = None, url: str | None = None) -> Any:
 
 
 def write_trace(client: Any, job_id: str, frame: pd.DataFrame, meta: JobMeta) -> int:
-    """Store a validated trace (see :func:`trace.validate`) and its metadata; returns rows."""
+    """Store a validated trace (see :func:`optrace.validate`) and its metadata; returns rows."""
     out = pd.DataFrame(
         {
             "v": SCHEMA_VERSION,

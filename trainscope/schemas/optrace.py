@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from trainscope.schemas.errors import TrainscopeError
-from trainscope.whatif.optypes import CODE, OPTYPES
+from trainscope.schemas.optypes import CODE, OPTYPES
 
 # Columns the analysis needs, with the dtype they are converted to.
 REQUIRED_COLUMNS: dict[str, str] = {
