@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from trainscope.streams.bus import BusError
+from trainscope.streams.bus_protocol import BusError
 
 Item = tuple[str, bytes, bytes | None]
 

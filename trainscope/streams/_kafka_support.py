@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from trainscope.streams.bus import BusError
+from trainscope.streams.bus_protocol import BusError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

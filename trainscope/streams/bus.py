@@ -1,77 +1,45 @@
-"""The message bus: one small protocol, an in-memory and a Kafka implementation.
+"""The message bus: ``open_bus`` picks an implementation (in-memory or Kafka) from a URL.
 
-Producers ``publish`` encoded batches to a topic with a key (``job/rank``) that picks the
-partition, so one rank's messages stay in order. Consumers in a group ``poll`` messages and
-``commit`` their positions; a consumer that restarts resumes from the committed position
-(at-least-once: what was polled but not committed is delivered again).
+The protocol the implementations share is :mod:`trainscope.streams.bus_protocol`; topic names
+and partition keys are :mod:`trainscope.schemas.topics`. Both are re-exported here, so producers
+and stream jobs need only this module.
 """
 
 from __future__ import annotations
 
-import zlib
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from trainscope.schemas.topics import (
+    ALL_TOPICS,
+    CONTROL_TOPIC,
+    DEAD_LETTER_TOPIC,
+    EVENTS_TOPIC,
+    METRICS_TOPIC,
+    rank_key,
+)
+from trainscope.streams.bus_protocol import (
+    DEFAULT_PARTITIONS,
+    Bus,
+    BusError,
+    Consumer,
+    Message,
+    partition_for,
+)
 
-from trainscope.schemas.errors import TrainscopeError
-
-EVENTS_TOPIC = "trainscope.events"
-METRICS_TOPIC = "trainscope.metrics"
-CONTROL_TOPIC = "trainscope.control"
-DEAD_LETTER_TOPIC = "trainscope.dead-letter"
-ALL_TOPICS = (EVENTS_TOPIC, METRICS_TOPIC, CONTROL_TOPIC, DEAD_LETTER_TOPIC)
-
-DEFAULT_PARTITIONS = 4
-
-
-class BusError(RuntimeError, TrainscopeError):
-    """The bus cannot be reached or refused an operation."""
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes
-    timestamp_ms: int = 0
-
-
-@runtime_checkable
-class Consumer(Protocol):
-    def poll(self, max_records: int = 10_000, timeout_s: float = 0.1) -> list[Message]:
-        """Messages after this group's position; waits at most ``timeout_s`` for the first."""
-        ...
-
-    def commit(self) -> None:
-        """Record everything polled so far as processed."""
-        ...
-
-    def close(self) -> None: ...
-
-
-@runtime_checkable
-class Bus(Protocol):
-    def publish(self, topic: str, value: bytes, key: bytes | None = None) -> None:
-        """Queue a message; it is sent by ``flush`` at the latest."""
-        ...
-
-    def flush(self, timeout_s: float = 30.0) -> None: ...
-
-    def consumer(self, topics: list[str], group: str) -> Consumer: ...
-
-    def close(self) -> None: ...
-
-
-def partition_for(key: bytes | None, partitions: int, counter: int) -> int:
-    """Same key, same partition; keyless messages spread round-robin."""
-    if key is None:
-        return counter % partitions
-    return zlib.crc32(key) % partitions
-
-
-def rank_key(job_id: str, rank: int) -> bytes:
-    return f"{job_id}/{rank}".encode()
+# The facade producers and stream jobs import; the implementations import bus_protocol instead.
+__all__ = [
+    "ALL_TOPICS",
+    "CONTROL_TOPIC",
+    "DEAD_LETTER_TOPIC",
+    "DEFAULT_PARTITIONS",
+    "EVENTS_TOPIC",
+    "METRICS_TOPIC",
+    "Bus",
+    "BusError",
+    "Consumer",
+    "Message",
+    "open_bus",
+    "partition_for",
+    "rank_key",
+]
 
 
 def open_bus(url: str) -> Bus:

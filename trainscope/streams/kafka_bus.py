@@ -36,7 +36,7 @@ from trainscope.streams._kafka_support import (
     split_servers,
     start_client,
 )
-from trainscope.streams.bus import DEFAULT_PARTITIONS, BusError
+from trainscope.streams.bus_protocol import DEFAULT_PARTITIONS, BusError
 from trainscope.streams.kafka_consumer import KafkaConsumer, start_consumer
 
 log = logging.getLogger(__name__)
