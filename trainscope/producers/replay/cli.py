@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from trainscope import env
-from trainscope.producers.torch.options import DEFAULT_WINDOW_S
+from trainscope.env import DEFAULT_WINDOW_S
 from trainscope.streams.bus import BusError, open_bus
 
 

@@ -7,7 +7,7 @@ cuda_kernel, ``gpu_memcpy``/``gpu_memset`` → memcpy, ``cuda_runtime``/``cuda_d
 cuda_api; collectives (NCCL kernels, ``c10d::``/``nccl:``/``gloo:`` ops) → collective.
 ``ProfilerStep#N`` annotations become step records.
 
-Call paths are built as live (:func:`trainscope.producers.torch.profiling.callpath_id`): a CPU
+Call paths are built as live (:func:`trainscope.schemas.callpath.callpath_id`): a CPU
 event's parent is the innermost event enclosing it on the same thread, a device event's parent
 is the runtime call with the same ``correlation`` id.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainscope.producers.torch.profiling import callpath_id, normalise_name
+from trainscope.schemas.callpath import callpath_id, normalise_name
 from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import FunctionSummary, StepRecord
 from trainscope.schemas.summaries import summarize

@@ -13,14 +13,15 @@ from pathlib import Path
 import msgspec
 import pandas as pd
 
-from trainscope.producers.torch.optrace import (
-    OPTRACE_TOPIC,
+from trainscope.schemas.optypes import OPTYPES
+from trainscope.schemas.topics import OPTRACE_TOPIC
+from trainscope.schemas.whatif import (
     OpTraceBatch,
+    OpTraceJob,
+    OpTraceRecord,
     decode_optrace,
     encode_records,
 )
-from trainscope.schemas.optypes import OPTYPES
-from trainscope.schemas.whatif import OpTraceJob, OpTraceRecord
 
 __all__ = ["OPTRACE_TOPIC", "OpTraceBatch", "decode_optrace", "encode_optrace", "read_optrace",
            "records_of", "to_frame"]
