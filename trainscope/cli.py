@@ -77,7 +77,8 @@ def sql(query: str, store: Path | None, url: str | None, fmt: str) -> None:
     Tables: function_summaries, step_records, metric_samples, findings, topologies,
     dead_letters (and op_traces, whatif_results after a what-if run).
     """
-    from trainscope.sinks.clickhouse import StoreError, connect, default_store_dir, run_query
+    from trainscope.sinks.clickhouse import run_query
+    from trainscope.store import StoreError, connect, default_store_dir
 
     if store is None and url is None:
         store = default_store_dir()

@@ -11,7 +11,7 @@ from trainscope.schemas.errors import TrainscopeError
 ERRORS = [
     ("trainscope.schemas.codec", "BadMessage", ValueError),
     ("trainscope.streams.bus", "BusError", RuntimeError),
-    ("trainscope.sinks.clickhouse", "StoreError", RuntimeError),
+    ("trainscope.store", "StoreError", RuntimeError),
     ("trainscope.producers.simulate.faults", "FaultSpecError", ValueError),
     ("trainscope.producers.agent.base", "CollectorUnavailable", RuntimeError),
     ("trainscope.producers.replay.kineto", "KinetoError", ValueError),

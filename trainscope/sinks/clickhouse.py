@@ -8,7 +8,6 @@ re-sent blocks and collapse equal keys on merge (see :mod:`trainscope.schemas.dd
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,57 +16,15 @@ from typing import Any
 
 import pandas as pd
 
-from trainscope import env
 from trainscope.schemas.ddl import TABLES, all_ddl
-from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import SCHEMA_VERSION, Finding, Topology
 from trainscope.schemas.window import WindowView
-
-
-class StoreError(RuntimeError, TrainscopeError):
-    """The store cannot be opened or refused a statement; the text says why."""
-
-
-def default_store_dir() -> Path:
-    configured = os.environ.get(env.TRAINSCOPE_STORE_DIR)
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "trainscope" / "store"
-
-
-def connect(store: Path | str | None = None, url: str | None = None) -> Any:
-    """A clickhouse-connect client for a chDB store directory or a server URL.
-
-    Server credentials come from the environment, never from code or command lines.
-    """
-    import clickhouse_connect
-
-    if url:
-        try:
-            return clickhouse_connect.get_client(
-                dsn=url,
-                username=os.environ.get(env.TRAINSCOPE_CLICKHOUSE_USER, "default"),
-                password=os.environ.get(env.TRAINSCOPE_CLICKHOUSE_PASSWORD, ""),
-            )
-        except Exception as exc:
-            raise StoreError(f"cannot connect to ClickHouse at {url}: {_first_line(exc)}") from None
-    path = Path(store or default_store_dir()).expanduser().resolve()
-    if path.exists() and not path.is_dir():
-        raise StoreError(f"store path {path} is a file, expected a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StoreError(f"cannot create store directory {path}: {exc.strerror}") from None
-    try:
-        return clickhouse_connect.get_client(dsn=f"chdb://{path}")
-    except Exception as exc:
-        raise StoreError(f"cannot open store {path}: {_first_line(exc)}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
+from trainscope.store import (  # noqa: F401  moved; kept for code written against the old place
+    StoreError,
+    _first_line,
+    connect,
+    default_store_dir,
+)
 
 
 def run_query(client: Any, sql: str) -> tuple[list[str], list[Sequence[Any]]]:

@@ -29,7 +29,7 @@ TRACE_COLUMNS = [
 
 def connect(store_dir: str | Path | None = None, url: str | None = None) -> Any:
     """A clickhouse-connect client with the what-if tables created."""
-    from trainscope.sinks.clickhouse import connect as connect_store
+    from trainscope.store import connect as connect_store
 
     if (store_dir is None) == (url is None):
         raise ValueError("give exactly one of a store directory or a ClickHouse URL")
