@@ -65,11 +65,11 @@ from trainscope.schemas.records import (  # noqa: E402
     StepRecord,
     SummaryBatch,
 )
+from trainscope.schemas.summaries import summary_batches  # noqa: E402
 from trainscope.sinks.clickhouse import ClickHouseSink  # noqa: E402
 from trainscope.streams.bus import EVENTS_TOPIC, METRICS_TOPIC  # noqa: E402
 from trainscope.streams.memory_bus import MemoryBus  # noqa: E402
 from trainscope.streams.pipeline import EmbeddedPipeline  # noqa: E402
-from trainscope.streams.summaries import summary_batches  # noqa: E402
 
 SIZES = {64: (8, 4, 2), 1024: (64, 8, 2)}
 SUMMARY_SIZES = {1024: (64, 8, 2), 10240: (640, 8, 2)}

@@ -28,7 +28,7 @@ from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 if TYPE_CHECKING:
-    from trainscope.whatif.trace import JobMeta
+    from trainscope.schemas.optrace import JobMeta
 
 # (dp_size, pp_size, steps): 64 workers × 44 steps is the issue's small target.
 SIZES = [(8, 8, 44), (80, 8, 50), (320, 8, 50), (1280, 8, 50)]
@@ -55,7 +55,7 @@ def main() -> None:
         for dp, pp, steps in sizes:
             row = measure(Path(tmp), dp, pp, steps, args.repeat)
             print_row(f"{dp * pp}", steps, row)
-    from trainscope.whatif.trace import read_meta
+    from trainscope.schemas.optrace import read_meta
 
     meta = read_meta(REAL_TRACE / "meta-ST.yaml")
     row = time_analysis(REAL_TRACE / "trace-ST.parquet", meta, max(args.repeat, 5))
@@ -70,8 +70,8 @@ def print_row(label: str, steps: int, row: dict[str, float], digits: int = 2) ->
 
 
 def measure(tmp: Path, dp: int, pp: int, steps: int, repeat: int) -> dict[str, float]:
+    from trainscope.schemas.optrace import JobMeta
     from trainscope.whatif.generate import JobSpec, generate, write
-    from trainscope.whatif.trace import JobMeta
 
     spec = JobSpec(dp_size=dp, pp_size=pp, microbatches=MICROBATCHES, steps=steps,
                    worker_factor={(dp // 2, pp // 2): 1.3}, seed=dp)
@@ -88,9 +88,9 @@ def time_analysis(path: Path, meta: JobMeta, repeat: int) -> dict[str, float]:
     """Best of ``repeat`` runs of read → validate + layout → analyse."""
     import pandas as pd
 
+    from trainscope.schemas.optrace import validate
     from trainscope.whatif.analysis import analyse
     from trainscope.whatif.layout import build_layout
-    from trainscope.whatif.trace import validate
 
     best: dict[str, float] = {}
     for _ in range(repeat):

@@ -107,7 +107,7 @@ def test_schemas_export(tmp_path) -> None:
 
 REPLAY = """
 import sys
-from trainscope.detectors.check import sample_windows
+from trainscope.testing import sample_windows
 from trainscope.sinks.clickhouse import ClickHouseSink, run_query
 sink = ClickHouseSink.open(sys.argv[1])
 window = sample_windows(steps=20)[1]

@@ -21,7 +21,7 @@ from trainscope.sinks import clickhouse
 
 MAKE_STORE = """
 import sys
-from trainscope.detectors.check import sample_windows
+from trainscope.testing import sample_windows
 from trainscope.sinks.clickhouse import ClickHouseSink
 sink = ClickHouseSink.open(sys.argv[1])
 window = sample_windows(steps=20)[1]

@@ -93,14 +93,8 @@ def sql(query: str, store: Path | None, create: bool, url: str | None, fmt: str)
     read files, URLs or other servers. A store that a running pipeline owns cannot be opened
     by another process: query it through a ClickHouse server with --url.
     """
-    from trainscope.sinks.clickhouse import (
-        ClickHouseSink,
-        StoreError,
-        check_read_only_sql,
-        connect,
-        default_store_dir,
-        run_query,
-    )
+    from trainscope.sinks.clickhouse import ClickHouseSink, run_query
+    from trainscope.store import StoreError, check_read_only_sql, connect, default_store_dir
 
     if store is not None and url is not None:
         raise click.UsageError("give either --store DIR or --url URL, not both")

@@ -73,7 +73,8 @@ def demo(
 
     from trainscope.demo import run_demo
     from trainscope.producers.simulate import ClusterSpec, FaultSpecError, parse_faults
-    from trainscope.sinks.clickhouse import ClickHouseSink, StoreError, default_store_dir
+    from trainscope.sinks.clickhouse import ClickHouseSink
+    from trainscope.store import StoreError, default_store_dir
     from trainscope.streams.bus import BusError
 
     dp, pp, tp = resolve_layout(ranks, dp, pp, tp)
@@ -200,7 +201,8 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
 def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, window_s: float,
              lateness_s: float, idle_exit_s: float | None, max_jobs: int) -> None:
     """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job)."""
-    from trainscope.sinks.clickhouse import ClickHouseSink, StoreError
+    from trainscope.sinks.clickhouse import ClickHouseSink
+    from trainscope.store import StoreError
     from trainscope.streams.bus import BusError, open_bus
     from trainscope.streams.pipeline import Pipeline
 

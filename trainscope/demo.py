@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from trainscope.detectors.base import WindowView
 from trainscope.detectors.diagnosis import Suspect, diagnose
 from trainscope.producers.simulate import ClusterSpec, Fault, SimulatedCluster, StepOutput
 from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.records import Finding, Record
+from trainscope.schemas.window import WindowView
 from trainscope.streams.bus import EVENTS_TOPIC, METRICS_TOPIC, Bus, open_bus, rank_key
 from trainscope.streams.pipeline import Pipeline, PipelineStats
 

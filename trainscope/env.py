@@ -19,6 +19,8 @@ TRAINSCOPE_JOB_ID = "TRAINSCOPE_JOB_ID"
 
 TRAINSCOPE_WINDOW_S = "TRAINSCOPE_WINDOW_S"
 """Length of the summary windows in seconds (aligned to the epoch). Default 15."""
+DEFAULT_WINDOW_S = 15.0
+"""Its default, here because every producer (live or replayed) must cut the same windows."""
 
 TRAINSCOPE_QUEUE_SIZE = "TRAINSCOPE_QUEUE_SIZE"
 """Records the in-process sender holds before it drops (and counts) new ones. Default 10000."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from trainscope.detectors.check import check_detector, sample_windows
 from trainscope.detectors.multivariate import RankAnomalyDetector
 from trainscope.detectors.peer import PeerDiffDetector
 from trainscope.detectors.steptime import StepTimeDetector
+from trainscope.testing import check_detector, sample_windows
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,14 @@ import warnings
 import pandas as pd
 import pytest
 
-from trainscope.detectors.base import ALERT_THRESHOLD, WindowView
-from trainscope.detectors.check import check_detector
+from trainscope.detectors.base import ALERT_THRESHOLD
 from trainscope.detectors.mixture import MixtureDetector
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding, StepRecord
+from trainscope.schemas.window import WindowView
 from trainscope.streams.pipeline import EmbeddedPipeline
+from trainscope.testing import check_detector
 
 
 def run(spec: ClusterSpec, faults: list[str], mark_step: int = 0) -> tuple[list[Finding], int, int]:

@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 
-from trainscope.detectors.base import WindowView
 from trainscope.detectors.registry import DetectorRunner, UnknownDetector, available, load
+from trainscope.schemas.window import WindowView
 
 
 @pytest.fixture

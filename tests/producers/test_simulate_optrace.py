@@ -17,9 +17,9 @@ import pandas as pd
 import pytest
 
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
+from trainscope.schemas.optrace import JobMeta, validate
 from trainscope.whatif.analysis import WhatIf, analyse
 from trainscope.whatif.layout import build_layout
-from trainscope.whatif.trace import JobMeta, validate
 
 TRACE_COLUMNS = [
     "dp_rank", "stage", "rank", "step", "optype", "start_ts", "duration", "seq_id", "mc", "gmc",

@@ -14,9 +14,9 @@ from trainscope.schemas import (
     SummaryBatch,
     decode_batch,
     encode_batch,
+    summaries,
 )
 from trainscope.schemas.jsonschema import export
-from trainscope.streams import summaries
 
 
 def rows() -> list[FunctionSummary]:

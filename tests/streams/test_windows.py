@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainscope.schemas import FunctionSummary, SpanBatch, StepRecord
-from trainscope.streams import summaries
+from trainscope.schemas import FunctionSummary, SpanBatch, StepRecord, summaries
 from trainscope.streams.windows import WindowEngine
 
 WINDOW_NS = 10**9

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from trainscope.schemas.optrace import JobMeta, validate
 from trainscope.whatif.analysis import WhatIf, analyse
 from trainscope.whatif.generate import JobSpec, generate
 from trainscope.whatif.layout import Layout, build_layout
-from trainscope.whatif.trace import JobMeta, validate
 
 
 def _layout_of(spec: JobSpec) -> Layout:

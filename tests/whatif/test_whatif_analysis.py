@@ -113,7 +113,7 @@ def test_healthy_job_has_no_characterisation(analyse_spec):
 
 
 def test_ideal_uses_mean_compute_and_median_transfer(layout_of):
-    from trainscope.whatif import optypes as ot
+    from trainscope.schemas import optypes as ot
 
     layout = layout_of(JobSpec(dp_size=2, pp_size=3, steps=3, noise=0.3, seed=14))
     graph = layout_graph(layout)

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from trainscope.schemas.optrace import load_trace, read_meta
 from trainscope.whatif.analysis import WhatIf, analyse, layout_graph, observe
 from trainscope.whatif.layout import build_layout
 from trainscope.whatif.simulate import simulate
-from trainscope.whatif.trace import load_trace, read_meta
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "stragglers-ST"
 

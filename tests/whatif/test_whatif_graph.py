@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from trainscope.whatif import optypes as ot
+from trainscope.schemas import optypes as ot
+from trainscope.schemas.optrace import TraceError
 from trainscope.whatif.analysis import layout_graph
 from trainscope.whatif.generate import JobSpec
 from trainscope.whatif.graph import Template, build_graph
-from trainscope.whatif.trace import TraceError
 
 
 def template(*per_stage, data_parallel=True):

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from trainscope.schemas.optrace import JobMeta, read_meta, read_table, validate
 from trainscope.whatif.analysis import analyse
 from trainscope.whatif.generate import JobSpec, generate
 from trainscope.whatif.layout import build_layout
-from trainscope.whatif.trace import JobMeta, read_meta, read_table, validate
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "stragglers-ST"
 

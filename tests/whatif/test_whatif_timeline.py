@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from trainscope.schemas.optrace import load_trace, read_meta
 from trainscope.whatif.analysis import analyse
 from trainscope.whatif.generate import JobSpec
 from trainscope.whatif.layout import build_layout
 from trainscope.whatif.timeline import STREAMS, write_timeline
-from trainscope.whatif.trace import load_trace, read_meta
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "stragglers-ST"
 REQUIRED = {"X": {"name", "ph", "pid", "tid", "ts", "dur"}, "M": {"name", "ph", "pid", "args"}}

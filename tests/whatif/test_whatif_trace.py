@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
+from trainscope.schemas.optrace import JobMeta, TraceError, load_trace, read_meta, validate
 from trainscope.whatif.generate import JobSpec, generate
 from trainscope.whatif.layout import build_layout
-from trainscope.whatif.trace import JobMeta, TraceError, load_trace, read_meta, validate
 
 SPEC = JobSpec(dp_size=2, pp_size=2, microbatches=4, steps=[3, 5, 9])
 

@@ -11,90 +11,18 @@ certain and more important; ``ALERT_THRESHOLD`` is where findings become alerts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-import pandas as pd
-
-from trainscope.schemas.records import Finding, Topology
+from trainscope.schemas.records import Finding
+from trainscope.schemas.window import (  # noqa: F401  moved; kept for code written against the old place
+    METRIC_COLUMNS,
+    STEP_COLUMNS,
+    SUMMARY_COLUMNS,
+    WindowView,
+    empty_frame,
+)
 
 ALERT_THRESHOLD = 0.5
-
-SUMMARY_COLUMNS = (
-    "rank",
-    "layer",
-    "name",
-    "callpath_id",
-    "count",
-    "total_ns",
-    "m2_ns2",
-    "min_ns",
-    "max_ns",
-    "bytes_total",
-)
-STEP_COLUMNS = (
-    "rank",
-    "step",
-    "start_ns",
-    "duration_ns",
-    "samples",
-    "tokens",
-    "seq_len_mean",
-    "seq_len_max",
-)
-METRIC_COLUMNS = ("rank", "host", "device", "ts_ns", "name", "value")
-
-
-def empty_frame(columns: tuple[str, ...]) -> pd.DataFrame:
-    return pd.DataFrame({c: pd.Series(dtype="object" if c in ("layer", "name", "host") else "int64")
-                         for c in columns})
-
-
-@dataclass(frozen=True)
-class WindowView:
-    """Everything one job produced in one closed window, as data frames.
-
-    - ``summaries``: one row per (rank, layer, name, callpath_id), columns ``SUMMARY_COLUMNS``;
-    - ``steps``: one row per step record that started in the window, ``STEP_COLUMNS``;
-    - ``metrics``: one row per metric sample taken in the window, ``METRIC_COLUMNS``;
-    - ``topology``: the job's declared layout, if a producer sent one.
-    Detectors must not modify these frames.
-    """
-
-    job_id: str
-    window_start_ns: int
-    window_end_ns: int
-    summaries: pd.DataFrame = field(default_factory=lambda: empty_frame(SUMMARY_COLUMNS))
-    steps: pd.DataFrame = field(default_factory=lambda: empty_frame(STEP_COLUMNS))
-    metrics: pd.DataFrame = field(default_factory=lambda: empty_frame(METRIC_COLUMNS))
-    topology: Topology | None = None
-
-    def finding(self, detector: str, **fields: object) -> Finding:
-        """A Finding stamped with this window's job and bounds."""
-        return Finding(
-            job_id=self.job_id,
-            window_start_ns=self.window_start_ns,
-            window_end_ns=self.window_end_ns,
-            detector=detector,
-            **fields,  # type: ignore[arg-type]
-        )
-
-    def rank_layout(self) -> pd.DataFrame:
-        """dp_rank / pp_stage / tp_rank per rank (index), from the topology or defaults."""
-        if self.topology is not None and self.topology.workers:
-            return pd.DataFrame(
-                {
-                    "rank": [w.rank for w in self.topology.workers],
-                    "host": [w.host for w in self.topology.workers],
-                    "dp_rank": [w.dp_rank for w in self.topology.workers],
-                    "pp_stage": [w.pp_stage for w in self.topology.workers],
-                    "tp_rank": [w.tp_rank for w in self.topology.workers],
-                }
-            ).set_index("rank")
-        ranks = sorted(set(self.summaries["rank"]) | set(self.steps["rank"]))
-        return pd.DataFrame(
-            {"rank": ranks, "host": "", "dp_rank": ranks, "pp_stage": 0, "tp_rank": 0}
-        ).set_index("rank")
 
 
 @runtime_checkable

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from trainscope.detectors.base import WindowView
 from trainscope.schemas.metrics import THROTTLE_REASONS, THROTTLED_FRAC, THROTTLING_REASONS_MASK
+from trainscope.schemas.window import WindowView
 
 # Layers whose time a rank spends on its own account; collective time can be waiting for peers.
 OWN_WORK_CATEGORY = {

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trainscope.detectors.base import WindowView
 from trainscope.detectors.features import metric_means, per_step_times, robust_z
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding
+from trainscope.schemas.window import WindowView
 
 # Feature → {direction of the move: category it points to}. Features without an entry for a
 # direction are symptoms (a straggler's step time) rather than causes.

@@ -17,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from trainscope.detectors.base import WindowView
 from trainscope.detectors.features import (
     OWN_WORK_CATEGORY,
     WAIT_LAYERS,
@@ -28,6 +27,7 @@ from trainscope.detectors.features import (
 )
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding
+from trainscope.schemas.window import WindowView
 
 # Feature → the category a deviation of that feature points to (None: symptom only).
 FEATURES: dict[str, str | None] = {

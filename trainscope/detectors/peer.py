@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from trainscope.detectors.base import WindowView
 from trainscope.detectors.features import (
     MAD_TO_SIGMA,
     OWN_WORK_CATEGORY,
@@ -41,6 +40,7 @@ from trainscope.detectors.features import (
 )
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding
+from trainscope.schemas.window import WindowView
 
 MAX_VICTIMS = 64
 # Score cap for a suspect that has not persisted yet: visible in the store, not an alert.

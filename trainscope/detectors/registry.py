@@ -19,14 +19,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 
-from trainscope.detectors.base import Detector, WindowView
+from trainscope.detectors.base import Detector
+from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import Finding
+from trainscope.schemas.window import WindowView
 
 GROUP = "trainscope.detectors"
 log = logging.getLogger(__name__)
 
 
-class UnknownDetector(LookupError):
+class UnknownDetector(LookupError, TrainscopeError):
     pass
 
 

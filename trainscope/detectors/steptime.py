@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainscope.detectors.base import WindowView
 from trainscope.schemas.records import Finding
+from trainscope.schemas.window import WindowView
 
 
 class StepTimeDetector:

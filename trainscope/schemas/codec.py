@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import SCHEMA_VERSION, Record
 
 
@@ -25,7 +26,7 @@ class Batch(msgspec.Struct, kw_only=True):
     records: list[Record]
 
 
-class BadMessage(ValueError):
+class BadMessage(ValueError, TrainscopeError):
     """A bus message that cannot be decoded; the text names the field and value."""
 
 

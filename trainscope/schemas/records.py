@@ -272,7 +272,7 @@ class FunctionSummary(msgspec.Struct, tag="summary", kw_only=True, frozen=True):
 
     Mergeable: counts, totals, min/max and the sketch add up; ``m2_ns2`` (sum of squared
     deviations from the mean) merges with Chan's parallel formula. The sketch is a sparse
-    log-bucket histogram, see :mod:`trainscope.streams.sketch`.
+    log-bucket histogram, see :mod:`trainscope.schemas.sketch`.
     """
 
     v: int = SCHEMA_VERSION

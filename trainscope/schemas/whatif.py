@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import msgspec
 
+from trainscope.schemas.topics import rank_key
+
 SCHEMA_VERSION = 1
 
 
@@ -132,3 +134,35 @@ TABLE_STRUCTS: dict[str, type[msgspec.Struct]] = {
     "op_trace_jobs": OpTraceJob,
     "whatif_results": WhatIfResultRecord,
 }
+
+# -- on the bus -------------------------------------------------------------------------------
+# Op traces travel on OPTRACE_TOPIC in this envelope, one message per rank and chunk, each
+# carrying the job's sizes so any message can be analysed alone; the live producer and
+# ``trainscope replay optrace`` both send it.
+CHUNK_OPS = 5_000
+
+
+class OpTraceBatch(msgspec.Struct, tag="optrace", kw_only=True, frozen=True):
+    job: OpTraceJob
+    records: list[OpTraceRecord]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(OpTraceBatch)
+
+
+def encode_records(job: OpTraceJob, records: list[OpTraceRecord]) -> list[tuple[bytes, bytes]]:
+    """(key, payload) messages: per rank, in chunks."""
+    by_rank: dict[int, list[OpTraceRecord]] = {}
+    for record in records:
+        by_rank.setdefault(record.rank, []).append(record)
+    out = []
+    for rank, items in sorted(by_rank.items()):
+        for lo in range(0, len(items), CHUNK_OPS):
+            batch = OpTraceBatch(job=job, records=items[lo : lo + CHUNK_OPS])
+            out.append((rank_key(job.job_id, rank), _encoder.encode(batch)))
+    return out
+
+
+def decode_optrace(payload: bytes) -> OpTraceBatch:
+    return _decoder.decode(payload)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainscope.streams.bus import BusError, DeliveryCallback
+from trainscope.streams.bus_protocol import BusError, DeliveryCallback
 
 
 @dataclass(eq=False)

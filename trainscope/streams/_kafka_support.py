@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from trainscope.streams.bus import BusError
+from trainscope.streams.bus_protocol import BusError
 from trainscope.streams.kafka_security import KafkaSecurity
 
 T = TypeVar("T")

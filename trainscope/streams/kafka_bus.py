@@ -46,7 +46,7 @@ from trainscope.streams._kafka_support import (
     start_client,
     why_unreachable,
 )
-from trainscope.streams.bus import DEFAULT_PARTITIONS, BusError, DeliveryCallback
+from trainscope.streams.bus_protocol import DEFAULT_PARTITIONS, BusError, DeliveryCallback
 from trainscope.streams.kafka_consumer import KafkaConsumer, start_consumer
 from trainscope.streams.kafka_security import KafkaSecurity, parse_kafka_url
 

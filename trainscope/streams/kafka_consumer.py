@@ -11,7 +11,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.protocol.group import LeaveGroupRequest
 
 from trainscope.streams._kafka_support import EventLoopThread, start_client
-from trainscope.streams.bus import BusError, Message
+from trainscope.streams.bus_protocol import BusError, Message
 from trainscope.streams.kafka_security import KafkaSecurity
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-from trainscope.streams.bus import DEFAULT_PARTITIONS, Message, partition_for
+from trainscope.streams.bus_protocol import DEFAULT_PARTITIONS, Message, partition_for
 
 
 class MemoryBus:

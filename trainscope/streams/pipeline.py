@@ -28,7 +28,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainscope.detectors.base import Detector, WindowView
+from trainscope.detectors.base import Detector
 from trainscope.detectors.registry import DEFAULT_MAX_JOBS, DetectorRunner, load
 from trainscope.schemas.codec import BadMessage, decode_batch, encode_batch
 from trainscope.schemas.records import (
@@ -44,6 +44,7 @@ from trainscope.schemas.records import (
     Topology,
 )
 from trainscope.schemas.validate import InvalidRecord, Limits, Validator
+from trainscope.schemas.window import WindowView
 from trainscope.streams.bus import DEAD_LETTER_TOPIC, EVENTS_TOPIC, METRICS_TOPIC, Bus, Message
 from trainscope.streams.windows import WindowEngine
 

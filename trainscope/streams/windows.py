@@ -1,7 +1,7 @@
 """Tumbling event-time windows per job, keyed by (rank, layer, function, call path).
 
 Span events arrive as columnar batches; each batch is reduced to partial summaries in one
-vectorised pass (:mod:`trainscope.streams.grouping`), and a window's partials are merged once,
+vectorised pass (:mod:`trainscope.schemas.grouping`), and a window's partials are merged once,
 when the window closes. Producers that summarise on their own (the PyTorch hook, the host agent,
 trace replay) send columnar :class:`SummaryBatch` records, which join the same partials without a
 loop over rows; row :class:`FunctionSummary` records of older producers are packed into batches
@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from trainscope.detectors.base import METRIC_COLUMNS, STEP_COLUMNS, WindowView
+from trainscope.schemas.grouping import Partials, merge_partials, reduce_events
 from trainscope.schemas.records import (
     SUMMARY_COLUMNS,
     SUMMARY_SKETCH_COLUMNS,
@@ -37,7 +37,7 @@ from trainscope.schemas.records import (
     SummaryBatch,
     Topology,
 )
-from trainscope.streams.grouping import Partials, merge_partials, reduce_events
+from trainscope.schemas.window import METRIC_COLUMNS, STEP_COLUMNS, WindowView
 
 _FN_BITS = 20
 _RANK_BITS = 20

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from trainscope.whatif import optypes as ot
+from trainscope.schemas import optypes as ot
 from trainscope.whatif.fit import EARLY_END_S, model_fit
 from trainscope.whatif.graph import Graph, build_graph
 from trainscope.whatif.layout import Layout

@@ -70,7 +70,7 @@ def whatif(
     """
     from rich.console import Console
 
-    from trainscope.whatif.trace import TraceError
+    from trainscope.schemas.optrace import TraceError
 
     err = Console(stderr=True)
     try:
@@ -82,10 +82,10 @@ def whatif(
 def _run(
     err: Any, trace_path, meta_path, job_id, store_dir, url, as_json, heatmap, timeline
 ) -> None:
+    from trainscope.schemas.optrace import load_trace, read_meta, validate
     from trainscope.whatif import store as st
     from trainscope.whatif.analysis import analyse
     from trainscope.whatif.layout import build_layout
-    from trainscope.whatif.trace import load_trace, read_meta, validate
 
     if trace_path is None and job_id is None:
         raise click.UsageError("give --trace FILE --meta FILE, or --job JOB_ID")
@@ -145,7 +145,7 @@ def _run(
 
 
 def _connect(st: Any, store_dir: Path | None, url: str | None, create: bool) -> Any:
-    from trainscope.sinks.clickhouse import StoreError
+    from trainscope.store import StoreError
 
     try:
         return st.connect(store_dir=store_dir, url=url, create=create)

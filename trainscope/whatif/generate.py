@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from trainscope.whatif import optypes as ot
+from trainscope.schemas import optypes as ot
 from trainscope.whatif.schedule import host_graph, stage_schedule
 from trainscope.whatif.simulate import simulate
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from trainscope.whatif import optypes as ot
-from trainscope.whatif.trace import TraceError
+from trainscope.schemas import optypes as ot
+from trainscope.schemas.optrace import TraceError
 
 
 @dataclass(frozen=True)

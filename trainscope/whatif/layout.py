@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from trainscope.schemas.optrace import JobMeta, TraceError
+from trainscope.schemas.optypes import OPTIMIZER, OPTYPES
 from trainscope.whatif.graph import Template
-from trainscope.whatif.optypes import OPTIMIZER, OPTYPES
-from trainscope.whatif.trace import JobMeta, TraceError
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Layout:
 
 
 def build_layout(df: pd.DataFrame, meta: JobMeta, source: str = "trace") -> Layout:
-    """Build the arrays from a frame normalised by :func:`trace.validate`."""
+    """Build the arrays from a frame normalised by :func:`optrace.validate`."""
     dp_size, pp_size = meta.dp_size, meta.pp_size
     stage = df["stage"].to_numpy(np.int64)
     dp = df["dp_rank"].to_numpy(np.int64)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from trainscope.whatif import optypes as ot
+from trainscope.schemas import optypes as ot
 from trainscope.whatif.graph import Graph, Template, build_graph, topological_order
 
 if TYPE_CHECKING:

@@ -15,10 +15,10 @@ from typing import Any
 import pandas as pd
 
 from trainscope import env
+from trainscope.schemas.optrace import JobMeta, TraceError
+from trainscope.schemas.optypes import OPTYPES
 from trainscope.schemas.whatif import DDL, SCHEMA_VERSION, TABLE_STRUCTS
 from trainscope.whatif.analysis import WhatIf
-from trainscope.whatif.optypes import OPTYPES
-from trainscope.whatif.trace import JobMeta, TraceError
 
 # Rows per insert: big enough to amortise the per-insert cost, small enough to bound memory.
 INSERT_CHUNK_ROWS = 2_000_000
@@ -35,7 +35,7 @@ def connect(
     Without ``create`` the store directory must already exist (reading a job from a mistyped
     path must not leave an empty store behind).
     """
-    from trainscope.sinks.clickhouse import connect as connect_store
+    from trainscope.store import connect as connect_store
 
     if (store_dir is None) == (url is None):
         raise ValueError("give exactly one of a store directory or a ClickHouse URL")
@@ -48,7 +48,7 @@ def connect(
 
 
 def write_trace(client: Any, job_id: str, frame: pd.DataFrame, meta: JobMeta) -> int:
-    """Store a validated trace (see :func:`trace.validate`) and its metadata; returns rows."""
+    """Store a validated trace (see :func:`optrace.validate`) and its metadata; returns rows."""
     out = pd.DataFrame(
         {
             "v": SCHEMA_VERSION,

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from trainscope.whatif import optypes as ot
+from trainscope.schemas import optypes as ot
 from trainscope.whatif.analysis import WhatIf, layout_graph
 from trainscope.whatif.graph import Graph
 from trainscope.whatif.layout import Layout

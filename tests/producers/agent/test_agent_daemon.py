@@ -23,9 +23,9 @@ from trainscope.producers.agent.host import HostCollector
 from trainscope.schemas import metrics as m
 from trainscope.schemas.codec import decode_batch
 from trainscope.schemas.records import FunctionSummary, MetricSample, Record, SummaryBatch
+from trainscope.schemas.summaries import summarize
 from trainscope.streams.bus import EVENTS_TOPIC, METRICS_TOPIC
 from trainscope.streams.memory_bus import MemoryBus
-from trainscope.streams.summaries import summarize
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from trainscope.producers.replay import cli as replay_cli
 from trainscope.producers.replay.kineto import condense, layer_of, load, trace_files
 from trainscope.producers.replay.publish import publish_records
-from trainscope.producers.torch.profiling import callpath_id, normalise_name
+from trainscope.schemas.callpath import callpath_id, normalise_name
 from trainscope.schemas.codec import decode_batch
 from trainscope.schemas.records import FunctionSummary, StepRecord, SummaryBatch
 from trainscope.streams.bus import EVENTS_TOPIC

@@ -6,8 +6,9 @@ import torch
 from torch_producer_helpers import TinyModel
 
 from trainscope.producers.replay.optrace import to_frame
-from trainscope.producers.torch.optrace import OPTRACE_TOPIC, decode_optrace
-from trainscope.whatif.trace import JobMeta, validate
+from trainscope.schemas.optrace import JobMeta, validate
+from trainscope.schemas.topics import OPTRACE_TOPIC
+from trainscope.schemas.whatif import decode_optrace
 
 
 def test_the_live_op_trace_has_every_micro_batch_and_the_optimizer(attach, memory_bus) -> None:

@@ -8,7 +8,7 @@ from torch_producer_helpers import TinyModel, by_type, read_records, summaries_o
 
 from trainscope.producers.torch.cli import profile, profile_request
 from trainscope.producers.torch.control import wait_until
-from trainscope.producers.torch.profiling import callpath_id
+from trainscope.schemas.callpath import callpath_id
 from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.records import FunctionSummary, StepRecord
 from trainscope.streams.bus import CONTROL_TOPIC, rank_key

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from trainscope.producers.torch.sender import MAX_BATCH_RECORDS
+from trainscope.schemas import summaries
 from trainscope.schemas.records import StepRecord
-from trainscope.streams import summaries
 
 
 def test_summary_batches_count_their_rows_towards_the_message_bound() -> None:

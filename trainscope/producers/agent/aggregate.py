@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import msgspec
 
 from trainscope.schemas import metrics as m
+from trainscope.schemas import summaries
 from trainscope.schemas.records import FunctionSummary, MetricSample, Record, SummaryBatch
-from trainscope.streams import summaries
 
 _BITS = frozenset({m.THROTTLE_REASONS})
 _SUMS = frozenset({m.XID_EVENTS, m.ECC_ERRORS})

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import Record
 
 # Reasons a collector cannot start (``CollectorUnavailable.kind``).
@@ -22,7 +23,7 @@ NO_TRACEFS = "no-tracefs"
 LOAD_FAILED = "load-failed"
 
 
-class CollectorUnavailable(RuntimeError):
+class CollectorUnavailable(RuntimeError, TrainscopeError):
     """This collector cannot run here; ``kind`` is machine-readable, the text is for people."""
 
     def __init__(self, kind: str, reason: str) -> None:

@@ -36,8 +36,8 @@ from trainscope.producers.agent.base import (
     CollectorStats,
     CollectorUnavailable,
 )
+from trainscope.schemas import sketch
 from trainscope.schemas.records import FunctionSummary
-from trainscope.streams import sketch
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from trainscope import env
-from trainscope.producers.torch.options import DEFAULT_WINDOW_S
+from trainscope.env import DEFAULT_WINDOW_S
 from trainscope.streams.bus import BusError, open_bus
 
 
@@ -82,7 +82,7 @@ def kineto(paths: tuple[Path, ...], job_id: str | None, bus_url: str | None, win
 def optrace(trace: Path, meta: Path, job_id: str | None, bus_url: str) -> None:
     """Publish a what-if op trace (Parquet or CSV) with its job metadata."""
     from trainscope.producers.replay.optrace import OPTRACE_TOPIC, encode_optrace, read_optrace
-    from trainscope.whatif.trace import TraceError
+    from trainscope.schemas.optrace import TraceError
 
     job = job_id or trace.name.split(".")[0]
     try:

@@ -7,7 +7,7 @@ cuda_kernel, ``gpu_memcpy``/``gpu_memset`` → memcpy, ``cuda_runtime``/``cuda_d
 cuda_api; collectives (NCCL kernels, ``c10d::``/``nccl:``/``gloo:`` ops) → collective.
 ``ProfilerStep#N`` annotations become step records.
 
-Call paths are built as live (:func:`trainscope.producers.torch.profiling.callpath_id`): a CPU
+Call paths are built as live (:func:`trainscope.schemas.callpath.callpath_id`): a CPU
 event's parent is the innermost event enclosing it on the same thread, a device event's parent
 is the runtime call with the same ``correlation`` id.
 """
@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainscope.producers.torch.profiling import callpath_id, normalise_name
+from trainscope.schemas.callpath import callpath_id, normalise_name
+from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import StepRecord, SummaryBatch
-from trainscope.streams.summaries import FunctionKey, summary_batches
+from trainscope.schemas.summaries import FunctionKey, summary_batches
 
 CATEGORY_LAYERS = {
     "python_function": "python",
@@ -42,7 +43,7 @@ _TRAILING_NUMBER = re.compile(r"(\d+)$")
 TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".pt.trace.json.gz")
 
 
-class KinetoError(ValueError):
+class KinetoError(ValueError, TrainscopeError):
     """A trace that cannot be read; the message names the file and the position."""
 
 

@@ -13,21 +13,22 @@ from pathlib import Path
 import msgspec
 import pandas as pd
 
-from trainscope.producers.torch.optrace import (
-    OPTRACE_TOPIC,
+from trainscope.schemas.optypes import OPTYPES
+from trainscope.schemas.topics import OPTRACE_TOPIC
+from trainscope.schemas.whatif import (
     OpTraceBatch,
+    OpTraceJob,
+    OpTraceRecord,
     decode_optrace,
     encode_records,
 )
-from trainscope.schemas.whatif import OpTraceJob, OpTraceRecord
-from trainscope.whatif.optypes import OPTYPES
 
 __all__ = ["OPTRACE_TOPIC", "OpTraceBatch", "decode_optrace", "encode_optrace", "read_optrace",
            "records_of", "to_frame"]
 
 def read_optrace(trace: Path, meta: Path, job_id: str) -> tuple[OpTraceJob, pd.DataFrame]:
     """Load and validate a trace file and its metadata (raises ``TraceError``)."""
-    from trainscope.whatif.trace import load_trace, read_meta
+    from trainscope.schemas.optrace import load_trace, read_meta
 
     job_meta = read_meta(meta)
     frame = load_trace(trace, job_meta)

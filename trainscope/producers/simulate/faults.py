@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainscope.schemas.errors import TrainscopeError
 
-class FaultSpecError(ValueError):
+
+class FaultSpecError(ValueError, TrainscopeError):
     """A fault spec that cannot be understood; the text names the spec and the problem."""
 
 

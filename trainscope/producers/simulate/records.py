@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from trainscope.producers.simulate.layout import Layout
+from trainscope.schemas.optypes import CODE as OPTYPE_CODE
+from trainscope.schemas.optypes import OPTYPES
 from trainscope.schemas.records import SpanBatch, StepRecord
-from trainscope.whatif.optypes import CODE as OPTYPE_CODE
-from trainscope.whatif.optypes import OPTYPES
 
 if TYPE_CHECKING:
     import pandas as pd

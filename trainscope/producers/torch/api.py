@@ -43,6 +43,7 @@ def attach(**options: Any) -> Attachment | None:
         bus = options.pop("bus", None)
         resolved = resolve(**options)
         attachment = Attachment(resolved, bus)
+        attachment.on_detach = forget
         _current = attachment
         if not _fork_handler_installed:
             os.register_at_fork(after_in_child=_after_fork_in_child)

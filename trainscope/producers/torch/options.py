@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainscope import env
+from trainscope.env import DEFAULT_WINDOW_S  # moved; kept for code written against the old place
 
-DEFAULT_WINDOW_S = 15.0
 DEFAULT_QUEUE_SIZE = 10_000
 DEFAULT_PROFILE_BUDGET_S = 60.0
 DEFAULT_PROFILE_MAX_STEPS = 50

@@ -13,44 +13,24 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-import msgspec
+from trainscope.schemas.topics import OPTRACE_TOPIC
 
-from trainscope.schemas.whatif import OpTraceJob, OpTraceRecord
-from trainscope.streams.bus import rank_key
+# OPTRACE_TOPIC, CHUNK_OPS, OpTraceBatch, encode_records and decode_optrace moved to schemas;
+# importable here too, for code written against the old place.
+from trainscope.schemas.whatif import (  # noqa: F401
+    CHUNK_OPS,
+    OpTraceBatch,
+    OpTraceJob,
+    OpTraceRecord,
+    decode_optrace,
+    encode_records,
+)
 
 if TYPE_CHECKING:
     from trainscope.producers.torch.runtime import Attachment
 
-OPTRACE_TOPIC = "trainscope.optrace"
-CHUNK_OPS = 5_000
 FLUSH_STEPS = 50
 COMPUTE = frozenset({"forward-compute", "backward-compute"})
-
-
-class OpTraceBatch(msgspec.Struct, tag="optrace", kw_only=True, frozen=True):
-    job: OpTraceJob
-    records: list[OpTraceRecord]
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(OpTraceBatch)
-
-
-def encode_records(job: OpTraceJob, records: list[OpTraceRecord]) -> list[tuple[bytes, bytes]]:
-    """(key, payload) messages: per rank, in chunks."""
-    by_rank: dict[int, list[OpTraceRecord]] = {}
-    for record in records:
-        by_rank.setdefault(record.rank, []).append(record)
-    out = []
-    for rank, items in sorted(by_rank.items()):
-        for lo in range(0, len(items), CHUNK_OPS):
-            batch = OpTraceBatch(job=job, records=items[lo : lo + CHUNK_OPS])
-            out.append((rank_key(job.job_id, rank), _encoder.encode(batch)))
-    return out
-
-
-def decode_optrace(payload: bytes) -> OpTraceBatch:
-    return _decoder.decode(payload)
 
 
 class OpTraceRecorder:

@@ -18,15 +18,17 @@ The low-level profiler API is used (enable/disable, then the event tree) instead
 
 from __future__ import annotations
 
-import hashlib
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from trainscope.schemas.callpath import (  # moved; kept for code written against the old place
+    callpath_id,
+    normalise_name,
+)
 from trainscope.schemas.records import ControlMessage, SummaryBatch
-from trainscope.streams.summaries import FunctionKey, summary_batches
+from trainscope.schemas.summaries import FunctionKey, summary_batches
 
 if TYPE_CHECKING:
     from trainscope.producers.torch.runtime import Attachment
@@ -34,19 +36,6 @@ if TYPE_CHECKING:
 # Distinct (window, layer, name, call path) entries one session may produce; the rest are
 # folded into their function without a call path (counted in ``folded``).
 MAX_FUNCTIONS = 20_000
-_ADDRESS = re.compile(r" (?:object )?at 0x[0-9a-fA-F]+")
-_ID_MASK = (1 << 63) - 1  # ids stay positive in signed 64-bit columns (pandas, ClickHouse)
-
-
-def callpath_id(parent: int, layer: str, name: str) -> int:
-    digest = hashlib.blake2b(f"{parent}/{layer}/{name}".encode(), digest_size=8).digest()
-    return (int.from_bytes(digest, "little") & _ID_MASK) or 1
-
-
-def normalise_name(name: str) -> str:
-    """Drop object addresses (``<built-in method sum of Tensor object at 0x7f..>``)."""
-    return _ADDRESS.sub("", name)
-
 
 _RUNTIME_PREFIXES = ("cuda", "cu", "hip", "nccl")
 

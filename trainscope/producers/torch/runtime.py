@@ -60,6 +60,9 @@ class Attachment:
         self.control: Any = None
         self.optrace: Any = None
         self.original_all_reduce: Callable[..., Any] | None = None
+        # Set by api.attach() to forget this attachment on detach: a callback, because api
+        # imports this module and an import back would close a cycle.
+        self.on_detach: Callable[[Attachment], None] | None = None
         self._uninstall: list[Callable[[], None]] = []
         self._ddp_seen: set[int] = set()
         self.attached_ns = time.time_ns()
@@ -132,9 +135,8 @@ class Attachment:
         if self.control is not None:
             self.control.stop()
         self.sender.stop(timeout_s)
-        from trainscope.producers.torch import api
-
-        api.forget(self)
+        if self.on_detach is not None:
+            self.on_detach(self)
 
     def after_fork_in_child(self) -> None:
         """A forked child (a DataLoader worker) records nothing and owns no threads."""

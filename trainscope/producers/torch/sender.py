@@ -31,8 +31,8 @@ from typing import Any
 from trainscope.producers.torch.outage import OutageLog
 from trainscope.producers.torch.safety import Guard, log
 from trainscope.schemas.codec import encode_batch
+from trainscope.schemas.summaries import message_chunks
 from trainscope.streams.bus import EVENTS_TOPIC, Bus, TrackingBus
-from trainscope.streams.summaries import message_chunks
 
 # Rows per bus message (records, or the rows of a summary batch): large enough to amortise the
 # per-message cost, small enough to stay far below Kafka's 1 MiB message limit with summaries of

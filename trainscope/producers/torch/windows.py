@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 from trainscope.schemas.records import SummaryBatch
-from trainscope.streams.summaries import FunctionKey, summary_batches
+from trainscope.schemas.summaries import FunctionKey, summary_batches
 
 
 class _Durations:

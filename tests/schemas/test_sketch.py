@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainscope.streams import sketch, summaries
+from trainscope.schemas import sketch, summaries
 
 
 @given(st.lists(st.integers(1, 10**10), min_size=1, max_size=300), st.floats(0, 1))

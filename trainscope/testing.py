@@ -1,8 +1,11 @@
 """``check_detector``: the contract every detector — built-in or plugin — must satisfy.
 
+It runs a small simulated job through the embedded pipeline, so it sits above producers, the
+stream engine and the detectors rather than among the detectors.
+
 Run it in a plugin's own test suite::
 
-    from trainscope.detectors.check import check_detector
+    from trainscope.testing import check_detector
     check_detector(MyDetector)
 """
 
@@ -14,7 +17,8 @@ from collections.abc import Callable
 
 import pandas as pd
 
-from trainscope.detectors.base import Detector, WindowView
+from trainscope.detectors.base import Detector
+from trainscope.schemas.window import WindowView
 
 
 def sample_windows(steps: int = 60, seed: int = 5) -> list[WindowView]:

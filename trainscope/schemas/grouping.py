@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainscope.streams import sketch
+from trainscope.schemas import sketch
 
 # Sketch keys of durations from 1 ns to ~10^17 ns fit below this; composite keys use it as radix.
 SKETCH_RADIX = 2048

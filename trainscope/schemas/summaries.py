@@ -3,7 +3,7 @@
 Producers (the PyTorch hook, the host agent, trace replay) condense their own measurements with
 these functions, so a summary made on a GPU host and one made by the window engine are the same
 thing and merge the same way: :func:`summary_batches` reduces durations with the engine's own
-group-by (:func:`trainscope.streams.grouping.reduce_events`) into the columnar
+group-by (:func:`trainscope.schemas.grouping.reduce_events`) into the columnar
 :class:`SummaryBatch` that producers send.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from trainscope.schemas import sketch
+from trainscope.schemas.grouping import reduce_events
 from trainscope.schemas.records import FunctionSummary, SummaryBatch
-from trainscope.streams import sketch
-from trainscope.streams.grouping import reduce_events
 
 FunctionKey = tuple[str, str, int]  # layer, name, callpath_id
 # Rows per batch: a batch of this many summaries with typical sketches stays a few hundred KiB,

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trainscope.whatif.optypes import CODE, OPTYPES
+from trainscope.schemas.errors import TrainscopeError
+from trainscope.schemas.optypes import CODE, OPTYPES
 
 # Columns the analysis needs, with the dtype they are converted to.
 REQUIRED_COLUMNS: dict[str, str] = {
@@ -31,7 +32,7 @@ OPTIONAL_COLUMNS: dict[str, str] = {"mc": "int32", "gmc": "int32", "mb_id": "flo
 META_KEYS: tuple[str, ...] = ("dp_size", "pp_size", "tp_size", "dsp_size", "vpp_size")
 
 
-class TraceError(ValueError):
+class TraceError(ValueError, TrainscopeError):
     """The trace or its metadata cannot be analysed; the message says why."""
 
 

@@ -1,0 +1,25 @@
+"""Call-path ids: the ``callpath_id`` of a :class:`FunctionSummary`, and the names it hashes.
+
+A call path is the chain Python frame → op → kernel that led to an event; its id is a hash of the
+parent's id, the layer and the name, so a kernel's id derives from the op that launched it. The
+live profiler and the Kineto replay must compute it the same way for their summaries to merge,
+so it is defined here, with the records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+_ADDRESS = re.compile(r" (?:object )?at 0x[0-9a-fA-F]+")
+_ID_MASK = (1 << 63) - 1  # ids stay positive in signed 64-bit columns (pandas, ClickHouse)
+
+
+def callpath_id(parent: int, layer: str, name: str) -> int:
+    digest = hashlib.blake2b(f"{parent}/{layer}/{name}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") & _ID_MASK) or 1
+
+
+def normalise_name(name: str) -> str:
+    """Drop object addresses (``<built-in method sum of Tensor object at 0x7f..>``)."""
+    return _ADDRESS.sub("", name)
