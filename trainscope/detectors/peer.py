@@ -22,6 +22,7 @@ threshold — a straggler persists, a hiccup of a busy host does not.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,7 +142,10 @@ class PeerDiffDetector:
             [h.reindex(index=table.index, columns=table.columns).to_numpy(float)
              for h in self._history]
         )
-        with np.errstate(all="ignore"):
+        # A (rank, function) cell absent from every past window has no reference: its median
+        # is NaN on purpose, and numpy's "All-NaN slice" warning says only that.
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "All-NaN slice", RuntimeWarning)
             median = np.nanmedian(stack, axis=0)
             mad = np.nanmedian(np.abs(stack - median), axis=0)
         frame = lambda a: pd.DataFrame(a, index=table.index, columns=table.columns)  # noqa: E731
