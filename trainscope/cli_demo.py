@@ -189,11 +189,30 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
 @click.option("--group", default="trainscope-pipeline", show_default=True)
 @click.option("--window-s", type=click.FloatRange(min=0.1), default=15.0, show_default=True)
 @click.option("--lateness-s", type=click.FloatRange(min=0), default=5.0, show_default=True)
+@click.option("--commit-interval-s", type=click.FloatRange(min=0), default=5.0,
+              show_default=True, help="How often written windows are committed.")
+@click.option("--close-idle-s", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+              help="Close a job's windows once it sent nothing for this long (processing time).")
+@click.option("--source-idle-s", type=click.FloatRange(min=0.1), default=10.0,
+              show_default=True,
+              help="A partition that delivered nothing for this long stops holding windows "
+                   "open (processing time).")
+@click.option("--stop-timeout-s", type=click.FloatRange(min=1), default=30.0, show_default=True,
+              help="On SIGTERM/Ctrl-C, how long to try writing and committing before giving up.")
 @click.option("--idle-exit-s", type=float, default=None,
-              help="Exit after this many seconds without messages (default: run until Ctrl-C).")
+              help="Exit after this many seconds without messages (default: run until stopped).")
 def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, window_s: float,
-             lateness_s: float, idle_exit_s: float | None) -> None:
-    """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job)."""
+             lateness_s: float, commit_interval_s: float, close_idle_s: float,
+             source_idle_s: float, stop_timeout_s: float, idle_exit_s: float | None) -> None:
+    """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job).
+
+    At-least-once from the bus, exactly-once in the store: positions are committed only past
+    windows that are written; a restart rebuilds unwritten windows in full and the store drops
+    the identical rows. SIGTERM or Ctrl-C closes and writes every open window, commits, and
+    exits 0.
+    """
+    import signal
+
     from trainscope.sinks.clickhouse import ClickHouseSink, StoreError
     from trainscope.streams.bus import BusError, open_bus
     from trainscope.streams.pipeline import Pipeline
@@ -209,16 +228,27 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
             if f.score >= ALERT_THRESHOLD:
                 click.echo(f"ALERT [{f.score:.2f}] {view.job_id}: {f.message}")
 
-    p = Pipeline(bus, group=group, window_s=window_s, lateness_s=lateness_s, sink=sink,
-                 on_window=on_window)
-    click.echo(f"consuming {bus_url} as group {group}; Ctrl-C to stop", err=True)
     try:
-        p.run(idle_timeout_s=idle_exit_s if idle_exit_s is not None else float("inf"))
-    except KeyboardInterrupt:
-        pass
-    finally:
-        p.finish()
-        bus.close()
+        p = Pipeline(bus, group=group, window_s=window_s, lateness_s=lateness_s, sink=sink,
+                     on_window=on_window, commit_interval_s=commit_interval_s,
+                     job_idle_s=close_idle_s, source_idle_s=source_idle_s)
+    except BusError as exc:
         sink.close()
-        click.echo(json.dumps(p.stats().as_dict()), err=True)
-        sys.stderr.flush()
+        raise click.ClickException(str(exc)) from None
+
+    def stop(signum: int, frame: object) -> None:
+        p.request_stop(stop_timeout_s)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    click.echo(f"consuming {bus_url} as group {group}; SIGTERM or Ctrl-C to stop", err=True)
+    p.run(idle_timeout_s=idle_exit_s if idle_exit_s is not None else float("inf"))
+    complete = p.finish()
+    p.close()
+    bus.close()
+    sink.close()
+    click.echo(json.dumps(p.stats().as_dict()), err=True)
+    sys.stderr.flush()
+    if not complete:
+        raise click.ClickException("stopped before every window was written and committed; "
+                                   "a restart re-reads what was not committed")

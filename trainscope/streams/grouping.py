@@ -21,7 +21,7 @@ SKETCH_RADIX = 2048
 class Partials:
     """Summary statistics per group key; the sketch as (group index, bucket key, count) rows."""
 
-    group: np.ndarray  # int64 group key, sorted, unique
+    group: np.ndarray  # int64 group key, sorted (unique unless reduced per unit)
     count: np.ndarray
     total_ns: np.ndarray
     m2_ns2: np.ndarray
@@ -89,13 +89,27 @@ def _sketch_rows(
 
 
 def reduce_events(
-    group: np.ndarray, duration_ns: np.ndarray, bytes_moved: np.ndarray
+    group: np.ndarray,
+    duration_ns: np.ndarray,
+    bytes_moved: np.ndarray,
+    unit: np.ndarray | None = None,
 ) -> Partials:
-    """Summaries of raw events, grouped by ``group``."""
+    """Summaries of raw events, grouped by ``group``; with ``unit`` (non-decreasing, e.g. the
+    message each event came in), one partial per (group, unit), so a partial never depends on
+    which other messages shared the call."""
     order = np.argsort(group, kind="stable")
     keys = group[order]
     d = duration_ns[order]
-    starts = _runs(keys)
+    if unit is None:
+        starts = _runs(keys)
+    else:
+        # The stable sort keeps units in order within a group: a run ends where either changes.
+        u = unit[order]
+        starts = (
+            np.flatnonzero(np.r_[True, (keys[1:] != keys[:-1]) | (u[1:] != u[:-1])])
+            if len(keys)
+            else np.zeros(0, dtype=np.int64)
+        )
     n = len(keys)
     count = np.diff(np.r_[starts, n])
     total = np.add.reduceat(d, starts) if n else d[:0]
@@ -118,8 +132,14 @@ def reduce_events(
 
 
 def merge_partials(p: Partials) -> Partials:
-    """Merge partial summaries with equal group keys (Chan et al. for the variance)."""
-    order = np.argsort(p.group, kind="stable")
+    """Merge partial summaries with equal group keys (Chan et al. for the variance).
+
+    Within a group, partials are merged in an order fixed by their own values, not by their
+    arrival: floating-point sums depend on order, and a window replayed after a restart must
+    give the same bits.
+    """
+    order = np.lexsort((p.m2_ns2, p.bytes_total, p.max_ns, p.min_ns, p.total_ns, p.count,
+                        p.group))
     keys = p.group[order]
     starts = _runs(keys)
     if len(starts) == len(keys):  # nothing to merge

@@ -5,21 +5,30 @@
 received, emitted, dropped and rejected; a message that cannot be decoded is set aside in the
 dead-letter topic (and table, with a sink) and the stream goes on.
 
-Delivery: consumer positions are committed once the windows their records fed have been closed
-and written, so a restart re-reads what was not yet written; the sink deduplicates re-sent rows.
+Delivery (see :mod:`trainscope.streams.delivery`): per partition, the committed position is
+the earliest message still feeding a window that is open or not yet written, so a restart
+re-reads exactly what rebuilds every unwritten window in full. A failed sink write is retried
+with backoff and never committed past. With each commit the pipeline checkpoints, in the store,
+which windows are written and its detectors' state; a restarted pipeline skips records of
+written windows (never writing a window from part of its input) and its detectors carry on
+where they were. Windows are deterministic functions of their input, so a rebuilt window gives
+byte-identical rows, which the store's insert deduplication drops. Batches a producer re-sent
+(same producer id and sequence) are dropped and counted.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import time
-from collections.abc import Callable, Iterable
+import zlib
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainscope.detectors.base import Detector, WindowView
 from trainscope.detectors.registry import DetectorRunner, load
-from trainscope.schemas.codec import BadMessage, decode_batch
+from trainscope.schemas.codec import BadMessage, decode_envelope
 from trainscope.schemas.records import (
     ControlMessage,
     Finding,
@@ -31,7 +40,15 @@ from trainscope.schemas.records import (
     StepRecord,
     Topology,
 )
-from trainscope.streams.bus import DEAD_LETTER_TOPIC, EVENTS_TOPIC, METRICS_TOPIC, Bus, Message
+from trainscope.streams.bus import (
+    DEAD_LETTER_TOPIC,
+    EVENTS_TOPIC,
+    METRICS_TOPIC,
+    Bus,
+    BusError,
+    Message,
+)
+from trainscope.streams.delivery import Backoff, PendingOffsets, SeenBatches
 from trainscope.streams.windows import WindowEngine
 
 log = logging.getLogger(__name__)
@@ -52,19 +69,35 @@ class PipelineStats:
     detect: StageCounts = field(default_factory=StageCounts)
     sink: StageCounts = field(default_factory=StageCounts)
     detector_errors: dict[str, int] = field(default_factory=dict)
+    duplicate_batches: int = 0  # re-sent by a producer; also in decode.dropped
+    replayed_events: int = 0  # re-read after a restart for windows already written
+    sink_retries: int = 0
+    commits: int = 0
+    commit_failures: int = 0
+    poll_failures: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+class SinkUnavailable(RuntimeError):
+    """The sink kept failing until the pipeline had to stop; nothing past it was committed."""
+
+
 class EmbeddedPipeline:
+    """``sink_retry_s``: how long a failing sink write is retried (with backoff) before the
+    window is dropped and counted; ``None`` retries until :meth:`request_stop`'s deadline."""
+
     def __init__(
         self,
         detectors: list[Detector] | None = None,
         *,
         window_s: float = 15.0,
         lateness_s: float = 5.0,
+        source_idle_s: float = 10.0,
+        job_idle_s: float | None = None,
         sink: Any | None = None,
+        sink_retry_s: float | None = 0.0,
         on_window: Callable[[WindowView, list[Finding]], None] | None = None,
     ) -> None:
         if detectors is None:
@@ -72,17 +105,29 @@ class EmbeddedPipeline:
             detectors = loaded.detectors
             for name, error in loaded.errors.items():
                 log.warning("detector %s not loaded: %s", name, error)
-        self.engine = WindowEngine(window_s=window_s, allowed_lateness_s=lateness_s)
+        self.engine = WindowEngine(
+            window_s=window_s, allowed_lateness_s=lateness_s, source_idle_s=source_idle_s
+        )
         self.runner = DetectorRunner(detectors)
         self.sink = sink
+        self.sink_retry_s = sink_retry_s
+        self.job_idle_s = job_idle_s
         self.on_window = on_window
         self.findings: list[Finding] = []
         self.windows = 0
+        self.offsets = PendingOffsets()
+        self.seen = SeenBatches()
+        self.write_failed = False  # a window was dropped: positions must not move past it
+        self._stop_deadline: float | None = None
         self._stats = PipelineStats()
 
     # -- input ------------------------------------------------------------------------------
 
-    def process_records(self, records: Iterable[Record]) -> None:
+    def process_records(self, records: Iterable[Record], source: Hashable = 0) -> None:
+        self._add(records, source)
+        self._handle(self.engine.close_ready())
+
+    def _add(self, records: Iterable[Record], source: Hashable) -> None:
         spans: list[SpanBatch] = []
         summaries: list[FunctionSummary] = []
         steps: list[StepRecord] = []
@@ -112,27 +157,59 @@ class EmbeddedPipeline:
             sum(len(b) for b in spans) + len(summaries) + len(steps) + len(metrics)
         )
         if spans:
-            self.engine.add_spans(spans)
+            self.engine.add_spans(spans, source)
         if summaries:
-            self.engine.add_summaries(summaries)
+            self.engine.add_summaries(summaries, source)
         if steps:
-            self.engine.add_steps(steps)
+            self.engine.add_steps(steps, source)
         if metrics:
-            self.engine.add_metrics(metrics)
-        self._handle(self.engine.close_ready())
+            self.engine.add_metrics(metrics, source)
 
     def process_messages(self, messages: list[Message]) -> None:
-        records: list[Record] = []
+        by_source: dict[tuple[str, int], list[Record]] = {}
         for message in messages:
+            source = (message.topic, message.partition)
             self._stats.decode.received += 1
             try:
-                decoded = decode_batch(message.value)
+                batch = decode_envelope(message.value)
             except BadMessage as exc:
                 self._reject(message, str(exc))
+                self.offsets.add(source, message.offset, {})
+                continue
+            if not self.seen.first_time(batch.producer_id, batch.seq):
+                self._stats.decode.dropped += 1
+                self._stats.duplicate_batches += 1
+                self.offsets.add(source, message.offset, {})
                 continue
             self._stats.decode.emitted += 1
-            records.extend(decoded)
-        self.process_records(records)
+            records = _events_as_batches(batch.records)
+            self.offsets.add(source, message.offset, self._newest_windows(records))
+            by_source.setdefault(source, []).extend(records)
+        for source, records in by_source.items():
+            self._add(records, source)
+        self._handle(self.engine.close_ready())
+
+    def _newest_windows(self, records: list[Record]) -> dict[str, int]:
+        """Per job, the newest window the records can feed."""
+        window_ns = self.engine.window_ns
+        newest: dict[str, int] = {}
+        for record in records:
+            if isinstance(record, SpanBatch):
+                if not len(record):
+                    continue
+                end_ns = int(record.column("start_ns").max())
+            elif isinstance(record, StepRecord):
+                end_ns = record.start_ns
+            elif isinstance(record, MetricSample):
+                end_ns = record.ts_ns
+            elif isinstance(record, FunctionSummary):
+                end_ns = record.window_start_ns
+            else:
+                continue
+            index = end_ns // window_ns
+            if index > newest.get(record.job_id, -(2**62)):
+                newest[record.job_id] = index
+        return newest
 
     def _reject(self, message: Message, error: str) -> None:
         self._stats.decode.rejected += 1
@@ -170,13 +247,41 @@ class EmbeddedPipeline:
                 self.on_window(view, findings)
 
     def _write(self, action: Callable[[], None]) -> bool:
-        try:
-            action()
-        except Exception as exc:
-            self._stats.sink.dropped += 1
-            log.error("sink write failed, window dropped from the store: %s", exc)
-            return False
-        return True
+        """Write, retrying with backoff; False (counted, logged) if it had to give up."""
+        backoff = Backoff("sink write", initial_s=0.2, max_s=10.0)
+        give_up = (
+            None if self.sink_retry_s is None else time.monotonic() + self.sink_retry_s
+        )
+        while True:
+            try:
+                action()
+            except Exception as exc:
+                delay = backoff.failed(exc)
+                deadline = self._stop_deadline if give_up is None else give_up
+                if deadline is not None and time.monotonic() + delay > deadline:
+                    self._stats.sink.dropped += 1
+                    self.write_failed = True
+                    log.error("sink write failed, window dropped from the store: %s", exc)
+                    return False
+                self._stats.sink_retries += 1
+                time.sleep(delay)
+                continue
+            backoff.succeeded()
+            return True
+
+    def close_idle(self) -> None:
+        """Close the windows of jobs that stopped sending (``job_idle_s``)."""
+        if self.job_idle_s is not None:
+            self._handle(self.engine.close_idle(self.job_idle_s))
+
+    def request_stop(self, timeout_s: float = 30.0) -> None:
+        """Stop soon: retries give up after ``timeout_s`` (safe to call from a signal handler)."""
+        if self._stop_deadline is None:
+            self._stop_deadline = time.monotonic() + timeout_s
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_deadline is not None
 
     def finish(self) -> None:
         """End of stream: close and process every open window."""
@@ -186,11 +291,16 @@ class EmbeddedPipeline:
         engine = self.engine.stats
         self._stats.window.rejected = engine.rejected
         self._stats.window.dropped = engine.late_events
+        self._stats.replayed_events = engine.replayed
         return self._stats
 
 
 class Pipeline(EmbeddedPipeline):
-    """An EmbeddedPipeline fed by a bus consumer group."""
+    """An EmbeddedPipeline fed by a bus consumer group, committing what it has written.
+
+    Sink writes are retried until they succeed (or the stop deadline passes); bus failures are
+    logged once and retried, never raised: a stream job outlives a broker outage.
+    """
 
     def __init__(
         self,
@@ -198,12 +308,24 @@ class Pipeline(EmbeddedPipeline):
         *,
         group: str = "trainscope-pipeline",
         topics: tuple[str, ...] = (EVENTS_TOPIC, METRICS_TOPIC),
+        commit_interval_s: float = 5.0,
+        job_idle_s: float | None = 30.0,
+        sink_retry_s: float | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(job_idle_s=job_idle_s, sink_retry_s=sink_retry_s, **kwargs)
         self.bus = bus
+        self.group = group
+        self.commit_interval_s = commit_interval_s
         self.consumer = bus.consumer(list(topics), group)
         self.messages = 0
+        self._committed: dict[tuple[str, int], int] = {}
+        self._assigned: frozenset[tuple[str, int]] = frozenset()
+        self._last_commit_s = time.monotonic()
+        self._poll_backoff = Backoff("poll from the bus", initial_s=0.5, max_s=5.0)
+        self._commit_backoff = Backoff("offset commit", initial_s=0.5, max_s=10.0)
+        if self.sink is not None:
+            self._restore()
 
     def dead_letter(self, message: Message, error: str) -> None:
         try:
@@ -211,14 +333,109 @@ class Pipeline(EmbeddedPipeline):
         except Exception as exc:  # the dead-letter topic is best effort; the count is not
             log.warning("could not publish dead letter: %s", exc)
 
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        read = getattr(self.sink, "read_checkpoint", None)
+        if read is None:
+            return
+        try:
+            blob = read(self.group)
+        except Exception as exc:
+            log.warning("could not read the last checkpoint of %s: %s", self.group, exc)
+            return
+        if blob is None:
+            return
+        try:
+            state = pickle.loads(zlib.decompress(blob))
+        except Exception as exc:
+            log.warning("ignoring an unreadable checkpoint of %s: %s", self.group, exc)
+            return
+        for job_id, before_ns in state.get("closed_before_ns", {}).items():
+            self.engine.restore_closed(job_id, before_ns)
+        for topology in state.get("topologies", {}).values():
+            self.engine.add_topology(topology)
+        runner = state.get("runner")
+        if isinstance(runner, DetectorRunner) and [d.name for d in runner.detectors] == [
+            d.name for d in self.runner.detectors
+        ]:
+            self.runner = runner
+        log.info("restored checkpoint of %s: %d job(s)", self.group,
+                 len(state.get("closed_before_ns", {})))
+
+    def _checkpoint(self) -> None:
+        write = getattr(self.sink, "write_checkpoint", None)
+        if write is None:
+            return
+        state: dict[str, Any] = {
+            "closed_before_ns": self.engine.closed_before_ns(),
+            "topologies": self.engine.topologies(),
+        }
+        try:
+            blob = pickle.dumps({**state, "runner": self.runner})
+        except Exception as exc:  # a plugin detector that does not pickle
+            log.warning("detector state not checkpointed: %s", exc)
+            blob = pickle.dumps(state)
+        blob = zlib.compress(blob, 1)
+        if not self._write(lambda: write(self.group, blob)):
+            raise SinkUnavailable("could not write the checkpoint")
+
+    # -- the loop -----------------------------------------------------------------------------
+
     def poll_once(self, timeout_s: float = 0.2, max_records: int = 20_000) -> int:
-        messages = self.consumer.poll(max_records=max_records, timeout_s=timeout_s)
+        messages: list[Message] = []
+        if self._poll_backoff.ready():
+            try:
+                messages = self.consumer.poll(max_records=max_records, timeout_s=timeout_s)
+            except BusError as exc:
+                self._stats.poll_failures += 1
+                self._poll_backoff.failed(exc)
+            else:
+                self._poll_backoff.succeeded()
+        else:
+            time.sleep(min(timeout_s, 0.05))
+        assignment = getattr(self.consumer, "assignment", None)
+        if assignment is not None:
+            assigned = frozenset(assignment())
+            if assigned != self._assigned:
+                self.engine.expect_sources(sorted(assigned - self._assigned))
+                self._assigned = assigned
         if messages:
             self.messages += len(messages)
             self.process_messages(messages)
-            if self.engine.open_windows() == 0:
-                self.consumer.commit()
+        self.close_idle()
+        if time.monotonic() - self._last_commit_s >= self.commit_interval_s:
+            self.commit()
         return len(messages)
+
+    def commit(self) -> bool:
+        """Checkpoint and commit the positions whose windows are all written; False if the
+        bus refused (it is retried at the next interval, with backoff)."""
+        self._last_commit_s = time.monotonic()
+        if self.write_failed:
+            return False  # a window was dropped: never move past it
+        positions = self.offsets.positions(self.engine.closed_before)
+        changed = {s: o for s, o in positions.items() if self._committed.get(s) != o}
+        if not changed:
+            return True
+        if not self._commit_backoff.ready():
+            return False
+        if self.sink is not None:
+            try:
+                self._checkpoint()
+            except SinkUnavailable as exc:
+                log.error("%s; positions not committed", exc)
+                return False
+        try:
+            self.consumer.commit(changed)
+        except BusError as exc:
+            self._stats.commit_failures += 1
+            self._commit_backoff.failed(exc)
+            return False
+        self._commit_backoff.succeeded()
+        self._committed.update(changed)
+        self._stats.commits += 1
+        return True
 
     def run(
         self,
@@ -227,9 +444,9 @@ class Pipeline(EmbeddedPipeline):
         max_seconds: float | None = None,
     ) -> None:
         """Consume until ``until()`` holds and the bus is idle, or ``idle_timeout_s`` passes
-        with nothing new, or ``max_seconds`` elapse."""
+        with nothing new, or ``max_seconds`` elapse, or :meth:`request_stop` is called."""
         started = idle_since = time.monotonic()
-        while True:
+        while not self.stopping:
             now = time.monotonic()
             if self.poll_once():
                 idle_since = now
@@ -238,9 +455,33 @@ class Pipeline(EmbeddedPipeline):
             if max_seconds is not None and now - started >= max_seconds:
                 return
 
-    def finish(self) -> None:
+    def finish(self) -> bool:
+        """Close and write every window, then commit; True if everything was committed.
+
+        Bounded by the deadline of :meth:`request_stop` (30 s if it was not called)."""
+        self.request_stop()
         super().finish()
-        self.consumer.commit()
+        self._commit_backoff.reset()
+        while not self.commit():
+            deadline = self._stop_deadline or 0.0
+            if self.write_failed or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+            self._commit_backoff.reset()  # the stop deadline bounds the tries
+        return not self.write_failed
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def _events_as_batches(records: list[Record]) -> list[Record]:
+    """Loose span events of one message become one batch per job: a message is the unit the
+    window engine reduces on its own (see :meth:`WindowEngine.add_spans`)."""
+    events = [r for r in records if isinstance(r, SpanEvent)]
+    if not events:
+        return records
+    rest: list[Record] = [r for r in records if not isinstance(r, SpanEvent)]
+    return rest + [SpanBatch.from_events(e) for e in _by_job(events).values()]
 
 
 def _by_job(events: list[SpanEvent]) -> dict[str, list[SpanEvent]]:

@@ -5,17 +5,31 @@ vectorised pass (:mod:`trainscope.streams.grouping`), and a window's partials ar
 when the window closes. Producers that summarise on their own (the PyTorch hook, the host agent)
 send :class:`FunctionSummary` records, which join the same partials.
 
-Time: a window ``[k·W, (k+1)·W)`` closes when the job's watermark passes its end. Each rank is
-a source with its own progress (its latest event time); the watermark is the progress of the
-slowest *active* rank minus the allowed lateness, so a Kafka partition that is read later than
-the others does not turn its events late, and a rank that went silent (a hang) stops holding
-windows open once it has been idle for ``idle_s`` of event time. An event for a window that has
-already closed is late: it is counted in ``stats.late_events`` and set aside, never silently
-merged or lost.
+Time: a window ``[k·W, (k+1)·W)`` closes when the job's watermark passes its end. Every
+*source* that carries a job (a Kafka partition, or the one source of records handed over
+directly) has its own progress for that job: the latest event time it delivered. The watermark
+is the progress of the slowest *active* source minus the allowed lateness, so a partition that is
+read later than the others delays the job's windows instead of turning its events late. A source
+is idle once it has delivered nothing for ``source_idle_s`` of processing time (caught up, or all
+its producers silent); idle sources stop holding windows open, so a hung rank (whose partition
+also carries live ranks, or goes quiet) never stops the job. A job that stops sending altogether
+has its windows closed after ``job_idle_s`` of processing time (:meth:`close_idle`).
+
+An event for a window that has already closed is late: it is counted in ``stats.late_events``
+and set aside, never silently merged or lost. After a restart, windows the previous run already
+wrote are marked with :meth:`restore_closed`; records replayed for them are counted in
+``stats.replayed`` and skipped, so a window is never written from part of its input.
+
+Determinism: a window's rows are a function of its input records only, never of their arrival
+order or of how they were grouped into polls. Each span batch (one bus message) is reduced on its
+own, partials are merged in a canonical order, and rows are sorted by their key, so a replayed
+window gives byte-identical rows and the store's insert deduplication removes them.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -47,6 +61,7 @@ class EngineStats:
     steps_received: int = 0
     metrics_received: int = 0
     late_events: int = 0
+    replayed: int = 0  # records of windows a previous run already wrote
     rejected: int = 0
     windows_closed: int = 0
     summaries_emitted: int = 0
@@ -62,9 +77,10 @@ class _Window:
 @dataclass
 class _Job:
     base: int | None = None
-    max_event_ns: int = -(2**62)
-    progress_ns: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    progress_ns: dict[Hashable, int] = field(default_factory=dict)  # per source
+    last_arrival_s: float = 0.0  # processing time
     closed_before: int = -(2**62)  # window index: every window below it is closed
+    restored_before: int = -(2**62)  # window index: written by a previous run
     functions: dict[tuple[str, str, int], int] = field(default_factory=dict)
     fn_layer: list[str] = field(default_factory=list)
     fn_name: list[str] = field(default_factory=list)
@@ -87,17 +103,27 @@ class _Job:
 
 class WindowEngine:
     def __init__(
-        self, window_s: float = 15.0, allowed_lateness_s: float = 5.0, idle_s: float = 60.0
+        self,
+        window_s: float = 15.0,
+        allowed_lateness_s: float = 5.0,
+        source_idle_s: float = 10.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         if allowed_lateness_s < 0:
             raise ValueError(f"allowed_lateness_s must be >= 0, got {allowed_lateness_s}")
+        if source_idle_s <= 0:
+            raise ValueError(f"source_idle_s must be > 0, got {source_idle_s}")
         self.window_ns = int(window_s * 1e9)
         self.lateness_ns = int(allowed_lateness_s * 1e9)
-        self.idle_ns = int(max(idle_s, 2 * window_s) * 1e9)
+        self.source_idle_s = source_idle_s
         self.stats = EngineStats()
+        self._clock = clock
         self._jobs: dict[str, _Job] = {}
+        self._source_seen_s: dict[Hashable, float] = {}
+        self._expected_s: dict[Hashable, float] = {}  # sources assigned, not heard from yet
 
     def _job(self, job_id: str) -> _Job:
         job = self._jobs.get(job_id)
@@ -111,32 +137,74 @@ class WindowEngine:
             window = job.windows[index] = _Window()
         return window
 
-    def _observe(self, job: _Job, ranks: np.ndarray, event_ns: np.ndarray) -> None:
-        """Advance the progress of each rank to its latest event time."""
-        if len(event_ns) == 0:
-            return
-        job.max_event_ns = max(job.max_event_ns, int(event_ns.max()))
-        keep = ranks >= 0  # host-level samples advance no rank
-        ranks, event_ns = ranks[keep], event_ns[keep]
-        if len(ranks) == 0:
-            return
-        top = int(ranks.max())
-        if top >= len(job.progress_ns):
-            grown = np.full(top + 1, np.nan)
-            grown[: len(job.progress_ns)] = job.progress_ns
-            job.progress_ns = grown
-        job.progress_ns[ranks] = np.fmax(job.progress_ns[ranks], event_ns)
-        if len(np.unique(ranks)) != len(ranks):  # repeated ranks: fancy assignment keeps one
-            np.maximum.at(job.progress_ns, ranks, event_ns)
+    def _observe(self, job: _Job, source: Hashable, event_ns: int) -> None:
+        """Advance the job's progress on ``source`` to ``event_ns`` (the latest event time)."""
+        now = self._clock()
+        self._source_seen_s[source] = now
+        job.last_arrival_s = now
+        known = job.progress_ns.get(source)
+        if known is None or event_ns > known:
+            job.progress_ns[source] = event_ns
+
+    def expect_sources(self, sources: list[Hashable]) -> None:
+        """Sources (partitions) just assigned: until one delivers or has been silent for
+        ``source_idle_s``, it may carry any job's oldest records, so it holds every window."""
+        now = self._clock()
+        for source in sources:
+            if source not in self._source_seen_s:
+                self._expected_s.setdefault(source, now)
 
     def watermark_ns(self, job_id: str) -> int:
         job = self._jobs.get(job_id)
-        if job is None:
+        if job is None or not job.progress_ns:
             return -(2**62)
-        progress = job.progress_ns[~np.isnan(job.progress_ns)]
-        active = progress[progress >= job.max_event_ns - self.idle_ns]
-        slowest = float(active.min()) if len(active) else float(job.max_event_ns)
-        return int(slowest) - self.lateness_ns
+        now = self._clock()
+        if self._expected_s:
+            for source in [s for s in self._expected_s if s in self._source_seen_s]:
+                del self._expected_s[source]
+            if any(now - since < self.source_idle_s for since in self._expected_s.values()):
+                return -(2**62)
+        active = [
+            progress
+            for source, progress in job.progress_ns.items()
+            if now - self._source_seen_s.get(source, now) < self.source_idle_s
+        ]
+        slowest = min(active) if active else max(job.progress_ns.values())
+        return slowest - self.lateness_ns
+
+    def closed_before_ns(self) -> dict[str, int]:
+        """Per job, the end of the newest closed window: every window before it is closed."""
+        return {
+            job_id: job.closed_before * self.window_ns
+            for job_id, job in self._jobs.items()
+            if job.closed_before > -(2**62)
+        }
+
+    def topologies(self) -> dict[str, Topology]:
+        """Each job's layout as declared so far (sent once per job: a restart must keep it)."""
+        return {j: job.topology for j, job in self._jobs.items() if job.topology is not None}
+
+    def closed_before(self, job_id: str) -> int:
+        """Window index below which every window of the job is closed."""
+        job = self._jobs.get(job_id)
+        return job.closed_before if job is not None else -(2**62)
+
+    def restore_closed(self, job_id: str, before_ns: int) -> None:
+        """Windows that end at or before ``before_ns`` were written by a previous run."""
+        job = self._job(job_id)
+        index = before_ns // self.window_ns
+        job.closed_before = max(job.closed_before, index)
+        job.restored_before = max(job.restored_before, index)
+
+    def _skip_closed(self, job: _Job, index: int, count: int) -> bool:
+        """Count records for an already-closed window; True if they must be skipped."""
+        if index >= job.closed_before:
+            return False
+        if index < job.restored_before:
+            self.stats.replayed += count
+        else:
+            self.stats.late_events += count
+        return True
 
     # -- input ------------------------------------------------------------------------------
 
@@ -158,15 +226,17 @@ class WindowEngine:
             topology, workers=[workers[rank] for rank in sorted(workers)]
         )
 
-    def add_spans(self, batches: list[SpanBatch]) -> None:
+    def add_spans(self, batches: list[SpanBatch], source: Hashable = 0) -> None:
+        """Each batch (one bus message) is reduced on its own, so partials do not depend on
+        how messages were grouped into polls."""
         by_job: dict[str, list[SpanBatch]] = {}
         for batch in batches:
             if len(batch):
                 by_job.setdefault(batch.job_id, []).append(batch)
         for job_id, job_batches in by_job.items():
-            self._add_job_spans(self._job(job_id), job_batches)
+            self._add_job_spans(self._job(job_id), job_batches, source)
 
-    def _add_job_spans(self, job: _Job, batches: list[SpanBatch]) -> None:
+    def _add_job_spans(self, job: _Job, batches: list[SpanBatch], source: Hashable) -> None:
         fids, ranks, starts, durations, moved = [], [], [], [], []
         for batch in batches:
             callpath = batch.column("callpath_id")
@@ -199,13 +269,14 @@ class WindowEngine:
         start = np.concatenate(starts)
         duration = np.concatenate(durations)
         bytes_moved = np.concatenate(moved)
+        unit = np.repeat(np.arange(len(fids)), [len(f) for f in fids])
         self.stats.spans_received += len(fid)
 
         valid = (rank >= 0) & (rank <= _MAX_RANK) & (duration >= 0)
         if not valid.all():
             self.stats.rejected += int((~valid).sum())
-            fid, rank, start, duration, bytes_moved = (
-                a[valid] for a in (fid, rank, start, duration, bytes_moved)
+            fid, rank, start, duration, bytes_moved, unit = (
+                a[valid] for a in (fid, rank, start, duration, bytes_moved, unit)
             )
         if len(fid) == 0:
             return
@@ -214,15 +285,17 @@ class WindowEngine:
             job.base = int(index.min()) - _WINDOW_MARGIN
         on_time = (index >= job.closed_before) & (index >= job.base)
         if not on_time.all():
-            self.stats.late_events += int((~on_time).sum())
-            fid, rank, index, duration, bytes_moved, start = (
-                a[on_time] for a in (fid, rank, index, duration, bytes_moved, start)
+            replayed = ~on_time & (index < job.restored_before)
+            self.stats.replayed += int(replayed.sum())
+            self.stats.late_events += int((~on_time).sum() - replayed.sum())
+            fid, rank, index, duration, bytes_moved, start, unit = (
+                a[on_time] for a in (fid, rank, index, duration, bytes_moved, start, unit)
             )
             if len(fid) == 0:
                 return
         group = ((index - job.base) << _WINDOW_SHIFT) | (rank << _FN_BITS) | fid
-        self._observe_spans(job, rank, start + duration)
-        partials = reduce_events(group, duration, bytes_moved)
+        self._observe(job, source, int((start + duration).max()))
+        partials = reduce_events(group, duration, bytes_moved, unit)
         window_of_row = partials.group >> _WINDOW_SHIFT
         bounds = np.flatnonzero(np.r_[True, window_of_row[1:] != window_of_row[:-1]])
         for i, lo in enumerate(bounds):
@@ -231,21 +304,16 @@ class WindowEngine:
             part = partials.take(np.arange(lo, hi)) if len(bounds) > 1 else partials
             self._window(job, rel + job.base).partials.append(part)
 
-    def _observe_spans(self, job: _Job, rank: np.ndarray, end_ns: np.ndarray) -> None:
-        # Per-rank maxima via one sort of the (usually few) distinct ranks of the batch.
-        order = np.argsort(rank, kind="stable")
-        sorted_rank = rank[order]
-        starts = np.flatnonzero(np.r_[True, sorted_rank[1:] != sorted_rank[:-1]])
-        self._observe(job, sorted_rank[starts], np.maximum.reduceat(end_ns[order], starts))
-
-    def add_summaries(self, summaries: list[FunctionSummary]) -> None:
+    def add_summaries(self, summaries: list[FunctionSummary], source: Hashable = 0) -> None:
         for summary in summaries:
             self.stats.summaries_received += 1
             job = self._job(summary.job_id)
             index = summary.window_start_ns // self.window_ns
             if job.base is None:
                 job.base = index - _WINDOW_MARGIN
-            if index < job.closed_before or index < job.base or not 0 <= summary.rank <= _MAX_RANK:
+            if self._skip_closed(job, index, summary.count):
+                continue
+            if index < job.base or not 0 <= summary.rank <= _MAX_RANK:
                 self.stats.late_events += summary.count
                 continue
             fid = job.fid(summary.layer, summary.name, summary.callpath_id)
@@ -265,33 +333,27 @@ class WindowEngine:
                     sketch_count=np.asarray(summary.sketch_counts, dtype=np.int64),
                 )
             )
-            self._observe(
-                job, np.array([summary.rank]), np.array([summary.window_end_ns - 1])
-            )
+            self._observe(job, source, summary.window_end_ns - 1)
 
-    def add_steps(self, steps: list[StepRecord]) -> None:
+    def add_steps(self, steps: list[StepRecord], source: Hashable = 0) -> None:
         for step in steps:
             self.stats.steps_received += 1
             job = self._job(step.job_id)
             index = step.start_ns // self.window_ns
-            if index < job.closed_before:
-                self.stats.late_events += 1
+            if self._skip_closed(job, index, 1):
                 continue
             self._window(job, index).steps.append(step)
-            self._observe(
-                job, np.array([step.rank]), np.array([step.start_ns + step.duration_ns])
-            )
+            self._observe(job, source, step.start_ns + step.duration_ns)
 
-    def add_metrics(self, samples: list[MetricSample]) -> None:
+    def add_metrics(self, samples: list[MetricSample], source: Hashable = 0) -> None:
         for sample in samples:
             self.stats.metrics_received += 1
             job = self._job(sample.job_id)
             index = sample.ts_ns // self.window_ns
-            if index < job.closed_before:
-                self.stats.late_events += 1
+            if self._skip_closed(job, index, 1):
                 continue
             self._window(job, index).metrics.append(sample)
-            self._observe(job, np.array([sample.rank]), np.array([sample.ts_ns]))
+            self._observe(job, source, sample.ts_ns)
 
     # -- output -----------------------------------------------------------------------------
 
@@ -312,6 +374,17 @@ class WindowEngine:
         for job_id, job in self._jobs.items():
             for index in sorted(job.windows):
                 closed.append(self._close(job_id, job, index))
+        return closed
+
+    def close_idle(self, job_idle_s: float) -> list[WindowView]:
+        """Close every window of the jobs that sent nothing for ``job_idle_s`` of processing
+        time: a finished job's last windows would otherwise wait for events that never come."""
+        now = self._clock()
+        closed = []
+        for job_id, job in self._jobs.items():
+            if job.windows and now - job.last_arrival_s >= job_idle_s:
+                for index in sorted(job.windows):
+                    closed.append(self._close(job_id, job, index))
         return closed
 
     def open_windows(self) -> int:
@@ -340,7 +413,7 @@ class WindowEngine:
         fid = merged.group & ((1 << _FN_BITS) - 1)
         rank = (merged.group >> _FN_BITS) & _MAX_RANK
         splits = np.searchsorted(merged.sketch_row, np.arange(1, len(fid)))
-        return pd.DataFrame(
+        frame = pd.DataFrame(
             {
                 "rank": rank,
                 "layer": np.asarray(job.fn_layer, dtype=object)[fid],
@@ -356,15 +429,23 @@ class WindowEngine:
                 "sketch_counts": [c.tolist() for c in np.split(merged.sketch_count, splits)],
             }
         )
+        # Function ids follow arrival order; the row order must not.
+        return frame.sort_values(
+            ["rank", "layer", "name", "callpath_id"], kind="stable", ignore_index=True
+        )
 
 
 def _step_frame(steps: list[StepRecord]) -> pd.DataFrame:
     if not steps:
         return WindowView("", 0, 1).steps
-    return pd.DataFrame({c: [getattr(s, c) for s in steps] for c in STEP_COLUMNS})
+    frame = pd.DataFrame({c: [getattr(s, c) for s in steps] for c in STEP_COLUMNS})
+    return frame.sort_values(list(STEP_COLUMNS), kind="stable", ignore_index=True)
 
 
 def _metric_frame(samples: list[MetricSample]) -> pd.DataFrame:
     if not samples:
         return WindowView("", 0, 1).metrics
-    return pd.DataFrame({c: [getattr(s, c) for s in samples] for c in METRIC_COLUMNS})
+    frame = pd.DataFrame({c: [getattr(s, c) for s in samples] for c in METRIC_COLUMNS})
+    return frame.sort_values(
+        ["rank", "name", "device", "host", "ts_ns", "value"], kind="stable", ignore_index=True
+    )
