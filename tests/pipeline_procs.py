@@ -96,3 +96,31 @@ def dump_tables(store: Path, tables: tuple[str, ...] = TABLES) -> dict[str, list
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+_DIAGNOSE = r"""
+import json, sys
+from trainscope.detectors.diagnosis import diagnose
+from trainscope.detectors.registry import load
+from trainscope.schemas.records import Finding
+from trainscope.sinks.clickhouse import connect
+client = connect(sys.argv[1])
+result = client.query("SELECT * FROM findings WHERE job_id = {job:String} "
+                      "AND ({detector:String} = '' OR detector = {detector:String})",
+                      parameters={"job": sys.argv[2], "detector": sys.argv[3]})
+findings = [Finding(**dict(zip(result.column_names, row))) for row in result.result_rows]
+# The order the pipeline produced them in: by window, then by detector.
+order = {d.name: i for i, d in enumerate(load().detectors)}
+findings.sort(key=lambda f: (f.window_start_ns, order.get(f.detector, len(order))))
+print(json.dumps({"findings": len(findings),
+                  "suspects": [s.as_json() for s in diagnose(findings)]}))
+"""
+
+
+def diagnose_store(store: Path, job_id: str, detector: str = "") -> dict:
+    """The diagnosis of one job from the findings in a store (of one detector, if given), as
+    ``trainscope demo`` gives it."""
+    done = subprocess.run([sys.executable, "-c", _DIAGNOSE, str(store), job_id, detector],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)

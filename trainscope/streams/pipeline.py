@@ -99,6 +99,7 @@ class EmbeddedPipeline:
         sink: Any | None = None,
         sink_retry_s: float | None = 0.0,
         on_window: Callable[[WindowView, list[Finding]], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if detectors is None:
             loaded = load()
@@ -106,7 +107,8 @@ class EmbeddedPipeline:
             for name, error in loaded.errors.items():
                 log.warning("detector %s not loaded: %s", name, error)
         self.engine = WindowEngine(
-            window_s=window_s, allowed_lateness_s=lateness_s, source_idle_s=source_idle_s
+            window_s=window_s, allowed_lateness_s=lateness_s, source_idle_s=source_idle_s,
+            clock=clock,
         )
         self.runner = DetectorRunner(detectors)
         self.sink = sink
@@ -313,7 +315,12 @@ class Pipeline(EmbeddedPipeline):
         sink_retry_s: float | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(job_idle_s=job_idle_s, sink_retry_s=sink_retry_s, **kwargs)
+        # Idleness (of a partition, of a job) is measured in time spent waiting for the bus,
+        # not wall time: while this process is busy (a large poll, a slow sink) nothing it has
+        # not read yet can look idle.
+        self._listening_s = 0.0
+        super().__init__(job_idle_s=job_idle_s, sink_retry_s=sink_retry_s,
+                         clock=self.listening_s, **kwargs)
         self.bus = bus
         self.group = group
         self.commit_interval_s = commit_interval_s
@@ -326,6 +333,10 @@ class Pipeline(EmbeddedPipeline):
         self._commit_backoff = Backoff("offset commit", initial_s=0.5, max_s=10.0)
         if self.sink is not None:
             self._restore()
+
+    def listening_s(self) -> float:
+        """Seconds spent waiting for the bus so far: the clock of idleness."""
+        return self._listening_s
 
     def dead_letter(self, message: Message, error: str) -> None:
         try:
@@ -384,6 +395,7 @@ class Pipeline(EmbeddedPipeline):
 
     def poll_once(self, timeout_s: float = 0.2, max_records: int = 20_000) -> int:
         messages: list[Message] = []
+        waited = time.monotonic()
         if self._poll_backoff.ready():
             try:
                 messages = self.consumer.poll(max_records=max_records, timeout_s=timeout_s)
@@ -394,6 +406,7 @@ class Pipeline(EmbeddedPipeline):
                 self._poll_backoff.succeeded()
         else:
             time.sleep(min(timeout_s, 0.05))
+        self._listening_s += time.monotonic() - waited
         assignment = getattr(self.consumer, "assignment", None)
         if assignment is not None:
             assigned = frozenset(assignment())

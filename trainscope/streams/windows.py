@@ -28,6 +28,7 @@ window gives byte-identical rows and the store's insert deduplication removes th
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from trainscope.schemas.records import (
     Topology,
 )
 from trainscope.streams.grouping import Partials, merge_partials, reduce_events
+
+log = logging.getLogger(__name__)
 
 _FN_BITS = 20
 _RANK_BITS = 20
@@ -81,6 +84,7 @@ class _Job:
     last_arrival_s: float = 0.0  # processing time
     closed_before: int = -(2**62)  # window index: every window below it is closed
     restored_before: int = -(2**62)  # window index: written by a previous run
+    reported_late: bool = False
     functions: dict[tuple[str, str, int], int] = field(default_factory=dict)
     fn_layer: list[str] = field(default_factory=list)
     fn_name: list[str] = field(default_factory=list)
@@ -203,8 +207,19 @@ class WindowEngine:
         if index < job.restored_before:
             self.stats.replayed += count
         else:
-            self.stats.late_events += count
+            self._late(job, index, count)
         return True
+
+    def _late(self, job: _Job, index: int, count: int) -> None:
+        self.stats.late_events += count
+        if not job.reported_late:  # once per job: the count says how many followed
+            job.reported_late = True
+            log.warning(
+                "late events: %d record(s) for window %d of a job whose windows before %d are "
+                "closed (progress per source: %s); counted as late",
+                count, index, job.closed_before,
+                {str(s): p for s, p in job.progress_ns.items()},
+            )
 
     # -- input ------------------------------------------------------------------------------
 
@@ -287,7 +302,9 @@ class WindowEngine:
         if not on_time.all():
             replayed = ~on_time & (index < job.restored_before)
             self.stats.replayed += int(replayed.sum())
-            self.stats.late_events += int((~on_time).sum() - replayed.sum())
+            late = int((~on_time).sum() - replayed.sum())
+            if late:
+                self._late(job, int(index[~on_time & ~replayed].min()), late)
             fid, rank, index, duration, bytes_moved, start, unit = (
                 a[on_time] for a in (fid, rank, index, duration, bytes_moved, start, unit)
             )
