@@ -215,8 +215,10 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
 
     from trainscope.sinks.clickhouse import ClickHouseSink, StoreError
     from trainscope.streams.bus import BusError, open_bus
+    from trainscope.streams.logonce import quiet_repeats
     from trainscope.streams.pipeline import Pipeline
 
+    quiet_repeats()
     try:
         sink = ClickHouseSink.open(store, url)
         bus = open_bus(bus_url)

@@ -27,6 +27,11 @@ class PendingOffsets:
         # (offset, {job_id: newest window index the message fed}) per partition
         self._pending: dict[Source, deque[tuple[int, dict[str, int]]]] = {}
         self._next: dict[Source, int] = {}
+        # Bumped when a partition is found recreated; a partition's positions are committed
+        # only once it delivered in the current epoch, since a broker that lost one partition
+        # has likely lost them all, and a position from the old log would skip the new one.
+        self._epoch = 0
+        self._source_epoch: dict[Source, int] = {}
 
     def add(self, source: Source, offset: int, windows: dict[str, int]) -> None:
         """A message was handled; ``windows`` maps each job in it to the newest window it fed
@@ -40,6 +45,8 @@ class PendingOffsets:
                 "positions start over", source[0], source[1], offset, known,
             )
             self._pending.pop(source, None)
+            self._epoch += 1
+        self._source_epoch[source] = self._epoch
         self._next[source] = offset + 1
         if windows:
             self._pending.setdefault(source, deque()).append((offset, windows))
@@ -49,6 +56,8 @@ class PendingOffsets:
         ``closed_before(job)`` are closed and written."""
         out: dict[Source, int] = {}
         for source, next_offset in self._next.items():
+            if self._source_epoch.get(source) != self._epoch:
+                continue
             queue = self._pending.get(source)
             while queue and all(
                 index < closed_before(job) for job, index in queue[0][1].items()

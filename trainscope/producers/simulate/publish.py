@@ -4,7 +4,9 @@ For tests and benchmarks of the stream job (``trainscope pipeline``) running in 
 
     python -m trainscope.producers.simulate.publish --bus kafka://127.0.0.1:9092 --ranks 64
 
-Prints one JSON object when done: messages and span events published, and re-sent copies.
+Prints one JSON object when done: messages and span events published, re-sent copies, and
+``last_failed_step``: every step after it was reported delivered by the bus (a publish that
+raised or a flush that failed marks its step).
 ``--resend-every N`` publishes every N-th message twice, byte for byte, as a producer does that
 re-sends after a timeout it cannot tell from a loss.
 """
@@ -29,13 +31,17 @@ class _Resending:
         self.every = every
         self.messages = 0
         self.resent = 0
+        self.refused = 0  # publish raised: the bus was down or its outbox full
 
     def publish(self, topic: str, value: bytes, key: bytes | None = None) -> None:
-        self.bus.publish(topic, value, key)
         self.messages += 1
-        if self.every and self.messages % self.every == 0:
+        try:
             self.bus.publish(topic, value, key)
-            self.resent += 1
+            if self.every and self.messages % self.every == 0:
+                self.bus.publish(topic, value, key)
+                self.resent += 1
+        except BusError:
+            self.refused += 1
 
     def flush(self, timeout_s: float = 30.0) -> None:
         self.bus.flush(timeout_s)
@@ -74,27 +80,38 @@ def main(argv: list[str] | None = None) -> int:
         connect([EVENTS_TOPIC, METRICS_TOPIC])
     bus = _Resending(raw, args.resend_every)
     events = failed_flushes = 0
+    last_failed_step = -1  # every step after it was reported delivered
     started = time.monotonic()
     try:
         for output in cluster.run():
+            refused = bus.refused
             publish_step(bus, cluster, output, output.step == 0)  # type: ignore[arg-type]
             events += output.span_count
+            if bus.refused != refused:
+                last_failed_step = output.step
             if args.flush_every and (output.step + 1) % args.flush_every == 0:
                 try:
                     bus.flush()
                 except BusError as exc:  # reported in the summary, as a producer would count
                     failed_flushes += 1
+                    last_failed_step = output.step
                     print(f"flush failed at step {output.step}: {exc}", file=sys.stderr)
             if args.steps_per_s > 0:
                 wait = started + (output.step + 1) / args.steps_per_s - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
-        bus.flush()
+        try:
+            bus.flush()
+        except BusError as exc:
+            failed_flushes += 1
+            last_failed_step = spec.steps - 1
+            print(f"final flush failed: {exc}", file=sys.stderr)
     finally:
         counts = dict(getattr(raw, "counts", {}))
         raw.close()
     print(json.dumps({"messages": bus.messages, "resent": bus.resent, "events": events,
-                      "failed_flushes": failed_flushes, "bus": counts,
+                      "refused": bus.refused, "failed_flushes": failed_flushes,
+                      "last_failed_step": last_failed_step, "bus": counts,
                       "elapsed_s": round(time.monotonic() - started, 3)}))
     return 0
 
