@@ -27,11 +27,11 @@ class PendingOffsets:
         # (offset, {job_id: newest window index the message fed}) per partition
         self._pending: dict[Source, deque[tuple[int, dict[str, int]]]] = {}
         self._next: dict[Source, int] = {}
-        # Bumped when a partition is found recreated; a partition's positions are committed
-        # only once it delivered in the current epoch, since a broker that lost one partition
-        # has likely lost them all, and a position from the old log would skip the new one.
-        self._epoch = 0
-        self._source_epoch: dict[Source, int] = {}
+        # When one partition is found recreated, the broker has likely lost them all: the
+        # others' positions are not committed until each delivers again, since a position
+        # from the old log would skip the new one.
+        self._suspect: set[Source] = set()
+        self._restarted: set[Source] = set()  # seen to restart since the loss was noticed
 
     def add(self, source: Source, offset: int, windows: dict[str, int]) -> None:
         """A message was handled; ``windows`` maps each job in it to the newest window it fed
@@ -45,8 +45,11 @@ class PendingOffsets:
                 "positions start over", source[0], source[1], offset, known,
             )
             self._pending.pop(source, None)
-            self._epoch += 1
-        self._source_epoch[source] = self._epoch
+            self._restarted.add(source)
+            self._suspect |= set(self._next) - self._restarted
+        self._suspect.discard(source)
+        if not self._suspect:
+            self._restarted.clear()
         self._next[source] = offset + 1
         if windows:
             self._pending.setdefault(source, deque()).append((offset, windows))
@@ -56,7 +59,7 @@ class PendingOffsets:
         ``closed_before(job)`` are closed and written."""
         out: dict[Source, int] = {}
         for source, next_offset in self._next.items():
-            if self._source_epoch.get(source) != self._epoch:
+            if source in self._suspect:
                 continue
             queue = self._pending.get(source)
             while queue and all(

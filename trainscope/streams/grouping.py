@@ -145,6 +145,8 @@ def merge_partials(p: Partials) -> Partials:
     if len(starts) == len(keys):  # nothing to merge
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
+        # Sketch rows must follow the new row order (the frame splits them by row).
+        s_row, s_key, s_count = _sketch_rows(inverse[p.sketch_row], p.sketch_key, p.sketch_count)
         return Partials(
             group=keys,
             count=p.count[order],
@@ -153,9 +155,9 @@ def merge_partials(p: Partials) -> Partials:
             min_ns=p.min_ns[order],
             max_ns=p.max_ns[order],
             bytes_total=p.bytes_total[order],
-            sketch_row=inverse[p.sketch_row],
-            sketch_key=p.sketch_key,
-            sketch_count=p.sketch_count,
+            sketch_row=s_row,
+            sketch_key=s_key,
+            sketch_count=s_count,
         )
     count_i = p.count[order]
     total_i = p.total_ns[order]
