@@ -201,9 +201,12 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
               help="On SIGTERM/Ctrl-C, how long to try writing and committing before giving up.")
 @click.option("--idle-exit-s", type=float, default=None,
               help="Exit after this many seconds without messages (default: run until stopped).")
+@click.option("--stats-every-s", type=click.FloatRange(min=0.1), default=None,
+              help="Also print the counters (one JSON line on stderr) this often.")
 def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, window_s: float,
              lateness_s: float, commit_interval_s: float, close_idle_s: float,
-             source_idle_s: float, stop_timeout_s: float, idle_exit_s: float | None) -> None:
+             source_idle_s: float, stop_timeout_s: float, idle_exit_s: float | None,
+             stats_every_s: float | None) -> None:
     """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job).
 
     At-least-once from the bus, exactly-once in the store: positions are committed only past
@@ -233,7 +236,9 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
     try:
         p = Pipeline(bus, group=group, window_s=window_s, lateness_s=lateness_s, sink=sink,
                      on_window=on_window, commit_interval_s=commit_interval_s,
-                     job_idle_s=close_idle_s, source_idle_s=source_idle_s)
+                     job_idle_s=close_idle_s, source_idle_s=source_idle_s,
+                     stats_every_s=stats_every_s,
+                     on_stats=lambda stats: click.echo(json.dumps(stats.as_dict()), err=True))
     except BusError as exc:
         sink.close()
         raise click.ClickException(str(exc)) from None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from kafka_broker import TansuBroker
-from pipeline_procs import PipelineProcess, dump_tables, start_publisher
+from pipeline_procs import PipelineProcess, dump_tables, publish, start_publisher
 
 # A 32-rank job of 240 steps (~24 windows of 15 s), published live over ~30 s; every 5th
 # message is published twice, as a producer re-sending after a timeout does.
@@ -149,3 +149,38 @@ def _literal(text: str) -> tuple:
     import ast
 
     return ast.literal_eval(text)
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_sigterm_writes_every_open_window_commits_and_exits_0(
+    fresh_kafka_broker: TansuBroker, tmp_path: Path
+) -> None:
+    """A job whose last windows are still open (its close-idle timeout is far away) when the
+    pipeline is told to stop: SIGTERM writes them, commits, exits 0; a restart of the same
+    group has nothing left to read, and the store holds every step of every rank."""
+    url = fresh_kafka_broker.url
+    ranks, steps = 16, 60
+    sent = publish(url, "--dp", "4", "--pp", "2", "--tp", "2", "--steps", str(steps))
+    pipeline = PipelineProcess(url, tmp_path / "store", "stopping", "--close-idle-s", "600",
+                               logs=tmp_path / "first", verbose=True)
+    deadline = time.monotonic() + 60
+    while "newly assigned partitions" not in pipeline.err_text():
+        assert pipeline.process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(4)  # the backlog is read; the job's last windows wait for more
+    stopped = time.monotonic()
+    assert pipeline.terminate(timeout_s=60) == 0, pipeline.err_text()
+    assert time.monotonic() - stopped < 30  # bounded by --stop-timeout-s
+    stats = pipeline.stats()
+    assert stats["decode"]["received"] == sent["messages"]
+    assert stats["sink"]["emitted"] == stats["sink"]["received"] > 0
+    assert stats["commits"] >= 1
+
+    again = PipelineProcess(url, tmp_path / "store", "stopping", "--idle-exit-s", "2",
+                            logs=tmp_path / "again")
+    assert again.wait() == 0, again.err_text()
+    assert again.stats()["decode"]["received"] == 0  # everything was committed
+    store_rows = dump_tables(tmp_path / "store", ("step_records",))["step_records"]
+    assert {(row[2], row[3]) for row in map(_literal, store_rows)} == {
+        (r, s) for r in range(ranks) for s in range(steps)}

@@ -313,6 +313,8 @@ class Pipeline(EmbeddedPipeline):
         commit_interval_s: float = 5.0,
         job_idle_s: float | None = 30.0,
         sink_retry_s: float | None = None,
+        stats_every_s: float | None = None,
+        on_stats: Callable[[PipelineStats], None] | None = None,
         **kwargs: Any,
     ) -> None:
         # Idleness (of a partition, of a job) is measured in time spent waiting for the bus,
@@ -324,6 +326,9 @@ class Pipeline(EmbeddedPipeline):
         self.bus = bus
         self.group = group
         self.commit_interval_s = commit_interval_s
+        self.stats_every_s = stats_every_s
+        self.on_stats = on_stats
+        self._last_stats_s = time.monotonic()
         self.consumer = bus.consumer(list(topics), group)
         self.messages = 0
         self._committed: dict[tuple[str, int], int] = {}
@@ -417,8 +422,13 @@ class Pipeline(EmbeddedPipeline):
             self.messages += len(messages)
             self.process_messages(messages)
         self.close_idle()
-        if time.monotonic() - self._last_commit_s >= self.commit_interval_s:
+        now = time.monotonic()
+        if now - self._last_commit_s >= self.commit_interval_s:
             self.commit()
+        due = self.stats_every_s is not None and now - self._last_stats_s >= self.stats_every_s
+        if due and self.on_stats is not None:
+            self._last_stats_s = now
+            self.on_stats(self.stats())
         return len(messages)
 
     def commit(self) -> bool:
