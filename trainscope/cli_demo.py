@@ -192,11 +192,12 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
 @click.option("--commit-interval-s", type=click.FloatRange(min=0), default=5.0,
               show_default=True, help="How often written windows are committed.")
 @click.option("--close-idle-s", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
-              help="Close a job's windows once it sent nothing for this long (processing time).")
+              help="Close a job's windows once it sent nothing for this long (time spent "
+                   "waiting on the bus).")
 @click.option("--source-idle-s", type=click.FloatRange(min=0.1), default=10.0,
               show_default=True,
               help="A partition that delivered nothing for this long stops holding windows "
-                   "open (processing time).")
+                   "open (time spent waiting on the bus).")
 @click.option("--stop-timeout-s", type=click.FloatRange(min=1), default=30.0, show_default=True,
               help="On SIGTERM/Ctrl-C, how long to try writing and committing before giving up.")
 @click.option("--idle-exit-s", type=float, default=None,
