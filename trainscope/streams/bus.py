@@ -42,9 +42,13 @@ class Consumer(Protocol):
         """Messages after this group's position; waits at most ``timeout_s`` for the first."""
         ...
 
-    def commit(self, positions: Mapping[tuple[str, int], int] | None = None) -> None:
+    def commit(
+        self,
+        positions: Mapping[tuple[str, int], int] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         """Record ``positions`` ((topic, partition) → next offset to read) as processed, or by
-        default everything polled so far."""
+        default everything polled so far; ``timeout_s`` bounds a call that waits on a server."""
         ...
 
     def close(self) -> None: ...

@@ -33,9 +33,14 @@ class PendingOffsets:
         self._suspect: set[Source] = set()
         self._restarted: set[Source] = set()  # seen to restart since the loss was noticed
 
-    def add(self, source: Source, offset: int, windows: dict[str, int]) -> None:
+    def add(self, source: Source, offset: int, windows: dict[str, int]) -> list[Source]:
         """A message was handled; ``windows`` maps each job in it to the newest window it fed
-        (empty when it fed none: rejected, duplicate, late, or only topology)."""
+        (empty when it fed none: rejected, duplicate, late, or only topology).
+
+        Returns the partitions newly suspected of a replaced log (when this one went back):
+        they should be read from their beginning, since a broker that lost one log has likely
+        lost them all, and a position in the old log may lie past the end of the new one."""
+        newly: list[Source] = []
         known = self._next.get(source)
         if known is not None and offset < known - 1:
             # The partition went back: the topic was recreated (a broker that lost its data).
@@ -46,13 +51,15 @@ class PendingOffsets:
             )
             self._pending.pop(source, None)
             self._restarted.add(source)
-            self._suspect |= set(self._next) - self._restarted
+            newly = sorted(set(self._next) - self._restarted - self._suspect)
+            self._suspect.update(newly)
         self._suspect.discard(source)
         if not self._suspect:
             self._restarted.clear()
         self._next[source] = offset + 1
         if windows:
             self._pending.setdefault(source, deque()).append((offset, windows))
+        return newly
 
     def positions(self, closed_before: Callable[[str], int]) -> dict[Source, int]:
         """The committable position per partition: all windows of the jobs below

@@ -77,9 +77,21 @@ class KafkaConsumer:
         """The (topic, partition) pairs this member reads now."""
         return [(tp.topic, tp.partition) for tp in self._consumer.assignment()]
 
-    def commit(self, positions: Mapping[tuple[str, int], int] | None = None) -> None:
+    def rewind(self, partitions: list[tuple[str, int]]) -> None:
+        """Read ``partitions`` from their oldest offset again (their log was replaced)."""
+        assigned = self._consumer.assignment()
+        tps = [tp for t, p in partitions if (tp := TopicPartition(t, p)) in assigned]
+        if tps:
+            self._call(self._consumer.seek_to_beginning(*tps), self._call_timeout_s, "rewind")
+
+    def commit(
+        self,
+        positions: Mapping[tuple[str, int], int] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         """Commit ``positions`` ((topic, partition) → next offset to read), or by default the
-        position after the last polled message of every assigned partition."""
+        position after the last polled message of every assigned partition. ``timeout_s``
+        bounds the call (the client retries some failures internally until then)."""
         if self._closed:
             raise BusError("commit on a closed consumer")
         offsets = None
@@ -93,7 +105,7 @@ class KafkaConsumer:
             }
             if not offsets:
                 return
-        self._call(self._consumer.commit(offsets), self._call_timeout_s, "commit")
+        self._call(self._consumer.commit(offsets), timeout_s or self._call_timeout_s, "commit")
 
     def close(self) -> None:
         """Leave the group; positions not committed are re-read by the next member."""

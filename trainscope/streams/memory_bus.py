@@ -96,7 +96,11 @@ class MemoryConsumer:
     def assignment(self) -> list[tuple[str, int]]:
         return list(self._positions)
 
-    def commit(self, positions: Mapping[tuple[str, int], int] | None = None) -> None:
+    def commit(
+        self,
+        positions: Mapping[tuple[str, int], int] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         with self._bus._cond:
             chosen = self._positions if positions is None else positions
             for (topic, partition), position in chosen.items():

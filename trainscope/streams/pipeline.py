@@ -80,6 +80,11 @@ class PipelineStats:
         return asdict(self)
 
 
+# The Kafka client retries some commit failures internally until the call times out; polling
+# waits meanwhile, so a commit may not hold the loop for long. It is retried at the next interval.
+COMMIT_TIMEOUT_S = 3.0
+
+
 class SinkUnavailable(RuntimeError):
     """The sink kept failing until the pipeline had to stop; nothing past it was committed."""
 
@@ -185,7 +190,9 @@ class EmbeddedPipeline:
                 continue
             self._stats.decode.emitted += 1
             records = _events_as_batches(batch.records)
-            self.offsets.add(source, message.offset, self._newest_windows(records))
+            replaced = self.offsets.add(source, message.offset, self._newest_windows(records))
+            if replaced:
+                self.logs_replaced(replaced)
             by_source.setdefault(source, []).extend(records)
         for source, records in by_source.items():
             self._add(records, source)
@@ -229,6 +236,9 @@ class EmbeddedPipeline:
 
     def dead_letter(self, message: Message, error: str) -> None:
         """Where rejected messages go besides the sink; the bus pipeline republishes them."""
+
+    def logs_replaced(self, sources: list[tuple[str, int]]) -> None:
+        """Partitions whose log the broker probably lost; the bus pipeline re-reads them."""
 
     # -- output -----------------------------------------------------------------------------
 
@@ -338,6 +348,17 @@ class Pipeline(EmbeddedPipeline):
         self._commit_backoff = Backoff("offset commit", initial_s=0.5, max_s=10.0)
         if self.sink is not None:
             self._restore()
+
+    def logs_replaced(self, sources: list[tuple[str, int]]) -> None:
+        # Batches re-read from a log that was not replaced after all are dropped as
+        # duplicates (their producer stamps were seen) or skipped as already written.
+        rewind = getattr(self.consumer, "rewind", None)
+        if rewind is None:
+            return
+        try:
+            rewind(sources)
+        except BusError as exc:
+            log.warning("could not re-read %s from the beginning: %s", sources, exc)
 
     def listening_s(self) -> float:
         """Seconds spent waiting for the bus so far: the clock of idleness."""
@@ -450,7 +471,7 @@ class Pipeline(EmbeddedPipeline):
                 log.error("%s; positions not committed", exc)
                 return False
         try:
-            self.consumer.commit(changed)
+            self.consumer.commit(changed, timeout_s=COMMIT_TIMEOUT_S)
         except BusError as exc:
             self._stats.commit_failures += 1
             self._commit_backoff.failed(exc)
