@@ -101,7 +101,8 @@ def test_pipeline_survives_a_broker_outage(
     ranks, steps = 16, 240
     # --close-idle-s above the outage: a job silent for that long is taken as finished.
     pipeline = PipelineProcess(url, tmp_path / "store", "outage", "--commit-interval-s", "0.5",
-                               "--close-idle-s", "60", logs=tmp_path / "pipeline")
+                               "--close-idle-s", "60", "--stop-timeout-s", "10",
+                               logs=tmp_path / "pipeline")
     producer = start_publisher(url, "--dp", "4", "--pp", "2", "--tp", "2", "--steps",
                                str(steps), "--steps-per-s", str(STEPS_PER_S), "--flush-every", "3",
                                out=tmp_path / "producer.out")
