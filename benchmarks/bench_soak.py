@@ -97,11 +97,16 @@ def soak(minutes: float, url: str | None, sample_s: float, workdir: Path) -> dic
             )
         started = time.monotonic()
         samples: list[tuple[float, float]] = []
+        next_sample = started
+        # Watch the producer closely: the kill must come before the job's close-idle timeout
+        # (30 s) writes its last windows, or there would be nothing open to re-read.
         while producer.poll() is None:
             if p.poll() is not None:
                 raise RuntimeError(f"the pipeline exited:\n{first_log.read_text()[-3000:]}")
-            samples.append((round(time.monotonic() - started, 1), round(rss_mb(p.pid), 1)))
-            time.sleep(sample_s)
+            if time.monotonic() >= next_sample:
+                samples.append((round(time.monotonic() - started, 1), round(rss_mb(p.pid), 1)))
+                next_sample += sample_s
+            time.sleep(0.2)
         sent = last_json(producer_out)
         time.sleep(3)  # caught up; the job's last windows stay open (close-idle is 30 s)
         before_kill = last_json(first_log)  # its counters, printed every second
