@@ -52,6 +52,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "trainscope.streams._kafka_outbox",
         "trainscope.streams._kafka_support",
         "trainscope.streams.kafka_security",
+        "trainscope.streams.logonce",
     ),
     "detectors": ("trainscope.detectors", "trainscope.detectors.*"),
     "sinks": ("trainscope.sinks", "trainscope.sinks.*"),
@@ -65,6 +66,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # The window engine and the stream jobs built on it.
     "engine": (
         "trainscope.streams.windows",
+        "trainscope.streams.delivery",
         "trainscope.streams.pipeline",
     ),
     # Composition: the commands, the demo, the package's own attach()/step(), and the detector
@@ -74,6 +76,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "trainscope.cli",
         "trainscope.cli_demo",
         "trainscope.demo",
+        "trainscope.publish_simulated",
         "trainscope.testing",
     ),
 }

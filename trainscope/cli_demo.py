@@ -192,20 +192,45 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
 @click.option("--group", default="trainscope-pipeline", show_default=True)
 @click.option("--window-s", type=click.FloatRange(min=0.1), default=15.0, show_default=True)
 @click.option("--lateness-s", type=click.FloatRange(min=0), default=5.0, show_default=True)
+@click.option("--commit-interval-s", type=click.FloatRange(min=0), default=5.0,
+              show_default=True, help="How often written windows are committed.")
+@click.option("--close-idle-s", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+              help="Close a job's windows once it sent nothing for this long (time spent "
+                   "waiting on the bus).")
+@click.option("--source-idle-s", type=click.FloatRange(min=0.1), default=10.0,
+              show_default=True,
+              help="A partition that delivered nothing for this long stops holding windows "
+                   "open (time spent waiting on the bus).")
+@click.option("--stop-timeout-s", type=click.FloatRange(min=1), default=30.0, show_default=True,
+              help="On SIGTERM/Ctrl-C, how long to try writing and committing before giving up.")
 @click.option("--idle-exit-s", type=float, default=None,
-              help="Exit after this many seconds without messages (default: run until Ctrl-C).")
+              help="Exit after this many seconds without messages (default: run until stopped).")
+@click.option("--stats-every-s", type=click.FloatRange(min=0.1), default=None,
+              help="Also print the counters (one JSON line on stderr) this often.")
 @click.option("--max-jobs", type=click.IntRange(min=1), default=DEFAULT_MAX_JOBS,
               show_default=True,
               help="Jobs whose windows and detector state are kept; beyond that the least "
                    "recently seen job's windows are closed and its state forgotten.")
 def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, window_s: float,
-             lateness_s: float, idle_exit_s: float | None, max_jobs: int) -> None:
-    """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job)."""
+             lateness_s: float, commit_interval_s: float, close_idle_s: float,
+             source_idle_s: float, stop_timeout_s: float, idle_exit_s: float | None,
+             stats_every_s: float | None, max_jobs: int) -> None:
+    """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job).
+
+    At-least-once from the bus, exactly-once in the store: positions are committed only past
+    windows that are written; a restart rebuilds unwritten windows in full and the store drops
+    the identical rows. SIGTERM or Ctrl-C closes and writes every open window, commits, and
+    exits 0.
+    """
+    import signal
+
     from trainscope.sinks.clickhouse import ClickHouseSink
     from trainscope.store import StoreError
     from trainscope.streams.bus import BusError, open_bus
+    from trainscope.streams.logonce import quiet_repeats
     from trainscope.streams.pipeline import Pipeline
 
+    quiet_repeats()
     try:
         sink = ClickHouseSink.open(store, url)
         bus = open_bus(bus_url)
@@ -219,19 +244,28 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
 
     try:
         p = Pipeline(bus, group=group, window_s=window_s, lateness_s=lateness_s, sink=sink,
-                     on_window=on_window, max_jobs=max_jobs)
+                     on_window=on_window, commit_interval_s=commit_interval_s,
+                     job_idle_s=close_idle_s, source_idle_s=source_idle_s,
+                     stats_every_s=stats_every_s, max_jobs=max_jobs,
+                     on_stats=lambda stats: click.echo(json.dumps(stats.as_dict()), err=True))
     except BusError as exc:  # e.g. the broker is down, or a TLS handshake or login failed
         bus.close()
         sink.close()
         raise click.ClickException(str(exc)) from None
-    click.echo(f"consuming {bus_url} as group {group}; Ctrl-C to stop", err=True)
-    try:
-        p.run(idle_timeout_s=idle_exit_s if idle_exit_s is not None else float("inf"))
-    except KeyboardInterrupt:
-        pass
-    finally:
-        p.finish()
-        bus.close()
-        sink.close()
-        click.echo(json.dumps(p.stats().as_dict()), err=True)
-        sys.stderr.flush()
+
+    def stop(signum: int, frame: object) -> None:
+        p.request_stop(stop_timeout_s)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    click.echo(f"consuming {bus_url} as group {group}; SIGTERM or Ctrl-C to stop", err=True)
+    p.run(idle_timeout_s=idle_exit_s if idle_exit_s is not None else float("inf"))
+    complete = p.finish()
+    p.close()
+    bus.close()
+    sink.close()
+    click.echo(json.dumps(p.stats().as_dict()), err=True)
+    sys.stderr.flush()
+    if not complete:
+        raise click.ClickException("stopped before every window was written and committed; "
+                                   "a restart re-reads what was not committed")

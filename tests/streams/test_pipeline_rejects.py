@@ -94,14 +94,14 @@ def test_one_bad_record_rejects_its_whole_message() -> None:
 def test_an_unexpected_exception_while_decoding_dead_letters_the_message(monkeypatch) -> None:
     from trainscope.streams import pipeline as module
 
-    real = module.decode_batch
+    real = module.decode_envelope
 
     def fragile(payload: bytes):
         if payload == b"boom":
             raise RecursionError("maximum recursion depth exceeded")
         return real(payload)
 
-    monkeypatch.setattr(module, "decode_batch", fragile)
+    monkeypatch.setattr(module, "decode_envelope", fragile)
     bus = MemoryBus(partitions=1)
     pipeline = Pipeline(bus, detectors=[], window_s=5.0)
     bus.publish(EVENTS_TOPIC, b"boom")
@@ -145,10 +145,10 @@ def test_an_engine_failure_sets_aside_only_that_jobs_messages(monkeypatch) -> No
     pipeline = Pipeline(bus, detectors=[], window_s=5.0)
     real = pipeline.engine.add_spans
 
-    def fragile(batches):
+    def fragile(batches, source=0):
         if batches[0].job_id == "b":
             raise ValueError("more than 1048576 distinct functions in one job")
-        return real(batches)
+        return real(batches, source)
 
     monkeypatch.setattr(pipeline.engine, "add_spans", fragile)
     for job in ("a", "b", "a"):

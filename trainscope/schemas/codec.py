@@ -1,5 +1,9 @@
 """The wire format: one bus message is a msgpack-encoded :class:`Batch` of records.
 
+Every batch is stamped with its producer's id and a sequence number at encoding, so a batch that
+a producer re-sends (after a timeout it cannot tell from a loss) carries the same stamp and the
+pipeline drops the copy. ``producer_id`` 0 means unstamped (older producers): never deduplicated.
+
 Decoding validates every field against the structs; a malformed message raises
 :class:`BadMessage` whose text names the field path and the offending value, so a dead-letter
 entry says exactly what was wrong. No other exception escapes :func:`decode_batch`, whatever the
@@ -9,7 +13,10 @@ bytes. Value checks that types cannot express (ranges, finite numbers, bounded s
 
 from __future__ import annotations
 
+import itertools
+import os
 import re
+import secrets
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,6 +31,8 @@ class Batch(msgspec.Struct, kw_only=True):
 
     v: int = SCHEMA_VERSION
     records: list[Record]
+    producer_id: int = 0
+    seq: int = 0
 
 
 class BadMessage(ValueError, TrainscopeError):
@@ -36,11 +45,33 @@ _PATH = re.compile(r"`(\$[^`]*)`")
 _STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
 
 
+class _Stamp:
+    """This process's producer id and batch counter; a forked child gets an id of its own."""
+
+    def __init__(self) -> None:
+        self.renew()
+        os.register_at_fork(after_in_child=self.renew)
+
+    def renew(self) -> None:
+        self.producer_id = secrets.randbits(63) | 1  # never 0
+        self.seq = itertools.count(1)
+
+
+_stamp = _Stamp()
+
+
 def encode_batch(records: Iterable[Record]) -> bytes:
-    return _encoder.encode(Batch(records=list(records)))
+    return _encoder.encode(
+        Batch(records=list(records), producer_id=_stamp.producer_id, seq=next(_stamp.seq))
+    )
 
 
 def decode_batch(payload: bytes) -> list[Record]:
+    return decode_envelope(payload).records
+
+
+def decode_envelope(payload: bytes) -> Batch:
+    """The whole envelope, with the producer stamp, for consumers that deduplicate."""
     try:
         batch = _decoder.decode(payload)
     except msgspec.ValidationError as exc:
@@ -53,7 +84,7 @@ def decode_batch(payload: bytes) -> list[Record]:
         ) from None
     if batch.v > SCHEMA_VERSION:
         raise BadMessage(f"batch schema version {batch.v} is newer than {SCHEMA_VERSION}")
-    return batch.records
+    return batch
 
 
 def _describe(exc: msgspec.ValidationError, payload: bytes) -> str:

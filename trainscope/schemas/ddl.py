@@ -143,5 +143,16 @@ ENGINE = MergeTree
 ORDER BY (received_ns, topic, partition, offset)"""
 
 
+# The stream job's checkpoints: which windows each consumer group has written, and its
+# detectors' state, stored with every offset commit so a restart resumes exactly there.
+CHECKPOINTS_DDL = """CREATE TABLE IF NOT EXISTS pipeline_checkpoints (
+    `group` String,
+    `written_ns` Int64,
+    `state` String
+)
+ENGINE = ReplacingMergeTree(written_ns)
+ORDER BY (`group`)"""
+
+
 def all_ddl() -> list[str]:
-    return [table.ddl() for table in TABLES.values()] + [DEAD_LETTERS_DDL]
+    return [table.ddl() for table in TABLES.values()] + [DEAD_LETTERS_DDL, CHECKPOINTS_DDL]

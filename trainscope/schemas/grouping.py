@@ -21,7 +21,7 @@ SKETCH_RADIX = 2048
 class Partials:
     """Summary statistics per group key; the sketch as (group index, bucket key, count) rows."""
 
-    group: np.ndarray  # int64 group key, sorted, unique
+    group: np.ndarray  # int64 group key, sorted (unique unless reduced per unit)
     count: np.ndarray
     total_ns: np.ndarray
     m2_ns2: np.ndarray
@@ -89,13 +89,27 @@ def _sketch_rows(
 
 
 def reduce_events(
-    group: np.ndarray, duration_ns: np.ndarray, bytes_moved: np.ndarray
+    group: np.ndarray,
+    duration_ns: np.ndarray,
+    bytes_moved: np.ndarray,
+    unit: np.ndarray | None = None,
 ) -> Partials:
-    """Summaries of raw events, grouped by ``group``."""
+    """Summaries of raw events, grouped by ``group``; with ``unit`` (non-decreasing, e.g. the
+    message each event came in), one partial per (group, unit), so a partial never depends on
+    which other messages shared the call."""
     order = np.argsort(group, kind="stable")
     keys = group[order]
     d = duration_ns[order]
-    starts = _runs(keys)
+    if unit is None:
+        starts = _runs(keys)
+    else:
+        # The stable sort keeps units in order within a group: a run ends where either changes.
+        u = unit[order]
+        starts = (
+            np.flatnonzero(np.r_[True, (keys[1:] != keys[:-1]) | (u[1:] != u[:-1])])
+            if len(keys)
+            else np.zeros(0, dtype=np.int64)
+        )
     n = len(keys)
     count = np.diff(np.r_[starts, n])
     total = np.add.reduceat(d, starts) if n else d[:0]
@@ -118,19 +132,23 @@ def reduce_events(
 
 
 def merge_partials(p: Partials) -> Partials:
-    """Merge partial summaries with equal group keys (Chan et al. for the variance)."""
+    """Merge partial summaries with equal group keys (Chan et al. for the variance).
+
+    Within a group, partials are merged in an order fixed by their own values, not by their
+    arrival: floating-point sums depend on order, and a window replayed after a restart must
+    give the same bits.
+    """
     if len(p.group) < 2 or (p.group[1:] > p.group[:-1]).all():
         return p  # sorted and unique: nothing to merge or move
-    order = np.argsort(p.group, kind="stable")
+    order = np.lexsort((p.m2_ns2, p.bytes_total, p.max_ns, p.min_ns, p.total_ns, p.count,
+                        p.group))
     keys = p.group[order]
     starts = _runs(keys)
-    if len(starts) == len(keys):  # nothing to merge: reorder rows, and their sketch entries
-        entries = np.bincount(p.sketch_row, minlength=len(order))
-        first = np.cumsum(entries) - entries  # each row's first entry (rows are contiguous)
-        moved = entries[order]
-        source = np.repeat(first[order] - (np.cumsum(moved) - moved), moved) + np.arange(
-            len(p.sketch_row)
-        )
+    if len(starts) == len(keys):  # nothing to merge
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        # Sketch rows must follow the new row order (the frame splits them by row).
+        s_row, s_key, s_count = _sketch_rows(inverse[p.sketch_row], p.sketch_key, p.sketch_count)
         return Partials(
             group=keys,
             count=p.count[order],
@@ -139,9 +157,9 @@ def merge_partials(p: Partials) -> Partials:
             min_ns=p.min_ns[order],
             max_ns=p.max_ns[order],
             bytes_total=p.bytes_total[order],
-            sketch_row=np.repeat(np.arange(len(order)), moved),
-            sketch_key=p.sketch_key[source],
-            sketch_count=p.sketch_count[source],
+            sketch_row=s_row,
+            sketch_key=s_key,
+            sketch_count=s_count,
         )
     count_i = p.count[order]
     total_i = p.total_ns[order]

@@ -150,6 +150,33 @@ class ClickHouseSink:
             raise StoreError(f"insert into dead_letters failed: {_first_line(exc)}") from None
         self.stats.dead_letters += len(rows)
 
+    def write_checkpoint(self, group: str, state: bytes) -> None:
+        """The stream job's state at an offset commit (see ``pipeline_checkpoints``)."""
+        try:
+            self.client.insert(
+                "pipeline_checkpoints",
+                [[group, time.time_ns(), state.hex()]],
+                column_names=["group", "written_ns", "state"],
+            )
+        except Exception as exc:
+            self.stats.errors += 1
+            raise StoreError(
+                f"insert into pipeline_checkpoints failed: {_first_line(exc)}"
+            ) from None
+
+    def read_checkpoint(self, group: str) -> bytes | None:
+        """The newest checkpoint of ``group``, or None."""
+        try:
+            result = self.client.query(
+                "SELECT state FROM pipeline_checkpoints WHERE `group` = {group:String} "
+                "ORDER BY written_ns DESC LIMIT 1",
+                parameters={"group": group},
+            )
+        except Exception as exc:
+            raise StoreError(f"reading pipeline_checkpoints failed: {_first_line(exc)}") from None
+        rows = result.result_rows
+        return bytes.fromhex(rows[0][0]) if rows else None
+
     def close(self) -> None:
         close = getattr(self.client, "close", None)
         if close is not None:

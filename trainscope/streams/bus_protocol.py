@@ -12,7 +12,7 @@ partition, so one rank's messages stay in order. Consumers in a group ``poll`` m
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -41,8 +41,13 @@ class Consumer(Protocol):
         """Messages after this group's position; waits at most ``timeout_s`` for the first."""
         ...
 
-    def commit(self) -> None:
-        """Record everything polled so far as processed."""
+    def commit(
+        self,
+        positions: Mapping[tuple[str, int], int] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Record ``positions`` ((topic, partition) → next offset to read) as processed, or by
+        default everything polled so far; ``timeout_s`` bounds a call that waits on a server."""
         ...
 
     def close(self) -> None: ...

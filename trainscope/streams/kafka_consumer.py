@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.protocol.group import LeaveGroupRequest
 
 from trainscope.streams._kafka_support import EventLoopThread, start_client
@@ -78,11 +78,39 @@ class KafkaConsumer:
             for r in records
         ]
 
-    def commit(self) -> None:
-        """Commit the position after the last polled message of every assigned partition."""
+    def assignment(self) -> list[tuple[str, int]]:
+        """The (topic, partition) pairs this member reads now."""
+        return [(tp.topic, tp.partition) for tp in self._consumer.assignment()]
+
+    def rewind(self, partitions: list[tuple[str, int]]) -> None:
+        """Read ``partitions`` from their oldest offset again (their log was replaced)."""
+        assigned = self._consumer.assignment()
+        tps = [tp for t, p in partitions if (tp := TopicPartition(t, p)) in assigned]
+        if tps:
+            self._call(self._consumer.seek_to_beginning(*tps), self._call_timeout_s, "rewind")
+
+    def commit(
+        self,
+        positions: Mapping[tuple[str, int], int] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Commit ``positions`` ((topic, partition) → next offset to read), or by default the
+        position after the last polled message of every assigned partition. ``timeout_s``
+        bounds the call (the client retries some failures internally until then)."""
         if self._closed:
             raise BusError("commit on a closed consumer")
-        self._call(self._consumer.commit(), self._call_timeout_s, "commit")
+        offsets = None
+        if positions is not None:
+            # After a rebalance, partitions this member no longer owns are not its to commit.
+            assigned = self._consumer.assignment()
+            offsets = {
+                tp: offset
+                for (t, p), offset in positions.items()
+                if (tp := TopicPartition(t, p)) in assigned
+            }
+            if not offsets:
+                return
+        self._call(self._consumer.commit(offsets), timeout_s or self._call_timeout_s, "commit")
 
     def close(self) -> None:
         """Leave the group; positions not committed are re-read by the next member."""

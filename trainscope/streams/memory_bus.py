@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 
 from trainscope.streams.bus_protocol import DEFAULT_PARTITIONS, Message, partition_for
 
@@ -92,9 +93,17 @@ class MemoryConsumer:
                     return out
                 self._bus._cond.wait(remaining)
 
-    def commit(self) -> None:
+    def assignment(self) -> list[tuple[str, int]]:
+        return list(self._positions)
+
+    def commit(
+        self,
+        positions: Mapping[tuple[str, int], int] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         with self._bus._cond:
-            for (topic, partition), position in self._positions.items():
+            chosen = self._positions if positions is None else positions
+            for (topic, partition), position in chosen.items():
                 self._bus._committed[(self._group, topic, partition)] = position
 
     def close(self) -> None:

@@ -15,22 +15,31 @@ job its own detector instances. At most ``max_jobs`` jobs are kept; beyond that 
 recently seen job's open windows are closed and detected, and its state is forgotten
 (``PipelineStats.jobs_evicted``).
 
-Delivery: consumer positions are committed once the windows their records fed have been closed
-and written, so a restart re-reads what was not yet written; the sink deduplicates re-sent rows.
+Delivery (see :mod:`trainscope.streams.delivery`): per partition, the committed position is
+the earliest message still feeding a window that is open or not yet written, so a restart
+re-reads exactly what rebuilds every unwritten window in full. A failed sink write is retried
+with backoff and never committed past. With each commit the pipeline checkpoints, in the store,
+which windows are written and its detectors' state; a restarted pipeline skips records of
+written windows (never writing a window from part of its input) and its detectors carry on
+where they were. Windows are deterministic functions of their input, so a rebuilt window gives
+byte-identical rows, which the store's insert deduplication drops. Batches a producer re-sent
+(same producer id and sequence) are dropped and counted.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import time
+import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainscope.detectors.base import Detector
 from trainscope.detectors.registry import DEFAULT_MAX_JOBS, DetectorRunner, load
-from trainscope.schemas.codec import BadMessage, decode_batch, encode_batch
+from trainscope.schemas.codec import BadMessage, decode_envelope, encode_batch
 from trainscope.schemas.records import (
     ControlMessage,
     Finding,
@@ -45,7 +54,15 @@ from trainscope.schemas.records import (
 )
 from trainscope.schemas.validate import InvalidRecord, Limits, Validator
 from trainscope.schemas.window import WindowView
-from trainscope.streams.bus import DEAD_LETTER_TOPIC, EVENTS_TOPIC, METRICS_TOPIC, Bus, Message
+from trainscope.streams.bus import (
+    DEAD_LETTER_TOPIC,
+    EVENTS_TOPIC,
+    METRICS_TOPIC,
+    Bus,
+    BusError,
+    Message,
+)
+from trainscope.streams.delivery import Backoff, PendingOffsets, SeenBatches
 from trainscope.streams.windows import WindowEngine
 
 log = logging.getLogger(__name__)
@@ -72,43 +89,74 @@ class PipelineStats:
     sink: StageCounts = field(default_factory=StageCounts)
     detector_errors: dict[str, int] = field(default_factory=dict)
     jobs_evicted: int = 0
+    duplicate_batches: int = 0  # re-sent by a producer; also in decode.dropped
+    replayed_events: int = 0  # re-read after a restart for windows already written
+    sink_retries: int = 0
+    commits: int = 0
+    commit_failures: int = 0
+    poll_failures: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+# The Kafka client retries some commit failures internally until the call times out; polling
+# waits meanwhile, so a commit may not hold the loop for long. It is retried at the next interval.
+COMMIT_TIMEOUT_S = 3.0
+
+
+class SinkUnavailable(RuntimeError):
+    """The sink kept failing until the pipeline had to stop; nothing past it was committed."""
+
+
 class EmbeddedPipeline:
+    """``sink_retry_s``: how long a failing sink write is retried (with backoff) before the
+    window is dropped and counted; ``None`` retries until :meth:`request_stop`'s deadline."""
+
     def __init__(
         self,
         detectors: list[Detector] | None = None,
         *,
         window_s: float = 15.0,
         lateness_s: float = 5.0,
+        source_idle_s: float = 10.0,
+        job_idle_s: float | None = None,
         sink: Any | None = None,
+        sink_retry_s: float | None = 0.0,
         on_window: Callable[[WindowView, list[Finding]], None] | None = None,
         limits: Limits | None = None,
         max_jobs: int = DEFAULT_MAX_JOBS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if detectors is None:
             loaded = load()
             detectors = loaded.detectors
             for name, error in loaded.errors.items():
                 log.warning("detector %s not loaded: %s", name, error)
-        self.engine = WindowEngine(window_s=window_s, allowed_lateness_s=lateness_s)
+        self.engine = WindowEngine(
+            window_s=window_s, allowed_lateness_s=lateness_s, source_idle_s=source_idle_s,
+            clock=clock,
+        )
         self.runner = DetectorRunner(detectors, max_jobs=max_jobs)
         self.validator = Validator(limits)
         self.max_jobs = max_jobs
         self._jobs: OrderedDict[str, None] = OrderedDict()  # least recently seen first
         self._dead_letters: list[tuple[str, int, int, str, bytes]] = []
         self.sink = sink
+        self.sink_retry_s = sink_retry_s
+        self.job_idle_s = job_idle_s
         self.on_window = on_window
         self.findings: list[Finding] = []
         self.windows = 0
+        self.offsets = PendingOffsets()
+        self.seen = SeenBatches()
+        self.write_failed = False  # a window was dropped: positions must not move past it
+        self._stop_deadline: float | None = None
         self._stats = PipelineStats()
 
     # -- input ------------------------------------------------------------------------------
 
-    def process_records(self, records: Iterable[Record]) -> None:
+    def process_records(self, records: Iterable[Record], source: Hashable = 0) -> None:
         """Records handed over in-process (simulator, tests); each invalid one is rejected
         alone, with its index in ``records``, to the dead-letter table."""
         given = list(records)
@@ -120,7 +168,7 @@ class EmbeddedPipeline:
         else:
             accepted = given
             self._stats.validate.emitted += len(given)
-        for job_id, exc in self._ingest(accepted).items():
+        for job_id, exc in self._ingest(accepted, source).items():
             for index, record in enumerate(given):
                 if getattr(record, "job_id", None) == job_id:
                     self._dead_letters.append(
@@ -146,35 +194,58 @@ class EmbeddedPipeline:
         return accepted
 
     def process_messages(self, messages: list[Message]) -> None:
-        """Decode and validate each message; the valid ones are windowed together."""
-        decoded: list[tuple[Message, list[Record]]] = []
+        """Decode, drop re-sent batches, validate; the valid messages are windowed by source
+        (partition), and every message's offset is recorded with the windows it feeds."""
+        # (message, records or None when set aside); kept in message order for the offsets.
+        handled: list[tuple[Message, list[Record] | None]] = []
         for message in messages:
             self._stats.decode.received += 1
             try:
-                decoded.append((message, decode_batch(message.value)))
+                batch = decode_envelope(message.value)
             except BadMessage as exc:
                 self._reject(message, str(exc))
-            except Exception as exc:  # decode_batch raises only BadMessage; never die on input
+                handled.append((message, None))
+                continue
+            except Exception as exc:  # decode raises only BadMessage; never die on input
                 self._reject(message, f"decoding raised {type(exc).__name__}: {exc}")
+                handled.append((message, None))
+                continue
+            if not self.seen.first_time(batch.producer_id, batch.seq):
+                self._stats.decode.dropped += 1
+                self._stats.duplicate_batches += 1
+                handled.append((message, None))
+                continue
+            handled.append((message, batch.records))
+        decoded = [(i, records) for i, (_, records) in enumerate(handled) if records is not None]
         errors = self._validate([records for _, records in decoded])
-        records: list[Record] = []
-        accepted: list[tuple[Message, list[Record]]] = []
-        for (message, batch), error in zip(decoded, errors, strict=True):
-            self._stats.validate.received += len(batch)
+        for (i, records), error in zip(decoded, errors, strict=True):
+            message = handled[i][0]
+            self._stats.validate.received += len(records)
             if error is not None:
-                self._stats.validate.rejected += len(batch)
+                self._stats.validate.rejected += len(records)
                 self._reject(message, error)
+                handled[i] = (message, None)
                 continue
             self._stats.decode.emitted += 1
-            self._stats.validate.emitted += len(batch)
-            accepted.append((message, batch))
-            records.extend(batch)
-        failed = self._ingest(records)
-        if failed:
+            self._stats.validate.emitted += len(records)
+            handled[i] = (message, _events_as_batches(records))
+        by_source: dict[tuple[str, int], list[tuple[Message, list[Record]]]] = {}
+        for message, records in handled:
+            source = (message.topic, message.partition)
+            windows = self._newest_windows(records) if records is not None else {}
+            replaced = self.offsets.add(source, message.offset, windows)
+            if replaced:
+                self.logs_replaced(replaced)
+            if records is not None:
+                by_source.setdefault(source, []).append((message, records))
+        for source, accepted in by_source.items():
+            failed = self._ingest([r for _, records in accepted for r in records], source)
+            if not failed:
+                continue
             # Validated records should never make the engine raise. If they do, every message
             # of this poll with records of that job is set aside, loudly; other jobs go on.
-            for message, batch in accepted:
-                job_id = next((r.job_id for r in batch if r.job_id in failed), None)
+            for message, records in accepted:
+                job_id = next((r.job_id for r in records if r.job_id in failed), None)
                 if job_id is not None:
                     exc = failed[job_id]
                     self._stats.decode.emitted -= 1
@@ -203,7 +274,7 @@ class EmbeddedPipeline:
                 errors.append(None)
         return errors
 
-    def _ingest(self, records: list[Record]) -> dict[str, Exception]:
+    def _ingest(self, records: list[Record], source: Hashable = 0) -> dict[str, Exception]:
         """Route validated records to the window engine, job by job. Returns the jobs whose
         records made the engine raise, so that only their messages are set aside."""
         by_job: dict[str, list[Record]] = {}
@@ -215,13 +286,13 @@ class EmbeddedPipeline:
         failed: dict[str, Exception] = {}
         for job_id, job_records in by_job.items():
             try:
-                self._ingest_job(job_records)
+                self._ingest_job(job_records, source)
             except Exception as exc:  # validated records should never get here
                 log.exception("window engine raised on job %s", job_id)
                 failed[job_id] = exc
         return failed
 
-    def _ingest_job(self, records: list[Record]) -> None:
+    def _ingest_job(self, records: list[Record], source: Hashable) -> None:
         spans: list[SpanBatch] = []
         summaries: list[SummaryBatch | FunctionSummary] = []
         steps: list[StepRecord] = []
@@ -251,13 +322,13 @@ class EmbeddedPipeline:
             + len(metrics)
         )
         if spans:
-            self.engine.add_spans(spans)
+            self.engine.add_spans(spans, source)
         if summaries:
-            self.engine.add_summaries(summaries)
+            self.engine.add_summaries(summaries, source)
         if steps:
-            self.engine.add_steps(steps)
+            self.engine.add_steps(steps, source)
         if metrics:
-            self.engine.add_metrics(metrics)
+            self.engine.add_metrics(metrics, source)
 
     def _touch(self, jobs: Collection[str]) -> None:
         """Mark ``jobs`` as seen; evict the least recently seen others beyond ``max_jobs``."""
@@ -285,6 +356,28 @@ class EmbeddedPipeline:
                 "windows were closed and its detector state forgotten",
                 job_id, self.max_jobs, self._stats.jobs_evicted)
 
+    def _newest_windows(self, records: list[Record]) -> dict[str, int]:
+        """Per job, the newest window the records can feed."""
+        window_ns = self.engine.window_ns
+        newest: dict[str, int] = {}
+        for record in records:
+            if isinstance(record, SpanBatch):
+                if not len(record):
+                    continue
+                end_ns = int(record.column("start_ns").max())
+            elif isinstance(record, StepRecord):
+                end_ns = record.start_ns
+            elif isinstance(record, MetricSample):
+                end_ns = record.ts_ns
+            elif isinstance(record, SummaryBatch | FunctionSummary):
+                end_ns = record.window_start_ns
+            else:
+                continue
+            index = end_ns // window_ns
+            if index > newest.get(record.job_id, -(2**62)):
+                newest[record.job_id] = index
+        return newest
+
     def _reject(self, message: Message, error: str) -> None:
         self._stats.decode.rejected += 1
         reason = f"{message.topic}[{message.partition}]@{message.offset}: " + " ".join(
@@ -308,6 +401,9 @@ class EmbeddedPipeline:
     def dead_letter(self, message: Message, error: str) -> None:
         """Where rejected messages go besides the sink; the bus pipeline republishes them."""
 
+    def logs_replaced(self, sources: list[tuple[str, int]]) -> None:
+        """Partitions whose log the broker probably lost; the bus pipeline re-reads them."""
+
     # -- output -----------------------------------------------------------------------------
 
     def _handle(self, views: list[WindowView]) -> None:
@@ -327,13 +423,41 @@ class EmbeddedPipeline:
                 self.on_window(view, findings)
 
     def _write(self, action: Callable[[], None]) -> bool:
-        try:
-            action()
-        except Exception as exc:
-            self._stats.sink.dropped += 1
-            log.error("sink write failed, window dropped from the store: %s", exc)
-            return False
-        return True
+        """Write, retrying with backoff; False (counted, logged) if it had to give up."""
+        backoff = Backoff("sink write", initial_s=0.2, max_s=10.0)
+        give_up = (
+            None if self.sink_retry_s is None else time.monotonic() + self.sink_retry_s
+        )
+        while True:
+            try:
+                action()
+            except Exception as exc:
+                delay = backoff.failed(exc)
+                deadline = self._stop_deadline if give_up is None else give_up
+                if deadline is not None and time.monotonic() + delay > deadline:
+                    self._stats.sink.dropped += 1
+                    self.write_failed = True
+                    log.error("sink write failed, window dropped from the store: %s", exc)
+                    return False
+                self._stats.sink_retries += 1
+                time.sleep(delay)
+                continue
+            backoff.succeeded()
+            return True
+
+    def close_idle(self) -> None:
+        """Close the windows of jobs that stopped sending (``job_idle_s``)."""
+        if self.job_idle_s is not None:
+            self._handle(self.engine.close_idle(self.job_idle_s))
+
+    def request_stop(self, timeout_s: float = 30.0) -> None:
+        """Stop soon: retries give up after ``timeout_s`` (safe to call from a signal handler)."""
+        if self._stop_deadline is None:
+            self._stop_deadline = time.monotonic() + timeout_s
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_deadline is not None
 
     def finish(self) -> None:
         """End of stream: close and process every open window."""
@@ -343,11 +467,16 @@ class EmbeddedPipeline:
         engine = self.engine.stats
         self._stats.window.rejected = engine.rejected
         self._stats.window.dropped = engine.late_events
+        self._stats.replayed_events = engine.replayed
         return self._stats
 
 
 class Pipeline(EmbeddedPipeline):
-    """An EmbeddedPipeline fed by a bus consumer group."""
+    """An EmbeddedPipeline fed by a bus consumer group, committing what it has written.
+
+    Sink writes are retried until they succeed (or the stop deadline passes); bus failures are
+    logged once and retried, never raised: a stream job outlives a broker outage.
+    """
 
     def __init__(
         self,
@@ -355,12 +484,49 @@ class Pipeline(EmbeddedPipeline):
         *,
         group: str = "trainscope-pipeline",
         topics: tuple[str, ...] = (EVENTS_TOPIC, METRICS_TOPIC),
+        commit_interval_s: float = 5.0,
+        job_idle_s: float | None = 30.0,
+        sink_retry_s: float | None = None,
+        stats_every_s: float | None = None,
+        on_stats: Callable[[PipelineStats], None] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        # Idleness (of a partition, of a job) is measured in time spent waiting for the bus,
+        # not wall time: while this process is busy (a large poll, a slow sink) nothing it has
+        # not read yet can look idle.
+        self._listening_s = 0.0
+        super().__init__(job_idle_s=job_idle_s, sink_retry_s=sink_retry_s,
+                         clock=self.listening_s, **kwargs)
         self.bus = bus
+        self.group = group
+        self.commit_interval_s = commit_interval_s
+        self.stats_every_s = stats_every_s
+        self.on_stats = on_stats
+        self._last_stats_s = time.monotonic()
         self.consumer = bus.consumer(list(topics), group)
         self.messages = 0
+        self._committed: dict[tuple[str, int], int] = {}
+        self._assigned: frozenset[tuple[str, int]] = frozenset()
+        self._last_commit_s = time.monotonic()
+        self._poll_backoff = Backoff("poll from the bus", initial_s=0.5, max_s=5.0)
+        self._commit_backoff = Backoff("offset commit", initial_s=0.5, max_s=10.0)
+        if self.sink is not None:
+            self._restore()
+
+    def logs_replaced(self, sources: list[tuple[str, int]]) -> None:
+        # Batches re-read from a log that was not replaced after all are dropped as
+        # duplicates (their producer stamps were seen) or skipped as already written.
+        rewind = getattr(self.consumer, "rewind", None)
+        if rewind is None:
+            return
+        try:
+            rewind(sources)
+        except BusError as exc:
+            log.warning("could not re-read %s from the beginning: %s", sources, exc)
+
+    def listening_s(self) -> float:
+        """Seconds spent waiting for the bus so far: the clock of idleness."""
+        return self._listening_s
 
     def dead_letter(self, message: Message, error: str) -> None:
         try:
@@ -368,14 +534,116 @@ class Pipeline(EmbeddedPipeline):
         except Exception as exc:  # the dead-letter topic is best effort; the count is not
             log.warning("could not publish dead letter: %s", exc)
 
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        read = getattr(self.sink, "read_checkpoint", None)
+        if read is None:
+            return
+        try:
+            blob = read(self.group)
+        except Exception as exc:
+            log.warning("could not read the last checkpoint of %s: %s", self.group, exc)
+            return
+        if blob is None:
+            return
+        try:
+            state = pickle.loads(zlib.decompress(blob))
+        except Exception as exc:
+            log.warning("ignoring an unreadable checkpoint of %s: %s", self.group, exc)
+            return
+        for job_id, before_ns in state.get("closed_before_ns", {}).items():
+            self.engine.restore_closed(job_id, before_ns)
+        for topology in state.get("topologies", {}).values():
+            self.engine.add_topology(topology)
+        runner = state.get("runner")
+        if isinstance(runner, DetectorRunner) and [d.name for d in runner.detectors] == [
+            d.name for d in self.runner.detectors
+        ]:
+            self.runner = runner
+        log.info("restored checkpoint of %s: %d job(s)", self.group,
+                 len(state.get("closed_before_ns", {})))
+
+    def _checkpoint(self) -> None:
+        write = getattr(self.sink, "write_checkpoint", None)
+        if write is None:
+            return
+        state: dict[str, Any] = {
+            "closed_before_ns": self.engine.closed_before_ns(),
+            "topologies": self.engine.topologies(),
+        }
+        try:
+            blob = pickle.dumps({**state, "runner": self.runner})
+        except Exception as exc:  # a plugin detector that does not pickle
+            log.warning("detector state not checkpointed: %s", exc)
+            blob = pickle.dumps(state)
+        blob = zlib.compress(blob, 1)
+        if not self._write(lambda: write(self.group, blob)):
+            raise SinkUnavailable("could not write the checkpoint")
+
+    # -- the loop -----------------------------------------------------------------------------
+
     def poll_once(self, timeout_s: float = 0.2, max_records: int = 20_000) -> int:
-        messages = self.consumer.poll(max_records=max_records, timeout_s=timeout_s)
+        messages: list[Message] = []
+        waited = time.monotonic()
+        if self._poll_backoff.ready():
+            try:
+                messages = self.consumer.poll(max_records=max_records, timeout_s=timeout_s)
+            except BusError as exc:
+                self._stats.poll_failures += 1
+                self._poll_backoff.failed(exc)
+            else:
+                self._poll_backoff.succeeded()
+        else:
+            time.sleep(min(timeout_s, 0.05))
+        self._listening_s += time.monotonic() - waited
+        assignment = getattr(self.consumer, "assignment", None)
+        if assignment is not None:
+            assigned = frozenset(assignment())
+            if assigned != self._assigned:
+                self.engine.expect_sources(sorted(assigned - self._assigned))
+                self._assigned = assigned
         if messages:
             self.messages += len(messages)
             self.process_messages(messages)
-            if self.engine.open_windows() == 0:
-                self.consumer.commit()
+        self.close_idle()
+        now = time.monotonic()
+        if now - self._last_commit_s >= self.commit_interval_s:
+            self.commit()
+        due = self.stats_every_s is not None and now - self._last_stats_s >= self.stats_every_s
+        if due and self.on_stats is not None:
+            self._last_stats_s = now
+            self.on_stats(self.stats())
         return len(messages)
+
+    def commit(self) -> bool:
+        """Checkpoint and commit the positions whose windows are all written; False if the
+        bus refused (it is retried at the next interval, with backoff)."""
+        self._last_commit_s = time.monotonic()
+        if self.write_failed:
+            return False  # a window was dropped: never move past it
+        positions = self.offsets.positions(self.engine.closed_before)
+        changed = {s: o for s, o in positions.items() if self._committed.get(s) != o}
+        if not changed:
+            return True
+        if not self._commit_backoff.ready():
+            return False
+        if self.sink is not None:
+            try:
+                self._checkpoint()
+            except SinkUnavailable as exc:
+                log.error("%s; positions not committed", exc)
+                return False
+        try:
+            self.consumer.commit(changed, timeout_s=COMMIT_TIMEOUT_S)
+        except BusError as exc:
+            self._stats.commit_failures += 1
+            self._commit_backoff.failed(exc)
+            return False
+        self._commit_backoff.succeeded()
+        self._committed.update(changed)
+        self._stats.commits += 1
+        return True
 
     def run(
         self,
@@ -384,9 +652,9 @@ class Pipeline(EmbeddedPipeline):
         max_seconds: float | None = None,
     ) -> None:
         """Consume until ``until()`` holds and the bus is idle, or ``idle_timeout_s`` passes
-        with nothing new, or ``max_seconds`` elapse."""
+        with nothing new, or ``max_seconds`` elapse, or :meth:`request_stop` is called."""
         started = idle_since = time.monotonic()
-        while True:
+        while not self.stopping:
             now = time.monotonic()
             if self.poll_once():
                 idle_since = now
@@ -395,9 +663,36 @@ class Pipeline(EmbeddedPipeline):
             if max_seconds is not None and now - started >= max_seconds:
                 return
 
-    def finish(self) -> None:
+    def finish(self) -> bool:
+        """Close and write every window, then commit; True if everything was committed.
+
+        Bounded by the deadline of :meth:`request_stop` (30 s if it was not called)."""
+        self.request_stop()
         super().finish()
-        self.consumer.commit()
+        self._commit_backoff.reset()
+        while not self.commit():
+            deadline = self._stop_deadline or 0.0
+            if self.write_failed or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+            self._commit_backoff.reset()  # the stop deadline bounds the tries
+        return not self.write_failed
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def _events_as_batches(records: list[Record]) -> list[Record]:
+    """Loose span events of one message become one batch per job: a message is the unit the
+    window engine reduces on its own (see :meth:`WindowEngine.add_spans`)."""
+    events = [r for r in records if isinstance(r, SpanEvent)]
+    if not events:
+        return records
+    by_job: dict[str, list[SpanEvent]] = {}
+    for event in events:
+        by_job.setdefault(event.job_id, []).append(event)
+    rest: list[Record] = [r for r in records if not isinstance(r, SpanEvent)]
+    return rest + [SpanBatch.from_events(e) for e in by_job.values()]
 
 
 def _encoded(record: Record) -> bytes:

@@ -7,18 +7,32 @@ trace replay) send columnar :class:`SummaryBatch` records, which join the same p
 loop over rows; row :class:`FunctionSummary` records of older producers are packed into batches
 first.
 
-Time: a window ``[k·W, (k+1)·W)`` closes when the job's watermark passes its end. Each rank is
-a source with its own progress (its latest event time); the watermark is the progress of the
-slowest *active* rank minus the allowed lateness, so a Kafka partition that is read later than
-the others does not turn its events late, and a rank that went silent (a hang) stops holding
-windows open once it has been idle for ``idle_s`` of event time. An event for a window that has
-already closed is late: it is counted in ``stats.late_events`` and set aside, never silently
-merged or lost.
+Time: a window ``[k·W, (k+1)·W)`` closes when the job's watermark passes its end. Every
+*source* that carries a job (a Kafka partition, or the one source of records handed over
+directly) has its own progress for that job: the latest event time it delivered. The watermark
+is the progress of the slowest *active* source minus the allowed lateness, so a partition that is
+read later than the others delays the job's windows instead of turning its events late. A source
+is idle once it has delivered nothing for ``source_idle_s`` of processing time (caught up, or all
+its producers silent); idle sources stop holding windows open, so a hung rank (whose partition
+also carries live ranks, or goes quiet) never stops the job. A job that stops sending altogether
+has its windows closed after ``job_idle_s`` of processing time (:meth:`close_idle`).
+
+An event for a window that has already closed is late: it is counted in ``stats.late_events``
+and set aside, never silently merged or lost. After a restart, windows the previous run already
+wrote are marked with :meth:`restore_closed`; records replayed for them are counted in
+``stats.replayed`` and skipped, so a window is never written from part of its input.
+
+Determinism: a window's rows are a function of its input records only, never of their arrival
+order or of how they were grouped into polls. Each span batch (one bus message) is reduced on its
+own, partials are merged in a canonical order, and rows are sorted by their key, so a replayed
+window gives byte-identical rows and the store's insert deduplication removes them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -38,6 +52,8 @@ from trainscope.schemas.records import (
     Topology,
 )
 from trainscope.schemas.window import METRIC_COLUMNS, STEP_COLUMNS, WindowView
+
+log = logging.getLogger(__name__)
 
 _FN_BITS = 20
 _RANK_BITS = 20
@@ -59,6 +75,7 @@ class EngineStats:
     steps_received: int = 0
     metrics_received: int = 0
     late_events: int = 0
+    replayed: int = 0  # records of windows a previous run already wrote
     rejected: int = 0
     windows_closed: int = 0
     summaries_emitted: int = 0
@@ -74,13 +91,16 @@ class _Window:
 @dataclass
 class _Job:
     base: int | None = None
-    max_event_ns: int = -(2**62)
-    progress_ns: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    progress_ns: dict[Hashable, int] = field(default_factory=dict)  # per source
+    last_arrival_s: float = 0.0  # processing time
     closed_before: int = -(2**62)  # window index: every window below it is closed
+    restored_before: int = -(2**62)  # window index: written by a previous run
+    reported_late: bool = False
     functions: dict[tuple[str, str, int], int] = field(default_factory=dict)
     fn_layer: list[str] = field(default_factory=list)
     fn_name: list[str] = field(default_factory=list)
     fn_callpath: list[int] = field(default_factory=list)
+    fn_order: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # Function ids of the summary batches' function dictionaries seen lately.
     dictionaries: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]], np.ndarray] = (
         field(default_factory=dict)
@@ -103,17 +123,27 @@ class _Job:
 
 class WindowEngine:
     def __init__(
-        self, window_s: float = 15.0, allowed_lateness_s: float = 5.0, idle_s: float = 60.0
+        self,
+        window_s: float = 15.0,
+        allowed_lateness_s: float = 5.0,
+        source_idle_s: float = 10.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         if allowed_lateness_s < 0:
             raise ValueError(f"allowed_lateness_s must be >= 0, got {allowed_lateness_s}")
+        if source_idle_s <= 0:
+            raise ValueError(f"source_idle_s must be > 0, got {source_idle_s}")
         self.window_ns = int(window_s * 1e9)
         self.lateness_ns = int(allowed_lateness_s * 1e9)
-        self.idle_ns = int(max(idle_s, 2 * window_s) * 1e9)
+        self.source_idle_s = source_idle_s
         self.stats = EngineStats()
+        self._clock = clock
         self._jobs: dict[str, _Job] = {}
+        self._source_seen_s: dict[Hashable, float] = {}
+        self._expected_s: dict[Hashable, float] = {}  # sources assigned, not heard from yet
 
     def _job(self, job_id: str) -> _Job:
         job = self._jobs.get(job_id)
@@ -127,32 +157,85 @@ class WindowEngine:
             window = job.windows[index] = _Window()
         return window
 
-    def _observe(self, job: _Job, ranks: np.ndarray, event_ns: np.ndarray) -> None:
-        """Advance the progress of each rank to its latest event time."""
-        if len(event_ns) == 0:
-            return
-        job.max_event_ns = max(job.max_event_ns, int(event_ns.max()))
-        keep = ranks >= 0  # host-level samples advance no rank
-        ranks, event_ns = ranks[keep], event_ns[keep]
-        if len(ranks) == 0:
-            return
-        top = int(ranks.max())
-        if top >= len(job.progress_ns):
-            grown = np.full(top + 1, np.nan)
-            grown[: len(job.progress_ns)] = job.progress_ns
-            job.progress_ns = grown
-        job.progress_ns[ranks] = np.fmax(job.progress_ns[ranks], event_ns)
-        if len(np.unique(ranks)) != len(ranks):  # repeated ranks: fancy assignment keeps one
-            np.maximum.at(job.progress_ns, ranks, event_ns)
+    def _observe(self, job: _Job, source: Hashable, event_ns: int) -> None:
+        """Advance the job's progress on ``source`` to ``event_ns`` (the latest event time)."""
+        now = self._clock()
+        self._source_seen_s[source] = now
+        job.last_arrival_s = now
+        known = job.progress_ns.get(source)
+        if known is None or event_ns > known:
+            job.progress_ns[source] = event_ns
+
+    def expect_sources(self, sources: list[Hashable]) -> None:
+        """Sources (partitions) just assigned: until one delivers or has been silent for
+        ``source_idle_s``, it may carry any job's oldest records, so it holds every window."""
+        now = self._clock()
+        for source in sources:
+            if source not in self._source_seen_s:
+                self._expected_s.setdefault(source, now)
 
     def watermark_ns(self, job_id: str) -> int:
         job = self._jobs.get(job_id)
-        if job is None:
+        if job is None or not job.progress_ns:
             return -(2**62)
-        progress = job.progress_ns[~np.isnan(job.progress_ns)]
-        active = progress[progress >= job.max_event_ns - self.idle_ns]
-        slowest = float(active.min()) if len(active) else float(job.max_event_ns)
-        return int(slowest) - self.lateness_ns
+        now = self._clock()
+        if self._expected_s:
+            for source in [s for s in self._expected_s if s in self._source_seen_s]:
+                del self._expected_s[source]
+            if any(now - since < self.source_idle_s for since in self._expected_s.values()):
+                return -(2**62)
+        active = [
+            progress
+            for source, progress in job.progress_ns.items()
+            if now - self._source_seen_s.get(source, now) < self.source_idle_s
+        ]
+        slowest = min(active) if active else max(job.progress_ns.values())
+        return slowest - self.lateness_ns
+
+    def closed_before_ns(self) -> dict[str, int]:
+        """Per job, the end of the newest closed window: every window before it is closed."""
+        return {
+            job_id: job.closed_before * self.window_ns
+            for job_id, job in self._jobs.items()
+            if job.closed_before > -(2**62)
+        }
+
+    def topologies(self) -> dict[str, Topology]:
+        """Each job's layout as declared so far (sent once per job: a restart must keep it)."""
+        return {j: job.topology for j, job in self._jobs.items() if job.topology is not None}
+
+    def closed_before(self, job_id: str) -> int:
+        """Window index below which every window of the job is closed."""
+        job = self._jobs.get(job_id)
+        return job.closed_before if job is not None else -(2**62)
+
+    def restore_closed(self, job_id: str, before_ns: int) -> None:
+        """Windows that end at or before ``before_ns`` were written by a previous run."""
+        job = self._job(job_id)
+        index = before_ns // self.window_ns
+        job.closed_before = max(job.closed_before, index)
+        job.restored_before = max(job.restored_before, index)
+
+    def _skip_closed(self, job: _Job, index: int, count: int) -> bool:
+        """Count records for an already-closed window; True if they must be skipped."""
+        if index >= job.closed_before:
+            return False
+        if index < job.restored_before:
+            self.stats.replayed += count
+        else:
+            self._late(job, index, count)
+        return True
+
+    def _late(self, job: _Job, index: int, count: int) -> None:
+        self.stats.late_events += count
+        if not job.reported_late:  # once per job: the count says how many followed
+            job.reported_late = True
+            log.warning(
+                "late events: %d record(s) for window %d of a job whose windows before %d are "
+                "closed (progress per source: %s); counted as late",
+                count, index, job.closed_before,
+                {str(s): p for s, p in job.progress_ns.items()},
+            )
 
     # -- input ------------------------------------------------------------------------------
 
@@ -174,15 +257,17 @@ class WindowEngine:
             topology, workers=[workers[rank] for rank in sorted(workers)]
         )
 
-    def add_spans(self, batches: list[SpanBatch]) -> None:
+    def add_spans(self, batches: list[SpanBatch], source: Hashable = 0) -> None:
+        """Each batch (one bus message) is reduced on its own, so partials do not depend on
+        how messages were grouped into polls."""
         by_job: dict[str, list[SpanBatch]] = {}
         for batch in batches:
             if len(batch):
                 by_job.setdefault(batch.job_id, []).append(batch)
         for job_id, job_batches in by_job.items():
-            self._add_job_spans(self._job(job_id), job_batches)
+            self._add_job_spans(self._job(job_id), job_batches, source)
 
-    def _add_job_spans(self, job: _Job, batches: list[SpanBatch]) -> None:
+    def _add_job_spans(self, job: _Job, batches: list[SpanBatch], source: Hashable) -> None:
         fids, ranks, starts, durations, moved = [], [], [], [], []
         for batch in batches:
             callpath = batch.column("callpath_id")
@@ -215,13 +300,14 @@ class WindowEngine:
         start = np.concatenate(starts)
         duration = np.concatenate(durations)
         bytes_moved = np.concatenate(moved)
+        unit = np.repeat(np.arange(len(fids)), [len(f) for f in fids])
         self.stats.spans_received += len(fid)
 
         valid = (rank >= 0) & (rank <= _MAX_RANK) & (duration >= 0)
         if not valid.all():
             self.stats.rejected += int((~valid).sum())
-            fid, rank, start, duration, bytes_moved = (
-                a[valid] for a in (fid, rank, start, duration, bytes_moved)
+            fid, rank, start, duration, bytes_moved, unit = (
+                a[valid] for a in (fid, rank, start, duration, bytes_moved, unit)
             )
         if len(fid) == 0:
             return
@@ -231,17 +317,21 @@ class WindowEngine:
         on_time = (index >= job.closed_before) & (index >= job.base)
         in_range = index - job.base <= _MAX_REL_WINDOW
         if not (on_time & in_range).all():
-            self.stats.late_events += int((~on_time).sum())
             self.stats.rejected += int((on_time & ~in_range).sum())
-            on_time &= in_range
-            fid, rank, index, duration, bytes_moved, start = (
-                a[on_time] for a in (fid, rank, index, duration, bytes_moved, start)
+            replayed = ~on_time & (index < job.restored_before)
+            self.stats.replayed += int(replayed.sum())
+            late = ~on_time & ~replayed
+            if late.any():
+                self._late(job, int(index[late].min()), int(late.sum()))
+            keep = on_time & in_range
+            fid, rank, index, duration, bytes_moved, start, unit = (
+                a[keep] for a in (fid, rank, index, duration, bytes_moved, start, unit)
             )
             if len(fid) == 0:
                 return
         group = ((index - job.base) << _WINDOW_SHIFT) | (rank << _FN_BITS) | fid
-        self._observe_spans(job, rank, start + duration)
-        partials = reduce_events(group, duration, bytes_moved)
+        self._observe(job, source, int((start + duration).max()))
+        partials = reduce_events(group, duration, bytes_moved, unit)
         window_of_row = partials.group >> _WINDOW_SHIFT
         bounds = np.flatnonzero(np.r_[True, window_of_row[1:] != window_of_row[:-1]])
         for i, lo in enumerate(bounds):
@@ -250,14 +340,9 @@ class WindowEngine:
             part = partials.take(np.arange(lo, hi)) if len(bounds) > 1 else partials
             self._window(job, rel + job.base).partials.append(part)
 
-    def _observe_spans(self, job: _Job, rank: np.ndarray, end_ns: np.ndarray) -> None:
-        # Per-rank maxima via one sort of the (usually few) distinct ranks of the batch.
-        order = np.argsort(rank, kind="stable")
-        sorted_rank = rank[order]
-        starts = np.flatnonzero(np.r_[True, sorted_rank[1:] != sorted_rank[:-1]])
-        self._observe(job, sorted_rank[starts], np.maximum.reduceat(end_ns[order], starts))
-
-    def add_summaries(self, summaries: Sequence[SummaryBatch | FunctionSummary]) -> None:
+    def add_summaries(
+        self, summaries: Sequence[SummaryBatch | FunctionSummary], source: Hashable = 0
+    ) -> None:
         """Merge producers' summaries: columnar batches, or row records (older producers),
         which are packed into one batch per job and window first so both take one path."""
         batches: list[SummaryBatch] = []
@@ -274,9 +359,11 @@ class WindowEngine:
         for batch in batches:
             by_job.setdefault(batch.job_id, []).append(batch)
         for job_id, job_batches in by_job.items():
-            self._add_job_summaries(self._job(job_id), job_batches)
+            self._add_job_summaries(self._job(job_id), job_batches, source)
 
-    def _add_job_summaries(self, job: _Job, batches: list[SummaryBatch]) -> None:
+    def _add_job_summaries(
+        self, job: _Job, batches: list[SummaryBatch], source: Hashable
+    ) -> None:
         sizes = np.array([len(b) for b in batches], dtype=np.int64)
         self.stats.summaries_received += int(sizes.sum())
         index = np.repeat(
@@ -316,9 +403,12 @@ class WindowEngine:
             self.stats.rejected += int(too_far.sum())
             valid &= ~too_far
         on_time = (index >= job.closed_before) & (index >= job.base)
-        late = valid & ~on_time
+        replayed = valid & ~on_time & (index < job.restored_before)
+        if replayed.any():
+            self.stats.replayed += int(columns["count"][replayed].sum())
+        late = valid & ~on_time & ~replayed
         if late.any():
-            self.stats.late_events += int(columns["count"][late].sum())
+            self._late(job, int(index[late].min()), int(columns["count"][late].sum()))
         keep = valid & on_time
         if not keep.any():
             return
@@ -332,7 +422,7 @@ class WindowEngine:
             fid, rank, index, end_ns = fid[rows], rank[rows], index[rows], end_ns[rows]
             columns = {name: values[rows] for name, values in columns.items()}
         group = ((index - job.base) << _WINDOW_SHIFT) | (rank << _FN_BITS) | fid
-        self._observe_spans(job, rank, end_ns - 1)
+        self._observe(job, source, int(end_ns.max()) - 1)
         partials = Partials(
             group=group, sketch_row=sketch_row, sketch_key=sketch_key,
             sketch_count=sketch_count, **columns,
@@ -362,41 +452,25 @@ class WindowEngine:
             )
         return fids
 
-    def add_steps(self, steps: list[StepRecord]) -> None:
-        seen: dict[str, tuple[list[int], list[int]]] = {}
+    def add_steps(self, steps: list[StepRecord], source: Hashable = 0) -> None:
         for step in steps:
             self.stats.steps_received += 1
             job = self._job(step.job_id)
             index = step.start_ns // self.window_ns
-            if index < job.closed_before:
-                self.stats.late_events += 1
+            if self._skip_closed(job, index, 1):
                 continue
             self._window(job, index).steps.append(step)
-            ranks, ends = seen.setdefault(step.job_id, ([], []))
-            ranks.append(step.rank)
-            ends.append(step.start_ns + step.duration_ns)
-        self._observe_seen(seen)
+            self._observe(job, source, step.start_ns + step.duration_ns)
 
-    def add_metrics(self, samples: list[MetricSample]) -> None:
-        seen: dict[str, tuple[list[int], list[int]]] = {}
+    def add_metrics(self, samples: list[MetricSample], source: Hashable = 0) -> None:
         for sample in samples:
             self.stats.metrics_received += 1
             job = self._job(sample.job_id)
             index = sample.ts_ns // self.window_ns
-            if index < job.closed_before:
-                self.stats.late_events += 1
+            if self._skip_closed(job, index, 1):
                 continue
             self._window(job, index).metrics.append(sample)
-            ranks, times = seen.setdefault(sample.job_id, ([], []))
-            ranks.append(sample.rank)
-            times.append(sample.ts_ns)
-        self._observe_seen(seen)
-
-    def _observe_seen(self, seen: dict[str, tuple[list[int], list[int]]]) -> None:
-        # Progress of all the records of one call at once: nothing closes in between, and one
-        # numpy update per job costs what one per record did (~10 µs).
-        for job_id, (ranks, times) in seen.items():
-            self._observe(self._jobs[job_id], np.array(ranks), np.array(times))
+            self._observe(job, source, sample.ts_ns)
 
     # -- output -----------------------------------------------------------------------------
 
@@ -427,6 +501,17 @@ class WindowEngine:
             return []
         return [self._close(job_id, job, index) for index in sorted(job.windows)]
 
+    def close_idle(self, job_idle_s: float) -> list[WindowView]:
+        """Close every window of the jobs that sent nothing for ``job_idle_s`` of processing
+        time: a finished job's last windows would otherwise wait for events that never come."""
+        now = self._clock()
+        closed = []
+        for job_id, job in self._jobs.items():
+            if job.windows and now - job.last_arrival_s >= job_idle_s:
+                for index in sorted(job.windows):
+                    closed.append(self._close(job_id, job, index))
+        return closed
+
     def open_windows(self) -> int:
         return sum(len(job.windows) for job in self._jobs.values())
 
@@ -450,18 +535,23 @@ class WindowEngine:
         if not parts:
             return WindowView("", 0, 1).summaries
         group = np.concatenate([p.group for p in parts]) if len(parts) > 1 else parts[0].group
-        sort = np.argsort(group, kind="stable")
-        group = group[sort]
-        order = None if (sort[1:] > sort[:-1]).all() else sort  # None: already in order
-        if len(group) > 1 and (group[1:] == group[:-1]).any():
+        if len(group) > 1 and len(np.unique(group)) < len(group):
             # Some (rank, function) arrived more than once: merge them (spans come in several
-            # batches per window; a producer may send a window twice).
+            # batches per window; a producer may send a window twice). merge_partials merges in
+            # an order fixed by the values, so the result does not depend on arrival order.
             parts = [merge_partials(Partials.concat(parts) if len(parts) > 1 else parts[0])]
-            group, order = parts[0].group, None
+            group = parts[0].group
         # Otherwise (summary batches, typically) nothing merges and the rows only need sorting:
         # numeric columns are gathered in numpy, the sketches in Arrow, each value copied once.
         fid = group & ((1 << _FN_BITS) - 1)
         rank = (group >> _FN_BITS) & _MAX_RANK
+        # Rows sorted by (rank, layer, name, call path): function ids follow arrival order and
+        # must not decide the row order, or a replayed window would not be byte-identical.
+        order: np.ndarray | None = np.lexsort((self._function_order(job)[fid], rank))
+        if (order[1:] > order[:-1]).all():
+            order = None  # already in order
+        else:
+            fid, rank = fid[order], rank[order]
         columns = {
             name: _gather([getattr(p, name) for p in parts], order).astype(dtype, copy=False)
             for name, dtype in (("count", np.int64), ("total_ns", np.int64),
@@ -483,6 +573,17 @@ class WindowEngine:
                 "sketch_counts": _list_column(offsets, [p.sketch_count for p in parts], order),
             }
         )
+
+    @staticmethod
+    def _function_order(job: _Job) -> np.ndarray:
+        """Each function id's position in (layer, name, call path) order."""
+        n = len(job.fn_layer)
+        if len(job.fn_order) != n:  # functions were added since the last window
+            keys = sorted(range(n), key=lambda i: (job.fn_layer[i], job.fn_name[i],
+                                                   job.fn_callpath[i]))
+            job.fn_order = np.empty(n, dtype=np.int64)
+            job.fn_order[keys] = np.arange(n)
+        return job.fn_order
 
 
 def _gather(chunks: list[np.ndarray], order: np.ndarray | None) -> np.ndarray:
@@ -517,10 +618,14 @@ def _list_column(
 def _step_frame(steps: list[StepRecord]) -> pd.DataFrame:
     if not steps:
         return WindowView("", 0, 1).steps
-    return pd.DataFrame({c: [getattr(s, c) for s in steps] for c in STEP_COLUMNS})
+    frame = pd.DataFrame({c: [getattr(s, c) for s in steps] for c in STEP_COLUMNS})
+    return frame.sort_values(list(STEP_COLUMNS), kind="stable", ignore_index=True)
 
 
 def _metric_frame(samples: list[MetricSample]) -> pd.DataFrame:
     if not samples:
         return WindowView("", 0, 1).metrics
-    return pd.DataFrame({c: [getattr(s, c) for s in samples] for c in METRIC_COLUMNS})
+    frame = pd.DataFrame({c: [getattr(s, c) for s in samples] for c in METRIC_COLUMNS})
+    return frame.sort_values(
+        ["rank", "name", "device", "host", "ts_ns", "value"], kind="stable", ignore_index=True
+    )
