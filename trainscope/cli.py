@@ -68,7 +68,11 @@ def cli(verbose: int) -> None:
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    if not verbose:
+    if verbose:
+        # Asked for: the Kafka client's own lines too (the bus quiets them only when nobody
+        # chose a level for them).
+        logging.getLogger("aiokafka").setLevel(level)
+    else:
         # Client libraries log every retry and reconnect (and reset their loggers' levels on
         # import); our own errors say what failed, once.
         for handler in logging.getLogger().handlers:

@@ -194,10 +194,11 @@ class EmbeddedPipeline:
         return accepted
 
     def process_messages(self, messages: list[Message]) -> None:
-        """Decode, drop re-sent batches, validate; the valid messages are windowed by source
+        """Decode, validate, drop re-sent batches; the valid messages are windowed by source
         (partition), and every message's offset is recorded with the windows it feeds."""
         # (message, records or None when set aside); kept in message order for the offsets.
         handled: list[tuple[Message, list[Record] | None]] = []
+        stamps: dict[int, tuple[int, int]] = {}  # producer id and sequence of decoded batches
         for message in messages:
             self._stats.decode.received += 1
             try:
@@ -210,12 +211,8 @@ class EmbeddedPipeline:
                 self._reject(message, f"decoding raised {type(exc).__name__}: {exc}")
                 handled.append((message, None))
                 continue
-            if not self.seen.first_time(batch.producer_id, batch.seq):
-                self._stats.decode.dropped += 1
-                self._stats.duplicate_batches += 1
-                handled.append((message, None))
-                continue
             handled.append((message, batch.records))
+            stamps[len(handled) - 1] = (batch.producer_id, batch.seq)
         decoded = [(i, records) for i, (_, records) in enumerate(handled) if records is not None]
         errors = self._validate([records for _, records in decoded])
         for (i, records), error in zip(decoded, errors, strict=True):
@@ -226,8 +223,15 @@ class EmbeddedPipeline:
                 self._reject(message, error)
                 handled[i] = (message, None)
                 continue
-            self._stats.decode.emitted += 1
             self._stats.validate.emitted += len(records)
+            # Only a valid batch counts as seen: a copy damaged on the way is dead-lettered and
+            # does not shadow the intact re-send.
+            if not self.seen.first_time(*stamps[i]):
+                self._stats.decode.dropped += 1
+                self._stats.duplicate_batches += 1
+                handled[i] = (message, None)
+                continue
+            self._stats.decode.emitted += 1
             handled[i] = (message, _events_as_batches(records))
         by_source: dict[tuple[str, int], list[tuple[Message, list[Record]]]] = {}
         for message, records in handled:
@@ -601,6 +605,8 @@ class Pipeline(EmbeddedPipeline):
         if assignment is not None:
             assigned = frozenset(assignment())
             if assigned != self._assigned:
+                log.info("assigned partitions: %s", ", ".join(
+                    f"{topic}[{partition}]" for topic, partition in sorted(assigned)))
                 self.engine.expect_sources(sorted(assigned - self._assigned))
                 self._assigned = assigned
         if messages:
