@@ -87,9 +87,11 @@ process_clock = time.process_time
 
 
 def produce(ranks: int, steps: int) -> tuple[list[bytes], int, float]:
-    """The bus payloads of a simulated job, published exactly as the demo's producers do."""
+    """The bus payloads of a simulated job, published as the demo's producers do with raw spans."""
     dp, pp, tp = SIZES[ranks]
-    cluster = SimulatedCluster(ClusterSpec(dp=dp, pp=pp, tp=tp, steps=steps, seed=1),
+    # Raw spans: this pass measures the engine's span path (the demo sends summaries now).
+    cluster = SimulatedCluster(ClusterSpec(dp=dp, pp=pp, tp=tp, steps=steps, seed=1,
+                                           send="spans"),
                                parse_faults(["slow-gpu:rank=5,factor=1.3"]))
     bus = MemoryBus()
     consumer = bus.consumer([EVENTS_TOPIC, METRICS_TOPIC], "bench")
@@ -147,7 +149,9 @@ class _Sent:
 def simulate_sources(steps: int) -> tuple[dict[tuple[int, int], _Sent], list[int], float]:
     """Per (source rank, window): its summary batch, step records and condensed metrics."""
     dp, pp, tp = SOURCE
-    cluster = SimulatedCluster(ClusterSpec(dp=dp, pp=pp, tp=tp, steps=steps, seed=1),
+    # The raw spans, condensed below per source rank and window.
+    cluster = SimulatedCluster(ClusterSpec(dp=dp, pp=pp, tp=tp, steps=steps, seed=1,
+                                           send="spans"),
                                parse_faults(["slow-gpu:rank=5,factor=1.3"]))
     columns: dict[str, list[np.ndarray]] = {"rank": [], "fn": [], "start_ns": [], "dur": []}
     functions: dict[tuple[str, str], int] = {}

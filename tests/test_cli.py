@@ -37,11 +37,13 @@ def demo_store(tmp_path_factory) -> tuple[Path, dict]:
 @pytest.mark.slow
 def test_demo_puts_the_slow_gpu_first(demo_store) -> None:
     _, result = demo_store
-    assert set(result) == {"findings", "ranks", "events", "windows", "elapsed_s"}
+    assert set(result) == {"findings", "ranks", "events", "summaries", "windows", "elapsed_s"}
     top = result["findings"][0]
     assert (top["rank"], top["category"]) == (13, "gpu-compute")
     assert top["score"] >= 0.5 and top["ranks"] == [13]
     assert result["ranks"] == 64 and result["events"] > 500_000 and result["windows"] >= 10
+    # The ranks sent their spans condensed: a summary per rank, function and window at most.
+    assert 0 < result["summaries"] <= 64 * 10 * result["windows"]
 
 
 @pytest.mark.slow

@@ -58,6 +58,9 @@ def resolve_layout(
 @click.option("--threshold", type=click.FloatRange(0, 1), default=ALERT_THRESHOLD,
               show_default=True, help="Alert threshold on finding scores.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option("--spans", is_flag=True,
+              help="Send each rank's raw span events instead of the per-window function "
+                   "summaries that real producers send (to compare the two paths).")
 @click.option("--optrace", type=click.Path(file_okay=False, path_type=Path),
               help="Also write the job's op trace (optrace.parquet + optrace.yaml) into this "
                    "directory, for trainscope whatif.")
@@ -65,7 +68,8 @@ def demo(
     ranks: int | None, dp: int | None, pp: int | None, tp: int | None, steps: int,
     faults: tuple[str, ...], seed: int, start_s: int | None, job_id: str, store: Path | None,
     no_store: bool,
-    bus_url: str, window_s: float, threshold: float, as_json: bool, optrace: Path | None,
+    bus_url: str, window_s: float, threshold: float, as_json: bool, spans: bool,
+    optrace: Path | None,
 ) -> None:
     """Run a simulated training job through the whole pipeline and diagnose it."""
     from rich.console import Console
@@ -120,6 +124,7 @@ def demo(
                 threshold=threshold, on_window=on_window,
                 on_step=lambda s: progress.update(task, completed=s + 1),
                 ops_sink=op_frames.append if optrace is not None else None,
+                send="spans" if spans else "summaries",
             )
     except (ValueError, BusError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -156,9 +161,10 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
     from rich.table import Table
 
     stats = result.stats
+    sent = f"sent as {result.summaries:,} function summaries" if result.summaries else "sent raw"
     console.print(
         f"\n[bold]{result.job_id}[/]: {result.ranks} ranks, {result.steps} steps, "
-        f"{result.events:,} span events in {result.windows} windows, "
+        f"{result.events:,} span events in {result.windows} windows, {sent}, "
         f"{result.elapsed_s:.1f} s ({result.events / max(result.elapsed_s, 1e-9):,.0f} events/s)"
     )
     console.print(

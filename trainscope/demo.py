@@ -1,9 +1,11 @@
 """The demo: a simulated job published over a bus, consumed by the pipeline, stored in ClickHouse.
 
-The simulated cluster publishes exactly what real producers would (span batches and step records
-per host on the events topic, metric samples on the metrics topic); the pipeline consumes them
-like any other producer's data. On the in-memory bus producer and pipeline alternate in one
-thread; on Kafka the producer runs in its own thread and the pipeline consumes concurrently.
+The simulated cluster publishes exactly what real producers do: each rank's spans condensed per
+window into function summaries by the same recorder ``attach()`` runs (raw span batches only with
+``send="spans"``, for comparison), with the step records per host on the events topic and metric
+samples on the metrics topic; the pipeline consumes them like any other producer's data. On the
+in-memory bus producer and pipeline alternate in one thread; on Kafka the producer runs in its
+own thread and the pipeline consumes concurrently.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from trainscope.detectors.diagnosis import Suspect, diagnose
 from trainscope.producers.simulate import ClusterSpec, Fault, SimulatedCluster, StepOutput
@@ -32,7 +34,8 @@ class DemoResult:
     job_id: str
     ranks: int
     steps: int
-    events: int
+    events: int  # span events the ranks measured
+    summaries: int  # function summaries they sent instead (0 when they sent the raw spans)
     messages: int
     windows: int
     elapsed_s: float
@@ -48,6 +51,7 @@ class DemoResult:
             "findings": [s.as_json() for s in self.suspects],
             "ranks": self.ranks,
             "events": self.events,
+            "summaries": self.summaries,
             "windows": self.windows,
             "elapsed_s": round(self.elapsed_s, 3),
         }
@@ -62,14 +66,18 @@ def publish_step(bus: Bus, cluster: SimulatedCluster, output: StepOutput, first:
         bus.publish(EVENTS_TOPIC, encode_batch(cluster.topology_records()),
                     key=rank_key(spec.job_id, 0))
         messages += 1
-    steps_by_host: dict[int, list[Record]] = {}
-    for record in output.steps:
-        steps_by_host.setdefault(record.rank // per_host, []).append(record)
+    # One events message per host and step: its ranks' span batch or closed window summaries,
+    # then their step records.
+    by_host: dict[int, list[Record]] = {}
     for batch in output.spans:
-        first_rank = int(batch.column("rank")[0])
-        host = first_rank // per_host
-        records: list[Record] = [batch, *steps_by_host.pop(host, [])]
-        bus.publish(EVENTS_TOPIC, encode_batch(records), key=rank_key(spec.job_id, first_rank))
+        by_host.setdefault(int(batch.column("rank")[0]) // per_host, []).append(batch)
+    for summary in output.summaries:
+        by_host.setdefault(int(summary.column("rank")[0]) // per_host, []).append(summary)
+    for record in output.steps:
+        by_host.setdefault(record.rank // per_host, []).append(record)
+    for host in sorted(by_host):
+        bus.publish(EVENTS_TOPIC, encode_batch(by_host[host]),
+                    key=rank_key(spec.job_id, host * per_host))
         messages += 1
     metrics_by_host: dict[int, list[Record]] = {}
     for sample in output.metrics:
@@ -95,10 +103,14 @@ def run_demo(
     on_window: Callable[[WindowView, list[Finding]], None] | None = None,
     kafka_timeout_s: float = 120.0,
     ops_sink: Callable[[Any], None] | None = None,
+    send: Literal["summaries", "spans"] = "summaries",
 ) -> DemoResult:
-    """``ops_sink``, if given, receives each step's op-trace frame (for the what-if analysis)."""
-    if ops_sink is not None and not spec.record_ops:
-        spec = replace(spec, record_ops=True)
+    """``ops_sink``, if given, receives each step's op-trace frame (for the what-if analysis).
+    ``send``: what the ranks publish about their functions, per-window ``"summaries"`` as real
+    producers do, or raw ``"spans"``."""
+    # The ranks condense over the pipeline's windows, as attach() is configured to.
+    spec = replace(spec, send=send, window_s=window_s,
+                   record_ops=spec.record_ops or ops_sink is not None)
     cluster = SimulatedCluster(spec, faults)
     bus = open_bus(bus_url)
     group = f"trainscope-demo-{spec.job_id}-{time.time_ns()}"
@@ -109,6 +121,7 @@ def run_demo(
     )
     started = time.perf_counter()
     events = 0
+    summaries = 0
     published = 0
     notes: list[str] = []
     try:
@@ -116,6 +129,7 @@ def run_demo(
             for output in cluster.run():
                 published += publish_step(bus, cluster, output, output.step == 0)
                 events += output.span_count
+                summaries += sum(len(b) for b in output.summaries)
                 if ops_sink is not None and output.ops is not None:
                     ops_sink(output.ops)
                 while pipeline.poll_once(timeout_s=0.0):
@@ -127,11 +141,12 @@ def run_demo(
             failure: list[BaseException] = []
 
             def produce() -> None:
-                nonlocal events, published
+                nonlocal events, summaries, published
                 try:
                     for output in cluster.run():
                         published += publish_step(bus, cluster, output, output.step == 0)
                         events += output.span_count
+                        summaries += sum(len(b) for b in output.summaries)
                         if ops_sink is not None and output.ops is not None:
                             ops_sink(output.ops)
                         if on_step:
@@ -165,6 +180,7 @@ def run_demo(
         ranks=cluster.layout.world_size,
         steps=spec.steps,
         events=events,
+        summaries=summaries,
         messages=published,
         windows=pipeline.windows,
         elapsed_s=elapsed,

@@ -4,7 +4,9 @@ For tests and benchmarks of the stream job (``trainscope pipeline``) running in 
 
     python -m trainscope.publish_simulated --bus kafka://127.0.0.1:9092 --ranks 64
 
-Prints one JSON object when done: messages and span events published, re-sent copies, and
+Each simulated rank sends its spans condensed per window into function summaries, as real
+producers do (``--spans``: the raw span events). Prints one JSON object when done: messages
+published, span events measured, re-sent copies, and
 ``last_failed_step``: every step after it was reported delivered by the bus (a publish that
 raised or a flush that failed marks its step).
 ``--resend-every N`` publishes every N-th message twice, byte for byte, as a producer does that
@@ -66,13 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault", action="append", default=[])
     parser.add_argument("--steps-per-s", type=float, default=0.0,
                         help="Pace the job (0: as fast as possible).")
+    parser.add_argument("--window-s", type=float, default=15.0,
+                        help="The stream job's window: each rank condenses its spans over it.")
+    parser.add_argument("--spans", action="store_true",
+                        help="Send raw span events instead of per-window function summaries.")
     parser.add_argument("--resend-every", type=int, default=0)
     parser.add_argument("--flush-every", type=int, default=10,
                         help="Wait for delivery every this many steps.")
     args = parser.parse_args(argv)
 
     spec = ClusterSpec(job_id=args.job_id, dp=args.dp, pp=args.pp, tp=args.tp,
-                       steps=args.steps, seed=args.seed, start_ns=args.start_s * 10**9)
+                       steps=args.steps, seed=args.seed, start_ns=args.start_s * 10**9,
+                       window_s=args.window_s, send="spans" if args.spans else "summaries")
     cluster = SimulatedCluster(spec, parse_faults(args.fault))
     raw = open_bus(args.bus)
     connect = getattr(raw, "connect", None)

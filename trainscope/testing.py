@@ -28,7 +28,8 @@ def sample_windows(steps: int = 60, seed: int = 5) -> list[WindowView]:
 
     views: list[WindowView] = []
     pipeline = EmbeddedPipeline([], window_s=5.0, on_window=lambda v, f: views.append(v))
-    cluster = SimulatedCluster(ClusterSpec(dp=4, pp=2, tp=1, steps=steps, seed=seed),
+    cluster = SimulatedCluster(ClusterSpec(dp=4, pp=2, tp=1, steps=steps, seed=seed,
+                                           window_s=5.0),
                                parse_faults(["slow-gpu:rank=1,factor=1.5"]))
     for records in cluster.batches():
         pipeline.process_records(records)

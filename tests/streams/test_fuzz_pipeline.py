@@ -17,6 +17,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 import numpy as np
@@ -38,6 +39,9 @@ SEED = 13
 VALID_JOB = "job-alpha"
 WINDOW_S = 5.0
 TEN_DAYS_NS = 10 * 86_400 * 10**9
+# The jobs send raw span batches (the path Kineto replay uses): the mutator knows span columns
+# (INVALID_COLUMN), not yet the columns of summary batches.
+SEND: Literal["spans"] = "spans"
 HUGE = "x" * 5000  # longer than any text limit
 
 # Values that make any record holding the field invalid, whatever topology is known.
@@ -105,7 +109,8 @@ def job_payloads(spec: ClusterSpec, faults: list[str]) -> list[bytes]:
 
 
 def valid_job() -> list[bytes]:
-    spec = ClusterSpec(job_id=VALID_JOB, dp=4, pp=2, tp=1, steps=90, seed=7)
+    spec = ClusterSpec(job_id=VALID_JOB, dp=4, pp=2, tp=1, steps=90, seed=7, window_s=WINDOW_S,
+                       send=SEND)
     return job_payloads(spec, ["gc-pause:rank=3,ms=300,every=5"])
 
 
@@ -114,7 +119,7 @@ def noise_jobs() -> list[bytes]:
     for i, fault in enumerate(["slow-gpu:rank=1,factor=1.5", "dataloader-stall:rank=0,ms=200",
                                "gc-pause:rank=1,ms=300,every=3"]):
         spec = ClusterSpec(job_id=f"zz-noise-{i}", dp=2, pp=1, tp=1, steps=40, seed=i,
-                           microbatches=2)
+                           microbatches=2, window_s=WINDOW_S, send=SEND)
         out += job_payloads(spec, [fault])
     return out
 

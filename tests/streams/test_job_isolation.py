@@ -35,7 +35,8 @@ def detectors() -> list:
 
 
 def cluster(job: int, steps: int) -> SimulatedCluster:
-    spec = ClusterSpec(job_id=f"job-{job}", dp=4, pp=2, tp=1, steps=steps, seed=20 + job)
+    spec = ClusterSpec(job_id=f"job-{job}", dp=4, pp=2, tp=1, steps=steps, seed=20 + job,
+                       window_s=WINDOW_S)
     return SimulatedCluster(spec, parse_faults([FAULTS[job]]))
 
 

@@ -34,6 +34,7 @@ def test_kafka_demo_gives_the_same_top_finding(kafka_broker) -> None:
         top_memory["rank"], top_memory["category"], top_memory["function"])
     # Every event crossed the broker and none arrived too late for its window.
     assert over_kafka["events"] == in_memory["events"]
+    assert over_kafka["summaries"] == in_memory["summaries"] > 0
     assert over_kafka["windows"] == in_memory["windows"]
 
 

@@ -12,7 +12,7 @@ from trainscope.streams.pipeline import Pipeline
 
 def test_corrupted_message_is_rejected_counted_and_dead_lettered() -> None:
     bus = MemoryBus()
-    cluster = SimulatedCluster(ClusterSpec(dp=4, pp=1, tp=1, steps=40, seed=3),
+    cluster = SimulatedCluster(ClusterSpec(dp=4, pp=1, tp=1, steps=40, seed=3, window_s=5.0),
                                parse_faults(["dataloader-stall:rank=2,ms=300"]))
     pipeline = Pipeline(bus, detectors=[PeerDiffDetector()], window_s=5.0)
     published = 0

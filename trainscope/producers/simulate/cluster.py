@@ -9,15 +9,17 @@ the sender's data arrives, so one slow rank makes its peers wait — and the wai
 as (dp, tp) numpy arrays.
 
 Faults (:mod:`.faults`) change only the physics (compute speed, clocks, link bandwidth, stalls,
-token counts); what the detectors see is the spans, step records and metric samples a real
-producer could send — the simulator never labels a culprit.
+token counts); what the detectors see is the function summaries, step records and metric samples
+a real producer sends — the simulator never labels a culprit. Like ``attach()`` in each real rank,
+each simulated rank condenses its spans per window into summaries (:mod:`.summaries`); raw span
+batches are sent instead only when asked for (``ClusterSpec.send="spans"``), for comparison.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -28,8 +30,15 @@ from trainscope.producers.simulate.records import (
     SpanEmitter,
     step_records,
 )
+from trainscope.producers.simulate.summaries import RankRecorders
 from trainscope.schemas import metrics as m
-from trainscope.schemas.records import MetricSample, Record, SpanBatch, StepRecord
+from trainscope.schemas.records import (
+    MetricSample,
+    Record,
+    SpanBatch,
+    StepRecord,
+    SummaryBatch,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -67,6 +76,11 @@ class ClusterSpec:
     # Also emit the Megatron-style op trace of every step (StepOutput.ops) for the what-if
     # analysis. Off by default: it costs a few array appends per op that nothing else needs.
     record_ops: bool = False
+    # What each rank sends about its functions: per-window summaries, as every real producer
+    # does, or the raw span events (to compare the two paths).
+    send: Literal["summaries", "spans"] = "summaries"
+    # The window the ranks condense spans over: the stream job's window length.
+    window_s: float = 15.0
 
     @property
     def layout(self) -> Layout:
@@ -87,15 +101,17 @@ class ClusterSpec:
 @dataclass
 class StepOutput:
     step: int
+    # Raw span batches, one per host (ClusterSpec.send="spans" only).
     spans: list[SpanBatch] = field(default_factory=list)
+    # Summaries of the windows the ranks closed during this step, one or more per rank and
+    # window; the last step also carries every window still open (ClusterSpec.send="summaries").
+    summaries: list[SummaryBatch] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     metrics: list[MetricSample] = field(default_factory=list)
     # Op-trace rows of this step (what-if trace columns) when ClusterSpec.record_ops is set.
     ops: pd.DataFrame | None = None
-
-    @property
-    def span_count(self) -> int:
-        return sum(len(b) for b in self.spans)
+    # Span events the ranks measured in this step, sent raw or condensed.
+    span_count: int = 0
 
 
 def one_f_one_b(pp: int, stage: int, microbatches: int) -> list[tuple[str, int]]:
@@ -110,6 +126,8 @@ def one_f_one_b(pp: int, stage: int, microbatches: int) -> list[tuple[str, int]]
 
 class SimulatedCluster:
     def __init__(self, spec: ClusterSpec, faults: list[Fault] | None = None) -> None:
+        if spec.send not in ("summaries", "spans"):
+            raise ValueError(f"send must be 'summaries' or 'spans', got {spec.send!r}")
         self.spec = spec
         self.layout = spec.layout
         self.faults = list(faults or [])
@@ -148,9 +166,21 @@ class SimulatedCluster:
 
     def run(self) -> Iterator[StepOutput]:
         """One StepOutput per training step, in order."""
-        start = np.full(self.layout.world_size, float(self.spec.start_ns))
-        for step in range(self.spec.steps):
+        spec = self.spec
+        start = np.full(self.layout.world_size, float(spec.start_ns))
+        recorders = (
+            RankRecorders(spec.job_id, self.layout.world_size, spec.window_s)
+            if spec.send == "summaries" else None
+        )
+        for step in range(spec.steps):
             output, start = self._step(step, start)
+            if recorders is not None:
+                recorders.add(output.spans)
+                output.spans = []
+                # Each rank's clock is where its step ended; the job ends after the last step.
+                output.summaries = (
+                    recorders.flush() if step == spec.steps - 1 else recorders.closed(start)
+                )
             yield output
 
     def batches(self) -> Iterator[list[Record]]:
@@ -159,7 +189,7 @@ class SimulatedCluster:
         for output in self.run():
             records: list[Record] = list(self.topology_records()) if first else []
             first = False
-            records += [*output.spans, *output.steps, *output.metrics]
+            records += [*output.spans, *output.summaries, *output.steps, *output.metrics]
             yield records
 
     # -- physics ----------------------------------------------------------------------------
@@ -275,6 +305,7 @@ class SimulatedCluster:
 
         output = StepOutput(step=step)
         output.spans = emit.batches(spec.job_id, layout, step)
+        output.span_count = sum(len(b) for b in output.spans)
         output.steps = step_records(
             spec.job_id, layout, spec.microbatches, step, start, end, tokens
         )

@@ -20,14 +20,11 @@ from trainscope.producers.torch.options import Options
 from trainscope.producers.torch.safety import Guard, log
 from trainscope.producers.torch.sender import Sender
 from trainscope.producers.torch.steps import StepTracker
-from trainscope.producers.torch.windows import WindowRecorder
+from trainscope.schemas.recorder import WindowRecorder
 from trainscope.schemas.records import ControlMessage, Topology, WorkerInfo
 from trainscope.streams.bus import Bus, open_bus, rank_key
 from trainscope.streams.kafka_security import parse_kafka_url
 
-# A window is condensed this long after its end so spans still running at the boundary
-# (a collective, a GC pause) usually land in it; later ones become a second, mergeable summary.
-WINDOW_GRACE_S = 0.5
 FULL_LAYOUT_MAX_RANKS = 4096
 
 
@@ -37,9 +34,7 @@ class Attachment:
         self.guard = Guard()
         self.active = True
         self._pid = os.getpid()
-        self.recorder = WindowRecorder(
-            options.window_ns, int(min(WINDOW_GRACE_S, options.window_s / 4) * 1e9)
-        )
+        self.recorder = WindowRecorder.for_window(options.window_s)
         self.steps = StepTracker(options.job_id, options.rank)
         self.bus_url, factory, owns = _bus_factory(bus if bus is not None else options.bus_url)
         self._bus_factory = factory

@@ -1,7 +1,9 @@
-"""In-process per-window accumulation of function durations.
+"""In-process per-window accumulation of function durations, condensed into summaries.
 
-The training thread only appends integers under a lock; condensing a closed window into
-:class:`SummaryBatch` records (numpy, sketch) happens on the sender thread. Windows are
+What the PyTorch producer (``attach()``) runs in every rank, and what the simulated cluster runs
+per simulated rank, so both send the same :class:`SummaryBatch` records made the same way. In
+``attach()`` the training thread only appends integers under a lock; condensing a closed window
+into :class:`SummaryBatch` records (numpy, sketch) happens on the sender thread. Windows are
 aligned to the epoch (``window_start_ns = start_ns // window_ns * window_ns``) and a span
 belongs to the window in which it *started*, like step records.
 """
@@ -12,6 +14,11 @@ import threading
 
 from trainscope.schemas.records import SummaryBatch
 from trainscope.schemas.summaries import FunctionKey, summary_batches
+
+# A window is condensed this long after its end (a quarter of the window if that is shorter) so
+# spans still running at the boundary (a collective, a GC pause) usually land in it; later ones
+# become a second, mergeable summary.
+WINDOW_GRACE_S = 0.5
 
 
 class _Durations:
@@ -33,6 +40,11 @@ class WindowRecorder:
         self.recorded = 0
         self._open: dict[int, dict[FunctionKey, _Durations]] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def for_window(cls, window_s: float) -> WindowRecorder:
+        """A recorder of ``window_s`` windows with the producers' grace period."""
+        return cls(int(window_s * 1e9), int(min(WINDOW_GRACE_S, window_s / 4) * 1e9))
 
     def window_of(self, ts_ns: int) -> int:
         return ts_ns // self.window_ns * self.window_ns
