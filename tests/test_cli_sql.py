@@ -150,11 +150,13 @@ def test_create_starts_an_empty_store(tmp_path: Path) -> None:
 
 @pytest.mark.kafka
 def test_a_store_owned_by_a_running_pipeline_gives_one_line_that_says_what_to_do(
-    kafka_broker, tmp_path: Path,
+    fresh_kafka_broker, tmp_path: Path,
 ) -> None:
+    # A broker of its own: on the shared one the pipeline would read other tests' jobs and,
+    # stopped, write their windows, so the store's contents would say nothing.
     store = tmp_path / "store"
     pipeline = subprocess.Popen(
-        [sys.executable, "-m", "trainscope.cli", "pipeline", "--bus", kafka_broker.url,
+        [sys.executable, "-m", "trainscope.cli", "pipeline", "--bus", fresh_kafka_broker.url,
          "--store", str(store), "--group", f"sql-lock-{time.monotonic_ns()}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
