@@ -3,6 +3,8 @@ partition, idle closing, restored windows, and rows that do not depend on arriva
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pandas as pd
 
@@ -70,6 +72,11 @@ def test_resent_batches_are_recognised_by_their_stamp() -> None:
     assert not seen.first_time(first.producer_id, first.seq)  # the same bytes re-sent
     assert seen.first_time(second.producer_id, second.seq)
     assert seen.first_time(0, 0) and seen.first_time(0, 0)  # unstamped: never deduplicated
+    # A stamp damaged into an earlier batch's stamp comes with other bytes: not a re-send.
+    digest = zlib.crc32(payload)
+    assert seen.first_time(first.producer_id, 10, digest)
+    assert not seen.first_time(first.producer_id, 10, digest)
+    assert seen.first_time(first.producer_id, 10, zlib.crc32(b"other bytes"))
     for seq in range(100, 120):  # memory stays bounded
         seen.first_time(7, seq)
     assert len(seen._seen[7]) <= 8

@@ -84,26 +84,30 @@ class PendingOffsets:
 class SeenBatches:
     """Producer stamps (id, sequence) seen recently, to drop batches a producer re-sent.
 
+    A re-send is the same bytes again, so a stamp counts as seen only together with the digest
+    of the payload it came with: a batch whose stamp was damaged into another batch's stamp
+    (or two producers that drew the same id) is never taken for a re-send and dropped.
     A re-send follows its original closely, so per producer only the newest ``horizon``
     sequence numbers are remembered; memory stays bounded however long the job runs.
     """
 
     horizon: int = 1 << 20
-    _seen: dict[int, set[int]] = field(default_factory=dict)
+    _seen: dict[int, dict[int, int]] = field(default_factory=dict)  # id -> seq -> digest
     _newest: dict[int, int] = field(default_factory=dict)
 
-    def first_time(self, producer_id: int, seq: int) -> bool:
+    def first_time(self, producer_id: int, seq: int, digest: int = 0) -> bool:
         if producer_id == 0:  # unstamped: an older producer; nothing to compare
             return True
-        seen = self._seen.setdefault(producer_id, set())
-        if seq in seen:
-            return False
-        seen.add(seq)
+        seen = self._seen.setdefault(producer_id, {})
+        known = seen.get(seq)
+        if known is not None:
+            return known != digest
+        seen[seq] = digest
         newest = max(self._newest.get(producer_id, seq), seq)
         self._newest[producer_id] = newest
         if len(seen) > 2 * self.horizon:
             floor = newest - self.horizon
-            self._seen[producer_id] = {s for s in seen if s > floor}
+            self._seen[producer_id] = {s: d for s, d in seen.items() if s > floor}
         return True
 
 

@@ -198,7 +198,8 @@ class EmbeddedPipeline:
         (partition), and every message's offset is recorded with the windows it feeds."""
         # (message, records or None when set aside); kept in message order for the offsets.
         handled: list[tuple[Message, list[Record] | None]] = []
-        stamps: dict[int, tuple[int, int]] = {}  # producer id and sequence of decoded batches
+        # Producer id, sequence and payload digest of each decoded batch (see SeenBatches).
+        stamps: dict[int, tuple[int, int, int]] = {}
         for message in messages:
             self._stats.decode.received += 1
             try:
@@ -212,7 +213,7 @@ class EmbeddedPipeline:
                 handled.append((message, None))
                 continue
             handled.append((message, batch.records))
-            stamps[len(handled) - 1] = (batch.producer_id, batch.seq)
+            stamps[len(handled) - 1] = (batch.producer_id, batch.seq, zlib.crc32(message.value))
         decoded = [(i, records) for i, (_, records) in enumerate(handled) if records is not None]
         errors = self._validate([records for _, records in decoded])
         for (i, records), error in zip(decoded, errors, strict=True):
