@@ -14,13 +14,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from trainscope.schemas.records import Finding
-from trainscope.schemas.window import (  # noqa: F401  moved; kept for code written against the old place
-    METRIC_COLUMNS,
-    STEP_COLUMNS,
-    SUMMARY_COLUMNS,
-    WindowView,
-    empty_frame,
-)
+from trainscope.schemas.window import WindowView
 
 ALERT_THRESHOLD = 0.5
 
