@@ -1,4 +1,4 @@
-"""Step-time overhead of the in-process PyTorch producer on a CPU training loop.
+"""Step-time overhead of the in-process PyTorch producer on a training loop (CPU, or a GPU).
 
 Measured in one run, as ratios to the same loop without trainscope, interleaving the
 configurations round by round (shared, noisy machines):
@@ -9,7 +9,8 @@ configurations round by round (shared, noisy machines):
 
 Each block runs ``--steps`` steps after ``--warmup``; its figure is the median step time. The
 ratio of a configuration is the median over rounds of (its block / the baseline block of the
-same round). Usage: ``python benchmarks/bench_torch_overhead.py [--rounds 7] [--steps 60]``.
+same round). Usage: ``python benchmarks/bench_torch_overhead.py [--rounds 7] [--steps 60]
+[--device cuda]``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from trainscope.schemas.records import ControlMessage
 from trainscope.streams.memory_bus import MemoryBus
 
 
-def make_loop(width: int, batch: int) -> Callable[[int], list[float]]:
+def make_loop(width: int, batch: int, device: str = "cpu") -> Callable[[int], list[float]]:
     model = torch.nn.Sequential(
         torch.nn.Linear(width, width), torch.nn.ReLU(),
         torch.nn.Linear(width, width), torch.nn.ReLU(),
         torch.nn.Linear(width, 10),
-    )
+    ).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     data = torch.utils.data.TensorDataset(torch.randn(batch * 8, width),
                                           torch.randint(0, 10, (batch * 8,)))
@@ -50,10 +51,13 @@ def make_loop(width: int, batch: int) -> Callable[[int], list[float]]:
             except StopIteration:
                 it = iter(loader)
                 x, y = next(it)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if device != "cpu":
+                loss.item()  # what a training loop that logs its loss waits for every step
             times.append(time.perf_counter() - start)
         return times
 
@@ -77,7 +81,10 @@ def attached() -> Iterator[None]:
 
 @contextmanager
 def torch_profiler() -> Iterator[None]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities):
         yield
 
 
@@ -118,14 +125,18 @@ def main() -> None:
     parser.add_argument("--sizes", default="256x32,1024x128",
                         help="model width x batch size, comma-separated")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} rounds x "
+    device = args.device
+    if device != "cpu":
+        print(f"device: {torch.cuda.get_device_name(torch.device(device))}")
+    print(f"torch {torch.__version__}, {device}, {args.threads} thread(s), {args.rounds} rounds x "
           f"{args.steps} steps (+{args.warmup} warm-up) per block")
     for size in args.sizes.split(","):
         width, batch = (int(v) for v in size.split("x"))
-        run = make_loop(width, batch)
+        run = make_loop(width, batch, device)
         run(args.warmup)
         ratios: dict[str, list[float]] = {name: [] for name in CONFIGS}
         base_times = []
