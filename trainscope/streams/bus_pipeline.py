@@ -150,9 +150,9 @@ class Pipeline(EmbeddedPipeline):
         open_windows = 0
         if checkpoint.engine is not None:
             open_windows = self.engine.restore(checkpoint.engine)
-            for job_id, job in checkpoint.engine["jobs"].items():
-                if job.windows:
-                    self._restored_open[job_id] = max(job.windows) + 1
+            for job_id, windows in checkpoint.engine["windows"].items():
+                if windows:
+                    self._restored_open[job_id] = max(windows) + 1
             self._resume = ResumeFilter(checkpoint.positions, checkpoint.committed)
             # The bus holds this checkpoint's positions or, after a crash before they were
             # committed, the ones before: the earlier is what a later checkpoint may count on.

@@ -66,6 +66,9 @@ _MAX_RANK = (1 << _RANK_BITS) - 1
 _WINDOW_MARGIN = 1 << 10
 _MAX_REL_WINDOW = (1 << (63 - _WINDOW_SHIFT)) - 1
 _SUMMARY_ALL_COLUMNS = {**SUMMARY_COLUMNS, **SUMMARY_SKETCH_COLUMNS}
+_ENCODER = msgspec.msgpack.Encoder()
+_STEPS = msgspec.msgpack.Decoder(list[StepRecord])
+_METRICS = msgspec.msgpack.Decoder(list[MetricSample])
 # Bound on the function dictionaries remembered per job (cleared when full).
 _MAX_DICTIONARIES = 4096
 
@@ -222,11 +225,21 @@ class WindowEngine:
         then the same function of the same inputs as one never interrupted, row for row."""
         jobs = {
             job_id: dataclasses.replace(
-                job, progress_ns={}, last_arrival_s=0.0, reported_late=False, dictionaries={}
+                job, progress_ns={}, last_arrival_s=0.0, reported_late=False, dictionaries={},
+                windows={},
             )
             for job_id, job in self._jobs.items()
         }
-        return {"window_ns": self.window_ns, "jobs": jobs}
+        # Steps and metrics as msgpack: pickling them struct by struct costs ~25 µs each.
+        windows = {
+            job_id: {
+                index: (window.partials, _ENCODER.encode(window.steps),
+                        _ENCODER.encode(window.metrics))
+                for index, window in job.windows.items()
+            }
+            for job_id, job in self._jobs.items()
+        }
+        return {"window_ns": self.window_ns, "jobs": jobs, "windows": windows}
 
     def restore(self, snapshot: dict[str, Any]) -> int:
         """Take over a :meth:`snapshot`'s jobs; returns the number of open windows restored.
@@ -241,6 +254,10 @@ class WindowEngine:
         now = self._clock()
         restored = 0
         for job_id, job in snapshot["jobs"].items():
+            job.windows = {
+                index: _Window(partials, _STEPS.decode(steps), _METRICS.decode(metrics))
+                for index, (partials, steps, metrics) in snapshot["windows"][job_id].items()
+            }
             job.last_arrival_s = now
             job.restored_before = max(job.restored_before, job.closed_before)
             self._jobs[job_id] = job
