@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -246,6 +247,11 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
     from trainscope.streams.bus_pipeline import Pipeline
     from trainscope.streams.logonce import quiet_repeats
 
+    # Handlers first: a SIGTERM while the store opens, the checkpoint is restored or the group
+    # is joined must stop the job the same orderly way, not kill it.
+    stopper = _Stopper(stop_timeout_s)
+    signal.signal(signal.SIGTERM, stopper)
+    signal.signal(signal.SIGINT, stopper)
     quiet_repeats()
     try:
         sink = ClickHouseSink.open(store, url)
@@ -270,11 +276,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
         sink.close()
         raise click.ClickException(str(exc)) from None
 
-    def stop(signum: int, frame: object) -> None:
-        p.request_stop(stop_timeout_s)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    stopper.attach(p)
     click.echo(f"consuming {bus_url} as group {group}; SIGTERM or Ctrl-C to stop", err=True)
     p.run(idle_timeout_s=idle_exit_s if idle_exit_s is not None else float("inf"))
     complete = p.finish(drain=drain_on_stop or not p.stopping)
@@ -286,3 +288,23 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
     if not complete:
         raise click.ClickException("stopped before every window was written and committed; "
                                    "a restart re-reads what was not committed")
+
+
+class _Stopper:
+    """The SIGTERM/SIGINT handler of ``trainscope pipeline``, installed before the pipeline
+    exists; a stop asked for before then applies as soon as it does."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.requested = False
+        self._pipeline: Any = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.requested = True
+        if self._pipeline is not None:
+            self._pipeline.request_stop(self.timeout_s)
+
+    def attach(self, pipeline: Any) -> None:
+        self._pipeline = pipeline
+        if self.requested:
+            pipeline.request_stop(self.timeout_s)

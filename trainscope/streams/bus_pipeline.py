@@ -90,7 +90,6 @@ class Pipeline(EmbeddedPipeline):
         self.on_stats = on_stats
         self.max_open_bytes = max_open_bytes
         self._last_stats_s = time.monotonic()
-        self.consumer = bus.consumer(list(topics), group)
         self.messages = 0
         self._committed: dict[Source, int] = {}
         self._assigned: frozenset[Source] = frozenset()
@@ -105,8 +104,10 @@ class Pipeline(EmbeddedPipeline):
         self._open_in_checkpoint = False  # the last checkpoint holds the open windows
         self._snapshot_too_large = False  # warned once
         self._checkpointed_windows = 0  # windows handled when the last checkpoint was stored
+        # Restored before joining the group: a member that joins must poll, not unpickle.
         if self.sink is not None:
             self._restore()
+        self.consumer = bus.consumer(list(topics), group)
 
     def logs_replaced(self, sources: list[Source]) -> None:
         # Batches re-read from a log that was not replaced after all are dropped as
@@ -172,7 +173,7 @@ class Pipeline(EmbeddedPipeline):
         self._touch(self.engine.job_ids())
         log.info(
             "restored checkpoint of %s: %d job(s), %d open window(s)%s", self.group,
-            len(checkpoint.closed_before_ns), open_windows,
+            len(self.engine.job_ids()), open_windows,
             "; resuming after " + ", ".join(
                 f"{t}[{p}]@{o}" for (t, p), o in sorted(checkpoint.positions.items())
             ) if checkpoint.engine is not None else "",
