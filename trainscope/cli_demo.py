@@ -224,11 +224,16 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
               show_default=True, help="How often firing alerts are re-sent to Alertmanager.")
 @click.option("--dashboard-url", metavar="URL",
               help="Base URL of `trainscope ui`, for the link in each alert.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              help="Serve the pipeline's counters at http://BIND:PORT/metrics (Prometheus).")
+@click.option("--metrics-bind", default="127.0.0.1", show_default=True,
+              help="Address the /metrics server binds to.")
 def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, window_s: float,
              lateness_s: float, commit_interval_s: float, close_idle_s: float,
              source_idle_s: float, stop_timeout_s: float, idle_exit_s: float | None,
              stats_every_s: float | None, max_jobs: int, alertmanager_url: str | None,
-             alert_resend_s: float, dashboard_url: str | None) -> None:
+             alert_resend_s: float, dashboard_url: str | None, metrics_port: int | None,
+             metrics_bind: str) -> None:
     """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job).
 
     At-least-once from the bus, exactly-once in the store: positions are committed only past
@@ -287,6 +292,19 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    if metrics_port is not None:
+        from trainscope.health_metrics import PipelineCollector, serve_metrics
+
+        try:
+            serve_metrics(PipelineCollector(p, notifier.stats if notifier else None),
+                          metrics_port, metrics_bind)
+        except OSError as exc:
+            p.close()
+            bus.close()
+            sink.close()
+            raise click.ClickException(
+                f"--metrics-port {metrics_port}: cannot listen on {metrics_bind}: {exc}"
+            ) from None
     if notifier is not None:
         notifier.start()
     click.echo(f"consuming {bus_url} as group {group}; SIGTERM or Ctrl-C to stop", err=True)
