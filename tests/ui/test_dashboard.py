@@ -1,0 +1,196 @@
+"""``trainscope ui`` in a real browser, over a store that a demo job with a slow GPU filled.
+
+The store is made by the real commands (``trainscope demo`` with a fault, ``trainscope whatif``
+on its op trace); the dashboard runs as its own process (chDB lets one process own a store) and
+headless Chromium (Debian's ``chromium``, driven by Playwright) loads its pages. Screenshots go
+into the test's output directory, and also into ``$TRAINSCOPE_SCREENSHOT_DIR`` when set (that is
+how the README's picture is made).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kafka_broker import free_port
+
+CULPRIT = 5
+CHROMIUM = "/usr/bin/chromium"
+
+
+def trainscope(*args: str, timeout_s: float = 300) -> str:
+    done = subprocess.run([sys.executable, "-m", "trainscope.cli", *args], capture_output=True,
+                          text=True, timeout=timeout_s, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ui")
+    path = root / "store"
+    trainscope("demo", "--ranks", "16", "--dp", "4", "--pp", "2", "--tp", "2", "--steps", "80",
+               "--fault", f"slow-gpu:rank={CULPRIT},factor=1.4", "--start-s", "1767225600",
+               "--store", str(path), "--optrace", str(root / "ops"))
+    trainscope("whatif", "--trace", str(root / "ops" / "optrace.parquet"), "--meta",
+               str(root / "ops" / "optrace.yaml"), "--job", "demo-job", "--store", str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def dashboard(store: Path, tmp_path_factory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("ui-log") / "ui.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "trainscope.cli", "ui", "--store", str(store), "--port",
+             str(port)], stdout=out, stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert process.poll() is None, log.read_text()
+            try:
+                urllib.request.urlopen(url + "/api/jobs", timeout=2).read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        reason = "Debian's chromium is not installed (infra/setup-test-host.sh installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield chromium
+        chromium.close()
+
+
+def screenshot(page, tmp_path: Path, name: str) -> None:
+    page.screenshot(path=str(tmp_path / name), full_page=True)
+    extra = os.environ.get("TRAINSCOPE_SCREENSHOT_DIR")
+    if extra:
+        Path(extra).mkdir(parents=True, exist_ok=True)
+        shutil.copy(tmp_path / name, Path(extra) / name)
+
+
+def open_page(browser, url: str):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    return page, errors
+
+
+def test_the_api_answers_from_clickhouse(dashboard: str) -> None:
+    [job] = get_json(dashboard + "/api/jobs")
+    assert (job["job_id"], job["ranks"], job["status"]) == ("demo-job", 16, "ended")
+    assert job["suspects"] >= 1
+    overview = get_json(dashboard + "/api/jobs/demo-job/overview")
+    assert overview["findings"][0]["rank"] == CULPRIT
+    assert overview["findings"][0]["function_name"] == "torch_op/backward"
+    assert len(overview["steps"]) == 80
+    assert overview["whatif"]["S"] > 1.05
+    heat = get_json(dashboard + "/api/jobs/demo-job/heatmap?layer=torch_op&name=backward")
+    cells = heat["cells"]
+    slowest = max(range(len(cells["value"])), key=cells["value"].__getitem__)
+    assert cells["rank"][slowest] == CULPRIT
+    assert len(set(cells["rank"])) == 16
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        get_json(dashboard + "/api/jobs/no-such-job/overview")
+    assert missing.value.code == 404
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        get_json(dashboard + "/api/jobs/demo-job/breakdown?rank=x&from_ms=0&to_ms=1")
+    assert bad.value.code == 400 and b"rank='x'" in bad.value.read()
+
+
+def test_the_jobs_page_lists_the_job_with_its_open_finding(
+    dashboard: str, browser, tmp_path: Path
+) -> None:
+    page, errors = open_page(browser, dashboard + "/")
+    row = page.locator("#jobs tbody tr")
+    assert row.count() == 1
+    assert "demo-job" in row.inner_text() and "gpu-compute" in row.inner_text()
+    screenshot(page, tmp_path, "dashboard-jobs.png")
+    assert errors == []
+
+
+def test_the_job_page_points_at_the_culprit_and_a_click_opens_its_breakdown(
+    dashboard: str, browser, tmp_path: Path
+) -> None:
+    page, errors = open_page(browser, dashboard + "/jobs/demo-job")
+    page.wait_for_selector("body[data-loaded='1']", timeout=30_000)
+    for chart in ("steps", "heatmap", "workers"):
+        assert page.locator(f"#{chart} .main-svg").count() > 0, f"{chart} not drawn"
+    # The heatmap shows the function the top finding names; its hottest row is the culprit's,
+    # and the culprit's row is outlined.
+    assert page.input_value("#metric") == "torch_op/backward"
+    hottest, outlined = page.evaluate("""() => {
+        const gd = document.getElementById('heatmap');
+        const {y, z} = gd.data[0];
+        let best = [-1, -Infinity];
+        z.forEach((row, i) => row.forEach(v => {
+            if (v !== null && v > best[1]) best = [y[i], v];
+        }));
+        return [best[0], (gd.layout.shapes || []).map(s => (s.y0 + s.y1) / 2)];
+    }""")
+    assert hottest == CULPRIT
+    assert outlined == [CULPRIT]
+    assert f"suspect rank(s): {CULPRIT}" in page.inner_text("#suspects")
+    assert "gpu-compute" in page.inner_text("#findings")
+    assert "Slowdown S" in page.inner_text("#whatif")
+
+    # A real click on the culprit's cell in the middle of the job.
+    x, y = page.evaluate("""(rank) => {
+        const gd = document.getElementById('heatmap');
+        const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
+        const xs = gd.data[0].x, t = xs[Math.floor(xs.length / 2)];
+        return [xa._offset + xa.l2p(xa.d2l(t)), ya._offset + ya.l2p(ya.d2l(rank))];
+    }""", CULPRIT)
+    box = page.locator("#heatmap").bounding_box()
+    page.mouse.click(box["x"] + x, box["y"] + y)
+    page.wait_for_selector(f"#breakdown[data-rank='{CULPRIT}'] .main-svg", timeout=10_000)
+    names, rank_ms, peer_ms = page.evaluate("""() => {
+        const d = document.getElementById('breakdown').data;
+        return [d[0].x, d[0].y, d[1].y];
+    }""")
+    assert names[0] == "torch_op/backward"
+    assert rank_ms[0] > 1.2 * peer_ms[0]
+    assert f"rank {CULPRIT} vs its peers" in page.inner_text("#breakdown")
+    page.locator("#breakdown").scroll_into_view_if_needed()
+    screenshot(page, tmp_path, "dashboard-job.png")
+    assert errors == []
+
+
+def test_the_dashboards_default_threshold_is_the_detectors_alert_threshold() -> None:
+    from trainscope.detectors.base import ALERT_THRESHOLD
+    from trainscope.ui import cli
+
+    assert cli.ALERT_THRESHOLD == ALERT_THRESHOLD

@@ -1,0 +1,261 @@
+"""The dashboard's questions, each one ClickHouse query: Python only passes parameters and
+turns rows into dicts. Every query is bounded in what it returns (steps are bucketed to at most
+``MAX_POINTS`` points, the heatmap to ``MAX_COLUMNS`` time columns), so a 1,024-rank job that
+ran for hours gives a page of the same size as a small one.
+
+No ``FINAL``: every table deduplicates re-delivered batches at insert, so plain aggregates are
+exact (see the README's guarantees).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+MAX_POINTS = 1500
+MAX_COLUMNS = 240
+RUNNING_WITHIN_S = 120  # a job that sent a step this recently is shown as running
+
+# The job's window length as the pipeline wrote it (15 s when it wrote no summaries yet): the
+# narrowest time column of a heatmap.
+_WINDOW_NS = """(SELECT coalesce(nullIf(min(window_end_ns - window_start_ns), 0), 15000000000)
+                 FROM function_summaries WHERE job_id = {job:String})"""
+
+JOBS = """
+WITH steps AS (
+    SELECT job_id, min(start_ns) AS first_ns, max(start_ns + duration_ns) AS last_ns,
+           max(step) AS last_step, uniqExact(rank) AS ranks
+    FROM step_records GROUP BY job_id
+),
+last_window AS (
+    SELECT job_id, max(window_start_ns) AS window_start_ns FROM findings GROUP BY job_id
+),
+open AS (
+    SELECT f.job_id, uniqExact(f.rank, f.pp_stage, f.category) AS open_findings,
+           groupUniqArray(f.category) AS open_categories
+    FROM findings AS f
+    INNER JOIN last_window AS w
+        ON f.job_id = w.job_id AND f.window_start_ns = w.window_start_ns
+    WHERE f.score >= {threshold:Float64}
+    GROUP BY f.job_id
+),
+suspects AS (
+    SELECT job_id, uniqExact(rank, pp_stage, category) AS suspects
+    FROM findings WHERE score >= {threshold:Float64} GROUP BY job_id
+)
+SELECT s.job_id AS job_id, s.first_ns AS first_ns, s.last_ns AS last_ns,
+       s.last_step AS last_step, s.ranks AS ranks,
+       if(toUnixTimestamp64Nano(now64(9)) - s.last_ns < {running_ns:Int64}, 'running', 'ended')
+           AS status,
+       coalesce(o.open_findings, 0) AS open_findings,
+       coalesce(o.open_categories, []) AS open_categories,
+       coalesce(x.suspects, 0) AS suspects
+FROM steps AS s
+LEFT JOIN open AS o ON s.job_id = o.job_id
+LEFT JOIN suspects AS x ON s.job_id = x.job_id
+ORDER BY s.last_ns DESC
+"""
+
+# Step time per step (median and slowest rank), bucketed to at most MAX_POINTS points.
+STEP_TIMES = """
+WITH (SELECT greatest(1, intDiv(max(step) - min(step) + 1, {max_points:UInt32}) + 1)
+      FROM step_records WHERE job_id = {job:String}) AS per_point
+SELECT intDiv(step, per_point) * per_point AS step,
+       intDiv(min(start_ns), 1000000) AS t_ms,
+       quantile(0.5)(duration_ns) / 1e6 AS median_ms,
+       max(duration_ns) / 1e6 AS max_ms,
+       argMax(rank, duration_ns) AS slowest_rank
+FROM step_records
+WHERE job_id = {job:String}
+GROUP BY step
+ORDER BY step
+"""
+
+# Findings at or above the threshold, one row per suspect and window: the chart's markers.
+FINDING_MARKS = """
+SELECT intDiv(window_end_ns, 1000000) AS t_ms, rank, pp_stage, category,
+       max(score) AS max_score, argMax(message, score) AS top_message
+FROM findings
+WHERE job_id = {job:String} AND score >= {threshold:Float64}
+GROUP BY window_end_ns, rank, pp_stage, category
+ORDER BY window_end_ns, max_score DESC
+"""
+
+FINDINGS = """
+SELECT rank, pp_stage, category,
+       argMax(if(layer != '' AND function != '', concat(layer, '/', function), function),
+              (function != '', score)) AS function_name,
+       round(max(score), 3) AS max_score, count() AS findings,
+       uniqExact(window_start_ns) AS windows,
+       min(window_start_ns) AS first_ns, max(window_end_ns) AS last_ns,
+       argMax(message, (function != '', score)) AS top_message,
+       arraySort(groupUniqArrayArray(victims)) AS all_victims,
+       arrayStringConcat(arraySort(groupUniqArray(detector)), ',') AS detectors,
+       argMax(evidence, score) AS top_evidence
+FROM findings
+WHERE job_id = {job:String} AND score >= {threshold:Float64}
+GROUP BY rank, pp_stage, category
+ORDER BY windows * max_score DESC, rank
+LIMIT 100
+"""
+
+# The functions the heatmap can show: every (layer, name) of the job, busiest first.
+FUNCTIONS = """
+SELECT layer, name, sum(total_ns) / 1e9 AS total_s
+FROM function_summaries WHERE job_id = {job:String}
+GROUP BY layer, name ORDER BY total_s DESC LIMIT 200
+"""
+
+# Rank × time: step time from the step records, in columns of whole windows (at most
+# MAX_COLUMNS of them).
+HEATMAP_STEPS = """
+WITH (SELECT min(start_ns) FROM step_records WHERE job_id = {job:String}) AS t0,
+     (SELECT max(start_ns) FROM step_records WHERE job_id = {job:String}) AS t1,
+     {window_ns:Int64} * (intDiv(t1 - t0, {window_ns:Int64} * {max_columns:UInt32}) + 1)
+         AS bucket_ns
+SELECT rank, intDiv(intDiv(start_ns, bucket_ns) * bucket_ns, 1000000) AS t_ms,
+       round(avg(duration_ns) / 1e6, 2) AS value
+FROM step_records
+WHERE job_id = {job:String}
+GROUP BY rank, t_ms
+ORDER BY rank, t_ms
+"""
+
+# Rank × time: one function's milliseconds per step of each rank, per window (bucketed).
+HEATMAP_FUNCTION = """
+WITH (SELECT min(window_start_ns) FROM function_summaries WHERE job_id = {job:String}) AS t0,
+     (SELECT max(window_start_ns) FROM function_summaries WHERE job_id = {job:String}) AS t1,
+     {window_ns:Int64} * (intDiv(t1 - t0, {window_ns:Int64} * {max_columns:UInt32}) + 1)
+         AS bucket_ns,
+     steps AS (
+         SELECT rank, intDiv(start_ns, bucket_ns) AS b, count() AS n
+         FROM step_records WHERE job_id = {job:String} GROUP BY rank, b
+     ),
+     spent AS (
+         SELECT rank, intDiv(window_start_ns, bucket_ns) AS b, sum(total_ns) AS ns
+         FROM function_summaries
+         WHERE job_id = {job:String} AND layer = {layer:String} AND name = {name:String}
+         GROUP BY rank, b
+     )
+SELECT spent.rank AS rank, intDiv(spent.b * bucket_ns, 1000000) AS t_ms,
+       round(spent.ns / 1e6 / greatest(steps.n, 1), 2) AS value
+FROM spent LEFT JOIN steps ON spent.rank = steps.rank AND spent.b = steps.b
+ORDER BY rank, t_ms
+"""
+
+# The width of the heatmap's time columns, for the one table or the other.
+HEATMAP_BUCKET = """
+SELECT intDiv({window_ns:Int64}
+              * (intDiv(max(t) - min(t), {window_ns:Int64} * {max_columns:UInt32}) + 1),
+              1000000) AS bucket_ms
+FROM (SELECT start_ns AS t FROM step_records WHERE job_id = {job:String} AND NOT {functions:Bool}
+      UNION ALL
+      SELECT window_start_ns AS t FROM function_summaries
+      WHERE job_id = {job:String} AND {functions:Bool})
+"""
+
+# One rank's functions against its peers (same pipeline stage when the layout is known), in
+# milliseconds per step over [from, to).
+BREAKDOWN = """
+WITH (SELECT any(pp_stages[indexOf(ranks, {rank:Int64})]) FROM topologies
+      WHERE job_id = {job:String}) AS stage,
+     (SELECT any(arrayFilter((r, s) -> s = stage, ranks, pp_stages)) FROM topologies
+      WHERE job_id = {job:String}) AS peer_ranks,
+     steps AS (
+         SELECT rank, count() AS n FROM step_records
+         WHERE job_id = {job:String} AND start_ns >= {from_ns:Int64}
+           AND start_ns < {to_ns:Int64}
+         GROUP BY rank
+     ),
+     per_rank AS (
+         SELECT f.rank AS rank, f.layer AS layer, f.name AS name,
+                sum(f.total_ns) / 1e6 / greatest(any(s.n), 1) AS ms_per_step
+         FROM function_summaries AS f LEFT JOIN steps AS s ON f.rank = s.rank
+         WHERE f.job_id = {job:String} AND f.window_start_ns >= {from_ns:Int64}
+           AND f.window_start_ns < {to_ns:Int64}
+           AND (empty(peer_ranks) OR has(peer_ranks, f.rank))
+         GROUP BY f.rank, f.layer, f.name
+     )
+SELECT layer, name,
+       sumIf(ms_per_step, rank = {rank:Int64}) AS rank_ms,
+       quantileIf(0.5)(ms_per_step, rank != {rank:Int64}) AS peer_median_ms,
+       countIf(rank != {rank:Int64}) AS peers
+FROM per_rank
+WHERE layer != 'step'
+GROUP BY layer, name
+HAVING countIf(rank = {rank:Int64}) > 0
+ORDER BY rank_ms - peer_median_ms DESC
+"""
+
+WHATIF = """
+SELECT * FROM whatif_results WHERE job_id = {job:String}
+ORDER BY analysed_at_ns DESC LIMIT 1
+"""
+
+
+HEATMAP_STEPS, HEATMAP_FUNCTION, HEATMAP_BUCKET = (
+    q.replace("{window_ns:Int64}", _WINDOW_NS)
+    for q in (HEATMAP_STEPS, HEATMAP_FUNCTION, HEATMAP_BUCKET)
+)
+
+
+class DashboardQueries:
+    """The dashboard's queries on one read-only client. chDB is not safe to call from several
+    threads at once, and a web server answers on several: one query at a time."""
+
+    def __init__(self, client: Any, *, threshold: float) -> None:
+        self.client = client
+        self.threshold = threshold
+        self._lock = threading.Lock()
+
+    def _rows(self, sql: str, **parameters: Any) -> list[dict[str, Any]]:
+        with self._lock:
+            result = self.client.query(sql, parameters=parameters)
+        names: Sequence[str] = result.column_names
+        return [dict(zip(names, row, strict=True)) for row in result.result_rows]
+
+    def _columns(self, sql: str, **parameters: Any) -> dict[str, list[Any]]:
+        with self._lock:
+            result = self.client.query(sql, parameters=parameters)
+        columns = result.result_columns or [[] for _ in result.column_names]
+        return {name: list(column) for name, column in zip(result.column_names, columns,
+                                                           strict=True)}
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self._rows(JOBS, threshold=self.threshold, running_ns=RUNNING_WITHIN_S * 10**9)
+
+    def job(self, job_id: str) -> dict[str, Any] | None:
+        return next((j for j in self.jobs() if j["job_id"] == job_id), None)
+
+    def step_times(self, job_id: str) -> list[dict[str, Any]]:
+        return self._rows(STEP_TIMES, job=job_id, max_points=MAX_POINTS)
+
+    def finding_marks(self, job_id: str) -> list[dict[str, Any]]:
+        return self._rows(FINDING_MARKS, job=job_id, threshold=self.threshold)
+
+    def findings(self, job_id: str) -> list[dict[str, Any]]:
+        return self._rows(FINDINGS, job=job_id, threshold=self.threshold)
+
+    def functions(self, job_id: str) -> list[dict[str, Any]]:
+        return self._rows(FUNCTIONS, job=job_id)
+
+    def heatmap(self, job_id: str, layer: str = "", name: str = "") -> dict[str, list[Any]]:
+        """Rank × time cells as columns ``rank``, ``t_ms``, ``value``: step time in ms without
+        a function, else the function's ms per step."""
+        if not name:
+            return self._columns(HEATMAP_STEPS, job=job_id, max_columns=MAX_COLUMNS)
+        return self._columns(HEATMAP_FUNCTION, job=job_id, layer=layer, name=name,
+                          max_columns=MAX_COLUMNS)
+
+    def heatmap_bucket_ms(self, job_id: str, functions: bool) -> int:
+        [row] = self._rows(HEATMAP_BUCKET, job=job_id, functions=functions,
+                           max_columns=MAX_COLUMNS)
+        return int(row["bucket_ms"])
+
+    def breakdown(self, job_id: str, rank: int, from_ns: int, to_ns: int) -> list[dict[str, Any]]:
+        return self._rows(BREAKDOWN, job=job_id, rank=rank, from_ns=from_ns, to_ns=to_ns)
+
+    def whatif(self, job_id: str) -> dict[str, Any] | None:
+        rows = self._rows(WHATIF, job=job_id)
+        return rows[0] if rows else None
