@@ -119,13 +119,17 @@ def test_the_api_answers_from_clickhouse(dashboard: str) -> None:
     assert len(overview["steps"]) == 80
     assert overview["whatif"]["S"] > 1.05
     heat = get_json(dashboard + "/api/jobs/demo-job/heatmap?layer=torch_op&name=backward")
-    cells = heat["cells"]
-    slowest = max(range(len(cells["value"])), key=cells["value"].__getitem__)
-    assert cells["rank"][slowest] == CULPRIT
-    assert len(set(cells["rank"])) == 16
+    ranks, _columns, values = heat["cells"]
+    slowest = max(range(len(values)), key=values.__getitem__)
+    assert ranks[slowest] == CULPRIT
+    assert len(set(ranks)) == 16
+    assert heat["bucket_ms"] == 15_000 and heat["t0_ms"] == 1767225600_000
     with pytest.raises(urllib.error.HTTPError) as missing:
         get_json(dashboard + "/api/jobs/no-such-job/overview")
     assert missing.value.code == 404
+    with pytest.raises(urllib.error.HTTPError) as no_page:
+        get_json(dashboard + "/jobs/no-such-job")
+    assert no_page.value.code == 404
     with pytest.raises(urllib.error.HTTPError) as bad:
         get_json(dashboard + "/api/jobs/demo-job/breakdown?rank=x&from_ms=0&to_ms=1")
     assert bad.value.code == 400 and b"rank='x'" in bad.value.read()
@@ -166,6 +170,8 @@ def test_the_job_page_points_at_the_culprit_and_a_click_opens_its_breakdown(
     assert f"suspect rank(s): {CULPRIT}" in page.inner_text("#suspects")
     assert "gpu-compute" in page.inner_text("#findings")
     assert "Slowdown S" in page.inner_text("#whatif")
+    assert page.inner_text("#status") == "ended"
+    assert "16 ranks, steps 0–79" in page.inner_text("#summary")
 
     # A real click on the culprit's cell in the middle of the job.
     x, y = page.evaluate("""(rank) => {

@@ -26,10 +26,11 @@ JOBS = """
 WITH steps AS (
     SELECT job_id, min(start_ns) AS first_ns, max(start_ns + duration_ns) AS last_ns,
            max(step) AS last_step, uniqExact(rank) AS ranks
-    FROM step_records GROUP BY job_id
+    FROM step_records WHERE {only:String} = '' OR job_id = {only:String} GROUP BY job_id
 ),
 last_window AS (
-    SELECT job_id, max(window_start_ns) AS window_start_ns FROM findings GROUP BY job_id
+    SELECT job_id, max(window_start_ns) AS window_start_ns FROM findings
+    WHERE {only:String} = '' OR job_id = {only:String} GROUP BY job_id
 ),
 open AS (
     SELECT f.job_id, uniqExact(f.rank, f.pp_stage, f.category) AS open_findings,
@@ -42,7 +43,9 @@ open AS (
 ),
 suspects AS (
     SELECT job_id, uniqExact(rank, pp_stage, category) AS suspects
-    FROM findings WHERE score >= {threshold:Float64} GROUP BY job_id
+    FROM findings
+    WHERE score >= {threshold:Float64} AND ({only:String} = '' OR job_id = {only:String})
+    GROUP BY job_id
 )
 SELECT s.job_id AS job_id, s.first_ns AS first_ns, s.last_ns AS last_ns,
        s.last_step AS last_step, s.ranks AS ranks,
@@ -57,13 +60,13 @@ LEFT JOIN suspects AS x ON s.job_id = x.job_id
 ORDER BY s.last_ns DESC
 """
 
-# Step time per step (median and slowest rank), bucketed to at most MAX_POINTS points.
+# Step time per step (mean over ranks and slowest rank), bucketed to at most MAX_POINTS points.
 STEP_TIMES = """
 WITH (SELECT greatest(1, intDiv(max(step) - min(step) + 1, {max_points:UInt32}) + 1)
       FROM step_records WHERE job_id = {job:String}) AS per_point
 SELECT intDiv(step, per_point) * per_point AS step,
        intDiv(min(start_ns), 1000000) AS t_ms,
-       quantile(0.5)(duration_ns) / 1e6 AS median_ms,
+       avg(duration_ns) / 1e6 AS mean_ms,
        max(duration_ns) / 1e6 AS max_ms,
        argMax(rank, duration_ns) AS slowest_rank
 FROM step_records
@@ -107,75 +110,63 @@ FROM function_summaries WHERE job_id = {job:String}
 GROUP BY layer, name ORDER BY total_s DESC LIMIT 200
 """
 
-# Rank × time: step time from the step records, in columns of whole windows (at most
-# MAX_COLUMNS of them).
+# Rank × time, in columns of whole windows (at most MAX_COLUMNS of them): ``col`` is the
+# column's index from ``t0_ms``, in steps of ``bucket_ms`` (small numbers keep the page small).
 HEATMAP_STEPS = """
 WITH (SELECT min(start_ns) FROM step_records WHERE job_id = {job:String}) AS t0,
      (SELECT max(start_ns) FROM step_records WHERE job_id = {job:String}) AS t1,
      {window_ns:Int64} * (intDiv(t1 - t0, {window_ns:Int64} * {max_columns:UInt32}) + 1)
          AS bucket_ns
-SELECT rank, intDiv(intDiv(start_ns, bucket_ns) * bucket_ns, 1000000) AS t_ms,
-       round(avg(duration_ns) / 1e6, 2) AS value
+SELECT rank, intDiv(start_ns, bucket_ns) - intDiv(t0, bucket_ns) AS col,
+       round(avg(duration_ns) / 1e6, 1) AS value
 FROM step_records
 WHERE job_id = {job:String}
-GROUP BY rank, t_ms
-ORDER BY rank, t_ms
+GROUP BY rank, col
+ORDER BY rank, col
 """
 
-# Rank × time: one function's milliseconds per step of each rank, per window (bucketed).
+# One function's share of each rank's time (percent of the column's wall time), from the
+# summaries alone: dividing by steps would cost a scan of every step record.
 HEATMAP_FUNCTION = """
 WITH (SELECT min(window_start_ns) FROM function_summaries WHERE job_id = {job:String}) AS t0,
      (SELECT max(window_start_ns) FROM function_summaries WHERE job_id = {job:String}) AS t1,
      {window_ns:Int64} * (intDiv(t1 - t0, {window_ns:Int64} * {max_columns:UInt32}) + 1)
-         AS bucket_ns,
-     steps AS (
-         SELECT rank, intDiv(start_ns, bucket_ns) AS b, count() AS n
-         FROM step_records WHERE job_id = {job:String} GROUP BY rank, b
-     ),
-     spent AS (
-         SELECT rank, intDiv(window_start_ns, bucket_ns) AS b, sum(total_ns) AS ns
-         FROM function_summaries
-         WHERE job_id = {job:String} AND layer = {layer:String} AND name = {name:String}
-         GROUP BY rank, b
-     )
-SELECT spent.rank AS rank, intDiv(spent.b * bucket_ns, 1000000) AS t_ms,
-       round(spent.ns / 1e6 / greatest(steps.n, 1), 2) AS value
-FROM spent LEFT JOIN steps ON spent.rank = steps.rank AND spent.b = steps.b
-ORDER BY rank, t_ms
+         AS bucket_ns
+SELECT rank, intDiv(window_start_ns, bucket_ns) - intDiv(t0, bucket_ns) AS col,
+       round(100 * sum(total_ns) / bucket_ns, 2) AS value
+FROM function_summaries
+WHERE job_id = {job:String} AND layer = {layer:String} AND name = {name:String}
+GROUP BY rank, col
+ORDER BY rank, col
 """
 
-# The width of the heatmap's time columns, for the one table or the other.
-HEATMAP_BUCKET = """
-SELECT intDiv({window_ns:Int64}
-              * (intDiv(max(t) - min(t), {window_ns:Int64} * {max_columns:UInt32}) + 1),
-              1000000) AS bucket_ms
-FROM (SELECT start_ns AS t FROM step_records WHERE job_id = {job:String} AND NOT {functions:Bool}
-      UNION ALL
-      SELECT window_start_ns AS t FROM function_summaries
-      WHERE job_id = {job:String} AND {functions:Bool})
+def _axis(query: str) -> str:
+    """The time axis of a heatmap query: its first column's start and the columns' width."""
+    head = query[: query.index("SELECT rank,")]
+    return head + """SELECT intDiv(intDiv(t0, bucket_ns) * bucket_ns, 1000000) AS t0_ms,
+       intDiv(bucket_ns, 1000000) AS bucket_ms
 """
+
 
 # One rank's functions against its peers (same pipeline stage when the layout is known), in
-# milliseconds per step over [from, to).
+# milliseconds per step over [from, to). Every rank is taken to run the clicked rank's number
+# of steps there, as synchronous data/pipeline parallel training does: counting each peer's
+# own would cost a scan of all step records (ordered by rank, not time).
 BREAKDOWN = """
 WITH (SELECT any(pp_stages[indexOf(ranks, {rank:Int64})]) FROM topologies
       WHERE job_id = {job:String}) AS stage,
      (SELECT any(arrayFilter((r, s) -> s = stage, ranks, pp_stages)) FROM topologies
       WHERE job_id = {job:String}) AS peer_ranks,
-     steps AS (
-         SELECT rank, count() AS n FROM step_records
-         WHERE job_id = {job:String} AND start_ns >= {from_ns:Int64}
-           AND start_ns < {to_ns:Int64}
-         GROUP BY rank
-     ),
+     (SELECT greatest(count(), 1) FROM step_records
+      WHERE job_id = {job:String} AND rank = {rank:Int64} AND start_ns >= {from_ns:Int64}
+        AND start_ns < {to_ns:Int64}) AS steps,
      per_rank AS (
-         SELECT f.rank AS rank, f.layer AS layer, f.name AS name,
-                sum(f.total_ns) / 1e6 / greatest(any(s.n), 1) AS ms_per_step
-         FROM function_summaries AS f LEFT JOIN steps AS s ON f.rank = s.rank
-         WHERE f.job_id = {job:String} AND f.window_start_ns >= {from_ns:Int64}
-           AND f.window_start_ns < {to_ns:Int64}
-           AND (empty(peer_ranks) OR has(peer_ranks, f.rank))
-         GROUP BY f.rank, f.layer, f.name
+         SELECT rank, layer, name, sum(total_ns) / 1e6 / steps AS ms_per_step
+         FROM function_summaries
+         WHERE job_id = {job:String} AND window_start_ns >= {from_ns:Int64}
+           AND window_start_ns < {to_ns:Int64}
+           AND (empty(peer_ranks) OR has(peer_ranks, rank))
+         GROUP BY rank, layer, name
      )
 SELECT layer, name,
        sumIf(ms_per_step, rank = {rank:Int64}) AS rank_ms,
@@ -193,11 +184,15 @@ SELECT * FROM whatif_results WHERE job_id = {job:String}
 ORDER BY analysed_at_ns DESC LIMIT 1
 """
 
+EXISTS = """
+SELECT count() > 0 AS known FROM (SELECT 1 FROM step_records WHERE job_id = {job:String} LIMIT 1)
+"""
 
-HEATMAP_STEPS, HEATMAP_FUNCTION, HEATMAP_BUCKET = (
-    q.replace("{window_ns:Int64}", _WINDOW_NS)
-    for q in (HEATMAP_STEPS, HEATMAP_FUNCTION, HEATMAP_BUCKET)
+
+HEATMAP_STEPS, HEATMAP_FUNCTION = (
+    q.replace("{window_ns:Int64}", _WINDOW_NS) for q in (HEATMAP_STEPS, HEATMAP_FUNCTION)
 )
+HEATMAP_STEPS_AXIS, HEATMAP_FUNCTION_AXIS = _axis(HEATMAP_STEPS), _axis(HEATMAP_FUNCTION)
 
 
 class DashboardQueries:
@@ -215,18 +210,25 @@ class DashboardQueries:
         names: Sequence[str] = result.column_names
         return [dict(zip(names, row, strict=True)) for row in result.result_rows]
 
-    def _columns(self, sql: str, **parameters: Any) -> dict[str, list[Any]]:
+    def _json_columns(self, sql: str, **parameters: Any) -> bytes:
+        """The result as JSON columns, serialised by ClickHouse: a rank × time matrix has
+        ~250k cells, and building them as Python objects would cost more than the query."""
         with self._lock:
-            result = self.client.query(sql, parameters=parameters)
-        columns = result.result_columns or [[] for _ in result.column_names]
-        return {name: list(column) for name, column in zip(result.column_names, columns,
-                                                           strict=True)}
+            return bytes(self.client.raw_query(sql, parameters=parameters,
+                                               fmt="JSONCompactColumns"))
 
-    def jobs(self) -> list[dict[str, Any]]:
-        return self._rows(JOBS, threshold=self.threshold, running_ns=RUNNING_WITHIN_S * 10**9)
+    def jobs(self, only: str = "") -> list[dict[str, Any]]:
+        return self._rows(JOBS, threshold=self.threshold, running_ns=RUNNING_WITHIN_S * 10**9,
+                          only=only)
 
     def job(self, job_id: str) -> dict[str, Any] | None:
-        return next((j for j in self.jobs() if j["job_id"] == job_id), None)
+        if not job_id:
+            return None
+        return next(iter(self.jobs(only=job_id)), None)
+
+    def known(self, job_id: str) -> bool:
+        """Whether the store has step records of the job (cheaper than :meth:`job`)."""
+        return bool(job_id) and bool(self._rows(EXISTS, job=job_id)[0]["known"])
 
     def step_times(self, job_id: str) -> list[dict[str, Any]]:
         return self._rows(STEP_TIMES, job=job_id, max_points=MAX_POINTS)
@@ -240,18 +242,20 @@ class DashboardQueries:
     def functions(self, job_id: str) -> list[dict[str, Any]]:
         return self._rows(FUNCTIONS, job=job_id)
 
-    def heatmap(self, job_id: str, layer: str = "", name: str = "") -> dict[str, list[Any]]:
-        """Rank × time cells as columns ``rank``, ``t_ms``, ``value``: step time in ms without
-        a function, else the function's ms per step."""
+    def heatmap(self, job_id: str, layer: str = "", name: str = "") -> tuple[dict[str, Any],
+                                                                               bytes]:
+        """The time axis ``{t0_ms, bucket_ms}`` and the cells as JSON columns
+        ``[[rank…], [col…], [value…]]``: step time in ms without a function, else the
+        function's percent of the time; ``col`` counts columns of ``bucket_ms`` from ``t0_ms``.
+        """
         if not name:
-            return self._columns(HEATMAP_STEPS, job=job_id, max_columns=MAX_COLUMNS)
-        return self._columns(HEATMAP_FUNCTION, job=job_id, layer=layer, name=name,
-                          max_columns=MAX_COLUMNS)
-
-    def heatmap_bucket_ms(self, job_id: str, functions: bool) -> int:
-        [row] = self._rows(HEATMAP_BUCKET, job=job_id, functions=functions,
-                           max_columns=MAX_COLUMNS)
-        return int(row["bucket_ms"])
+            axis = self._rows(HEATMAP_STEPS_AXIS, job=job_id, max_columns=MAX_COLUMNS)
+            cells = self._json_columns(HEATMAP_STEPS, job=job_id, max_columns=MAX_COLUMNS)
+        else:
+            params = {"job": job_id, "layer": layer, "name": name, "max_columns": MAX_COLUMNS}
+            axis = self._rows(HEATMAP_FUNCTION_AXIS, **params)
+            cells = self._json_columns(HEATMAP_FUNCTION, **params)
+        return (axis[0] if axis else {"t0_ms": None, "bucket_ms": None}), cells
 
     def breakdown(self, job_id: str, rank: int, from_ns: int, to_ns: int) -> list[dict[str, Any]]:
         return self._rows(BREAKDOWN, job=job_id, rank=rank, from_ns=from_ns, to_ns=to_ns)

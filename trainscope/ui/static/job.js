@@ -18,7 +18,7 @@ function escapeHtml(text) {
 function drawSteps(steps, marks) {
   const x = steps.map(s => new Date(s.t_ms));
   const traces = [
-    {x, y: steps.map(s => s.median_ms), name: "median rank", mode: "lines"},
+    {x, y: steps.map(s => s.mean_ms), name: "mean over ranks", mode: "lines"},
     {x, y: steps.map(s => s.max_ms), name: "slowest rank", mode: "lines",
      text: steps.map(s => `step ${s.step}, slowest rank ${s.slowest_rank}`)},
   ];
@@ -34,22 +34,23 @@ function drawSteps(steps, marks) {
                                  legend: {orientation: "h"}, shapes}, {responsive: true});
 }
 
-function drawHeatmap(data) {
-  const cells = data.cells;
-  state.bucketMs = data.bucket_ms;
-  const ranks = [...new Set(cells.rank)].sort((a, b) => a - b);
-  const times = [...new Set(cells.t_ms)].sort((a, b) => a - b);
+function drawHeatmap(heat) {
+  state.bucketMs = heat.bucket_ms;
+  const [rankOf, colOf, valueOf] = heat.cells;
+  const ranks = [...new Set(rankOf)].sort((a, b) => a - b);
+  let columns = 0;
+  for (const c of colOf) columns = Math.max(columns, c + 1);
+  const times = Array.from({length: columns}, (_, i) => heat.t0_ms + i * heat.bucket_ms);
   const row = new Map(ranks.map((r, i) => [r, i]));
-  const col = new Map(times.map((t, i) => [t, i]));
-  const z = ranks.map(() => new Array(times.length).fill(null));
-  for (let i = 0; i < cells.rank.length; i++) z[row.get(cells.rank[i])][col.get(cells.t_ms[i])] = cells.value[i];
+  const z = ranks.map(() => new Array(columns).fill(null));
+  for (let i = 0; i < rankOf.length; i++) z[row.get(rankOf[i])][colOf[i]] = valueOf[i];
   const shapes = state.suspects.filter(r => row.has(r)).map(r => ({
     type: "rect", xref: "paper", yref: "y", x0: 0, x1: 1, y0: r - 0.5, y1: r + 0.5,
     line: {color: "#b91c1c", width: 2}, fillcolor: "rgba(0,0,0,0)"}));
-  const unit = state.metric ? `ms/step in ${state.metric}` : "step time, ms";
+  const unit = state.metric ? `% of time in ${state.metric}` : "step time, ms";
   Plotly.react("heatmap", [{type: "heatmap", x: times.map(t => new Date(t)), y: ranks, z,
                             colorscale: "YlOrRd", reversescale: true, colorbar: {title: {text: unit}},
-                            hovertemplate: "rank %{y}<br>%{x}<br>%{z:.1f} ms<extra></extra>"}],
+                            hovertemplate: `rank %{y}<br>%{x}<br>%{z:.1f} ${state.metric ? "%" : "ms"}<extra></extra>`}],
                {margin: {t: 10, r: 10}, yaxis: {title: "rank", autorange: "reversed"}, shapes},
                {responsive: true});
   const heatmap = document.getElementById("heatmap");
@@ -128,8 +129,18 @@ async function loadHeatmap() {
   drawHeatmap(await getJSON(`${API}/heatmap${query}`));
 }
 
+function drawHeader(job) {
+  const status = document.getElementById("status");
+  status.textContent = job.status;
+  status.className = `status ${job.status}`;
+  document.getElementById("summary").textContent = `${job.ranks} ranks, steps 0–${job.last_step}, ` +
+    `${job.first} to ${job.last}; ${job.open_findings} open finding(s), ${job.suspects} ` +
+    `suspect(s) at or above ${CFG.threshold}.`;
+}
+
 async function load() {
   const overview = await getJSON(`${API}/overview`);
+  drawHeader(overview.job);
   state.suspects = [...new Set(overview.findings.filter(f => f.rank >= 0).map(f => f.rank))];
   document.getElementById("suspects").textContent = state.suspects.length
     ? `suspect rank(s): ${state.suspects.join(", ")}` : "";
@@ -144,7 +155,7 @@ async function load() {
 }
 
 async function refreshLoop() {
-  let status = CFG.status;
+  let status = "unknown";
   try { status = await load(); } catch (error) { console.error(error); document.getElementById("refreshed").textContent = String(error); }
   if (status === "running") setTimeout(refreshLoop, CFG.refresh_s * 1000);
 }
