@@ -87,3 +87,17 @@ def test_metrics_move_and_the_fault_reaches_alertmanager(
             for a in notification["alerts"]} == {("6", "gpu-compute")}
     # The final stats line carries the notifier's counts too.
     assert pipeline.stats()["alertmanager"]["alerts_fired"] == 1
+
+
+def test_a_bad_alertmanager_url_is_one_error_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "trainscope.cli", "pipeline", "--bus", "kafka://127.0.0.1:1",
+         "--store", str(tmp_path / "store"), "--alertmanager", "alertmanager:9093"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode == 1
+    assert done.stderr == ("Error: --alertmanager: Alertmanager URL must start with http:// or "
+                           "https://, got 'alertmanager:9093'\n")

@@ -200,3 +200,24 @@ def test_the_dashboards_default_threshold_is_the_detectors_alert_threshold() -> 
     from trainscope.ui import cli
 
     assert cli.ALERT_THRESHOLD == ALERT_THRESHOLD
+
+
+def run_ui(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "trainscope.cli", "ui", *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_a_mistyped_store_or_a_busy_port_is_one_error_line(tmp_path: Path) -> None:
+    import socket
+
+    done = run_ui("--store", str(tmp_path / "nowhere"))
+    assert done.returncode == 1
+    assert done.stderr.startswith("Error: no store at ") and done.stderr.count("\n") == 1
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = run_ui("--store", str(tmp_path / "nowhere"), "--port", str(port))
+    assert done.returncode == 1
+    assert done.stderr == (f"Error: --bind 127.0.0.1 --port {port}: cannot listen there: "
+                           "Address already in use\n")

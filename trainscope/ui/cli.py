@@ -36,6 +36,7 @@ def ui(store: Path | None, url: str | None, port: int, bind: str, threshold: flo
 
     if store is not None and url is not None:
         raise click.UsageError("give either --store DIR or --url URL, not both")
+    _check_free(bind, port)
     try:
         client = connect(store, url, readonly=True, create=False)
     except StoreError as exc:
@@ -43,7 +44,18 @@ def ui(store: Path | None, url: str | None, port: int, bind: str, threshold: flo
     source = url or str(Path(store or default_store_dir()).expanduser())
     app = create_app(DashboardQueries(client, threshold=threshold), source=source)
     click.echo(f"trainscope ui on http://{bind}:{port}/ ({source})", err=True)
+    uvicorn.run(app, host=bind, port=port, log_level="warning")
+
+
+def _check_free(bind: str, port: int) -> None:
+    """A one-line error now rather than the web server's log lines and exit later."""
+    import socket
+
     try:
-        uvicorn.run(app, host=bind, port=port, log_level="warning")
+        infos = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(infos[0][4])
     except OSError as exc:
-        raise click.ClickException(f"cannot listen on {bind}:{port}: {exc}") from None
+        raise click.ClickException(f"--bind {bind} --port {port}: cannot listen there: "
+                                   f"{exc.strerror or exc}") from None
