@@ -125,18 +125,23 @@ GROUP BY rank, col
 ORDER BY rank, col
 """
 
-# One function's share of each rank's time (percent of the column's wall time), from the
-# summaries alone: dividing by steps would cost a scan of every step record.
+# One function's share of each rank's step time (percent of its `step` layer's time there; of
+# the column's wall time if no producer sent a step summary), from the summaries alone:
+# dividing by step records would cost a scan of every one of them.
 HEATMAP_FUNCTION = """
 WITH (SELECT min(window_start_ns) FROM function_summaries WHERE job_id = {job:String}) AS t0,
      (SELECT max(window_start_ns) FROM function_summaries WHERE job_id = {job:String}) AS t1,
      {window_ns:Int64} * (intDiv(t1 - t0, {window_ns:Int64} * {max_columns:UInt32}) + 1)
          AS bucket_ns
 SELECT rank, intDiv(window_start_ns, bucket_ns) - intDiv(t0, bucket_ns) AS col,
-       round(100 * sum(total_ns) / bucket_ns, 2) AS value
+       round(100 * sumIf(total_ns, layer = {layer:String} AND name = {name:String})
+             / if(sumIf(total_ns, layer = 'step') > 0, sumIf(total_ns, layer = 'step'),
+                  bucket_ns), 2) AS value
 FROM function_summaries
-WHERE job_id = {job:String} AND layer = {layer:String} AND name = {name:String}
+WHERE job_id = {job:String}
+  AND ((layer = {layer:String} AND name = {name:String}) OR layer = 'step')
 GROUP BY rank, col
+HAVING countIf(layer = {layer:String} AND name = {name:String}) > 0
 ORDER BY rank, col
 """
 
@@ -246,7 +251,7 @@ class DashboardQueries:
                                                                                bytes]:
         """The time axis ``{t0_ms, bucket_ms}`` and the cells as JSON columns
         ``[[rank…], [col…], [value…]]``: step time in ms without a function, else the
-        function's percent of the time; ``col`` counts columns of ``bucket_ms`` from ``t0_ms``.
+        function's percent of the step time; ``col`` counts columns of ``bucket_ms`` from ``t0_ms``.
         """
         if not name:
             axis = self._rows(HEATMAP_STEPS_AXIS, job=job_id, max_columns=MAX_COLUMNS)
