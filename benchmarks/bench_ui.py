@@ -207,8 +207,12 @@ def main() -> None:
             sizes[job] = sum(len(get(app, p)) for p in pages["open the job page"])
             for name, query in (
                 ("jobs", lambda: queries.jobs()),
+                ("job", lambda job=job: queries.job(job)),
                 ("step_times", lambda job=job: queries.step_times(job)),
+                ("finding_marks", lambda job=job: queries.finding_marks(job)),
                 ("findings", lambda job=job: queries.findings(job)),
+                ("functions", lambda job=job: queries.functions(job)),
+                ("whatif", lambda job=job: queries.whatif(job)),
                 ("heatmap(function)", lambda job=job: queries.heatmap(job, "torch_op", "backward")),
                 ("heatmap(steps)", lambda job=job: queries.heatmap(job)),
                 ("breakdown", lambda job=job, slow=slow: queries.breakdown(
