@@ -43,6 +43,10 @@ def store(tmp_path_factory) -> Path:
                "--store", str(path), "--optrace", str(root / "ops"))
     trainscope("whatif", "--trace", str(root / "ops" / "optrace.parquet"), "--meta",
                str(root / "ops" / "optrace.yaml"), "--job", "demo-job", "--store", str(path))
+    # A second job that ends about half a minute from now: shown as running (a step within
+    # the last 2 minutes) for the whole module, and its page keeps refreshing.
+    trainscope("demo", "--ranks", "4", "--dp", "2", "--pp", "2", "--tp", "1", "--steps", "30",
+               "--job-id", "live-job", "--start-s", str(int(time.time())), "--store", str(path))
     return path
 
 
@@ -53,7 +57,7 @@ def dashboard(store: Path, tmp_path_factory) -> Iterator[str]:
     with log.open("wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "trainscope.cli", "ui", "--store", str(store), "--port",
-             str(port)], stdout=out, stderr=subprocess.STDOUT,
+             str(port), "--refresh-s", "1"], stdout=out, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -110,8 +114,11 @@ def open_page(browser, url: str):
 
 
 def test_the_api_answers_from_clickhouse(dashboard: str) -> None:
-    [job] = get_json(dashboard + "/api/jobs")
+    jobs = {j["job_id"]: j for j in get_json(dashboard + "/api/jobs")}
+    assert set(jobs) == {"demo-job", "live-job"}
+    job = jobs["demo-job"]
     assert (job["job_id"], job["ranks"], job["status"]) == ("demo-job", 16, "ended")
+    assert (jobs["live-job"]["ranks"], jobs["live-job"]["status"]) == (4, "running")
     assert job["suspects"] >= 1
     overview = get_json(dashboard + "/api/jobs/demo-job/overview")
     assert overview["findings"][0]["rank"] == CULPRIT
@@ -139,9 +146,11 @@ def test_the_jobs_page_lists_the_job_with_its_open_finding(
     dashboard: str, browser, tmp_path: Path
 ) -> None:
     page, errors = open_page(browser, dashboard + "/")
-    row = page.locator("#jobs tbody tr")
-    assert row.count() == 1
-    assert "demo-job" in row.inner_text() and "gpu-compute" in row.inner_text()
+    rows = page.locator("#jobs tbody tr")
+    assert rows.count() == 2
+    texts = sorted(rows.nth(i).inner_text() for i in range(2))
+    assert "demo-job" in texts[0] and "gpu-compute" in texts[0] and "ended" in texts[0]
+    assert "live-job" in texts[1] and "running" in texts[1]
     screenshot(page, tmp_path, "dashboard-jobs.png")
     assert errors == []
 
@@ -200,6 +209,23 @@ def test_the_dashboards_default_threshold_is_the_detectors_alert_threshold() -> 
     from trainscope.ui import cli
 
     assert cli.ALERT_THRESHOLD == ALERT_THRESHOLD
+
+
+def test_a_running_jobs_page_refreshes_itself(dashboard: str, browser) -> None:
+    page, errors = open_page(browser, dashboard + "/jobs/live-job")
+    page.wait_for_selector("body[data-loaded='1']", timeout=30_000)
+    assert page.inner_text("#status") == "running"
+    # --refresh-s 1: the page fetches its data again by itself.
+    page.wait_for_function("Number(document.body.dataset.loads) >= 3", timeout=20_000)
+    assert errors == []
+
+
+def test_an_ended_jobs_page_loads_once(dashboard: str, browser) -> None:
+    page, errors = open_page(browser, dashboard + "/jobs/demo-job")
+    page.wait_for_selector("body[data-loaded='1']", timeout=30_000)
+    page.wait_for_timeout(2500)  # two refresh intervals pass without a reload
+    assert page.evaluate("document.body.dataset.loads") == "1"
+    assert errors == []
 
 
 def run_ui(*args: str) -> subprocess.CompletedProcess[str]:

@@ -26,7 +26,6 @@ from starlette.templating import Jinja2Templates
 from trainscope.ui.queries import DashboardQueries
 
 HERE = Path(__file__).parent
-REFRESH_S = 10  # how often a running job's page reloads its data
 
 
 def plotly_js() -> Path:
@@ -66,7 +65,8 @@ def _int(request: Request, name: str) -> int:
         ) from None
 
 
-def create_app(queries: DashboardQueries, *, source: str) -> Starlette:
+def create_app(queries: DashboardQueries, *, source: str, refresh_s: float = 10.0) -> Starlette:
+    """``refresh_s``: how often a running job's page reloads its data."""
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     templates.env.filters["iso"] = _iso
     plotly = plotly_js()
@@ -94,7 +94,7 @@ def create_app(queries: DashboardQueries, *, source: str) -> Starlette:
         return templates.TemplateResponse(request, "job.html", {
             "job_id": job_id, "source": source, "threshold": queries.threshold,
             "config": json.dumps({"job_id": job_id, "threshold": queries.threshold,
-                                  "refresh_s": REFRESH_S,
+                                  "refresh_s": refresh_s,
                                   "from_ms": _int_or_none(request, "from_ns", 10**6),
                                   "to_ms": _int_or_none(request, "to_ns", 10**6)}),
         })

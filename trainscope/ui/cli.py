@@ -21,7 +21,10 @@ ALERT_THRESHOLD = 0.5
               help="Address to listen on; anything but loopback exposes the store's data.")
 @click.option("--threshold", type=click.FloatRange(0, 1), default=ALERT_THRESHOLD,
               show_default=True, help="Findings at or above this score are shown.")
-def ui(store: Path | None, url: str | None, port: int, bind: str, threshold: float) -> None:
+@click.option("--refresh-s", type=click.FloatRange(min=1), default=10.0, show_default=True,
+              help="How often the page of a running job reloads its data.")
+def ui(store: Path | None, url: str | None, port: int, bind: str, threshold: float,
+       refresh_s: float) -> None:
     """Serve a read-only web dashboard of the store: jobs, step time, rank × time heatmaps,
     function breakdowns, findings and what-if results.
 
@@ -42,7 +45,8 @@ def ui(store: Path | None, url: str | None, port: int, bind: str, threshold: flo
     except StoreError as exc:
         raise click.ClickException(str(exc)) from None
     source = url or str(Path(store or default_store_dir()).expanduser())
-    app = create_app(DashboardQueries(client, threshold=threshold), source=source)
+    app = create_app(DashboardQueries(client, threshold=threshold), source=source,
+                     refresh_s=refresh_s)
     click.echo(f"trainscope ui on http://{bind}:{port}/ ({source})", err=True)
     uvicorn.run(app, host=bind, port=port, log_level="warning")
 

@@ -151,6 +151,7 @@ async function load() {
   await loadHeatmap();
   document.getElementById("refreshed").textContent = `Updated ${new Date().toLocaleTimeString()}.`;
   document.body.dataset.loaded = "1";
+  document.body.dataset.loads = String(Number(document.body.dataset.loads || 0) + 1);
   return overview.job.status;
 }
 
