@@ -129,6 +129,18 @@ class AlertmanagerNotifier:
     # -- the sending thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception:  # a bug must not silence alerting for the rest of the run
+                log.exception("Alertmanager notifier failed; restarting it in 1 s")
+                with self._wake:
+                    if self._stopping:
+                        return
+                    self._wake.wait(1.0)
+
+    def _loop(self) -> None:
         next_resend_s = time.monotonic() + self.resend_s
         backoff_s = 0.0
         while True:
