@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 if TYPE_CHECKING:
     from trainscope.sinks.alertmanager import NotifierStats
-    from trainscope.streams.pipeline import Pipeline
+    from trainscope.streams.bus_pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 

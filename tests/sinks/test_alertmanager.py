@@ -18,8 +18,8 @@ from trainscope.demo import publish_step
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.sinks.alert_book import AlertBook
 from trainscope.sinks.alertmanager import AlertmanagerNotifier
+from trainscope.streams.bus_pipeline import Pipeline
 from trainscope.streams.memory_bus import MemoryBus
-from trainscope.streams.pipeline import Pipeline
 
 START_NS = 1_767_225_600 * 10**9
 WINDOW_S = 5.0
