@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ import pytest
 from kafka_broker import free_port
 
 CULPRIT = 5
+LIVE_JOB = "team/live job"  # a slash and a space, as users name jobs
 CHROMIUM = "/usr/bin/chromium"
 
 
@@ -46,7 +48,7 @@ def store(tmp_path_factory) -> Path:
     # A second job that ends about half a minute from now: shown as running (a step within
     # the last 2 minutes) for the whole module, and its page keeps refreshing.
     trainscope("demo", "--ranks", "4", "--dp", "2", "--pp", "2", "--tp", "1", "--steps", "30",
-               "--job-id", "live-job", "--start-s", str(int(time.time())), "--store", str(path))
+               "--job-id", LIVE_JOB, "--start-s", str(int(time.time())), "--store", str(path))
     return path
 
 
@@ -115,10 +117,10 @@ def open_page(browser, url: str):
 
 def test_the_api_answers_from_clickhouse(dashboard: str) -> None:
     jobs = {j["job_id"]: j for j in get_json(dashboard + "/api/jobs")}
-    assert set(jobs) == {"demo-job", "live-job"}
+    assert set(jobs) == {"demo-job", LIVE_JOB}
     job = jobs["demo-job"]
     assert (job["job_id"], job["ranks"], job["status"]) == ("demo-job", 16, "ended")
-    assert (jobs["live-job"]["ranks"], jobs["live-job"]["status"]) == (4, "running")
+    assert (jobs[LIVE_JOB]["ranks"], jobs[LIVE_JOB]["status"]) == (4, "running")
     assert job["suspects"] >= 1
     overview = get_json(dashboard + "/api/jobs/demo-job/overview")
     assert overview["findings"][0]["rank"] == CULPRIT
@@ -150,7 +152,7 @@ def test_the_jobs_page_lists_the_job_with_its_open_finding(
     assert rows.count() == 2
     texts = sorted(rows.nth(i).inner_text() for i in range(2))
     assert "demo-job" in texts[0] and "gpu-compute" in texts[0] and "ended" in texts[0]
-    assert "live-job" in texts[1] and "running" in texts[1]
+    assert LIVE_JOB in texts[1] and "running" in texts[1]
     screenshot(page, tmp_path, "dashboard-jobs.png")
     assert errors == []
 
@@ -212,7 +214,7 @@ def test_the_dashboards_default_threshold_is_the_detectors_alert_threshold() -> 
 
 
 def test_a_running_jobs_page_refreshes_itself(dashboard: str, browser) -> None:
-    page, errors = open_page(browser, dashboard + "/jobs/live-job")
+    page, errors = open_page(browser, dashboard + "/jobs/" + urllib.parse.quote(LIVE_JOB, safe=""))
     page.wait_for_selector("body[data-loaded='1']", timeout=30_000)
     assert page.inner_text("#status") == "running"
     # --refresh-s 1: the page fetches its data again by itself.
@@ -220,9 +222,18 @@ def test_a_running_jobs_page_refreshes_itself(dashboard: str, browser) -> None:
     assert errors == []
 
 
-def test_an_ended_jobs_page_loads_once(dashboard: str, browser) -> None:
-    page, errors = open_page(browser, dashboard + "/jobs/demo-job")
+def test_an_ended_jobs_page_loads_once_and_marks_the_window_an_alert_links_to(
+    dashboard: str, browser
+) -> None:
+    # The link an alert carries (see trainscope.sinks.alert_book): the job and its window.
+    from_ns = 1767225600 * 10**9 + 30 * 10**9
+    page, errors = open_page(
+        browser, f"{dashboard}/jobs/demo-job?from_ns={from_ns}&to_ns={from_ns + 15 * 10**9}"
+    )
     page.wait_for_selector("body[data-loaded='1']", timeout=30_000)
+    marked = page.evaluate("document.getElementById('steps').layout.shapes.map(s => "
+                           "[new Date(s.x0).getTime(), new Date(s.x1).getTime()])")
+    assert marked == [[from_ns // 10**6, from_ns // 10**6 + 15_000]]
     page.wait_for_timeout(2500)  # two refresh intervals pass without a reload
     assert page.evaluate("document.body.dataset.loads") == "1"
     assert errors == []

@@ -149,9 +149,10 @@ def create_app(queries: DashboardQueries, *, source: str, refresh_s: float = 10.
         Route("/", index),
         Route("/jobs/{job_id:path}", job_page),
         Route("/api/jobs", api_jobs),
-        Route("/api/jobs/{job_id}/overview", api_overview),
-        Route("/api/jobs/{job_id}/heatmap", api_heatmap),
-        Route("/api/jobs/{job_id}/breakdown", api_breakdown),
+        # Job ids may hold a slash ("team/run-7"): matched as a path, up to the last segment.
+        Route("/api/jobs/{job_id:path}/overview", api_overview),
+        Route("/api/jobs/{job_id:path}/heatmap", api_heatmap),
+        Route("/api/jobs/{job_id:path}/breakdown", api_breakdown),
         Route("/static/plotly.min.js", plotly_bundle),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ])
