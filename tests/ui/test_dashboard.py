@@ -25,7 +25,7 @@ import pytest
 from kafka_broker import free_port
 
 CULPRIT = 5
-LIVE_JOB = "team/live job"  # a slash and a space, as users name jobs
+LIVE_JOB = "team/live </script>job"  # a slash, a space, and markup that must stay text
 CHROMIUM = "/usr/bin/chromium"
 
 

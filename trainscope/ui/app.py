@@ -93,10 +93,10 @@ def create_app(queries: DashboardQueries, *, source: str, refresh_s: float = 10.
         need_known(job_id)
         return templates.TemplateResponse(request, "job.html", {
             "job_id": job_id, "source": source, "threshold": queries.threshold,
-            "config": json.dumps({"job_id": job_id, "threshold": queries.threshold,
-                                  "refresh_s": refresh_s,
-                                  "from_ms": _int_or_none(request, "from_ns", 10**6),
-                                  "to_ms": _int_or_none(request, "to_ns", 10**6)}),
+            "config": _script_json({"job_id": job_id, "threshold": queries.threshold,
+                                    "refresh_s": refresh_s,
+                                    "from_ms": _int_or_none(request, "from_ns", 10**6),
+                                    "to_ms": _int_or_none(request, "to_ns", 10**6)}),
         })
 
     def api_jobs(request: Request) -> Response:
@@ -156,6 +156,13 @@ def create_app(queries: DashboardQueries, *, source: str, refresh_s: float = 10.
         Route("/static/plotly.min.js", plotly_bundle),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ])
+
+
+def _script_json(value: Any) -> str:
+    """JSON to put inside a <script> element: a job id that holds "</script>" (job ids come
+    from producers) must not end the element."""
+    text = json.dumps(value)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def _int_or_none(request: Request, name: str, divisor: int) -> int | None:
