@@ -125,25 +125,30 @@ GROUP BY rank, col
 ORDER BY rank, col
 """
 
-# One function's share of each rank's step time (percent of its `step` layer's time there; of
-# the column's wall time if no producer sent a step summary), from the summaries alone:
-# dividing by step records would cost a scan of every one of them.
+# One function's share of each rank's time: percent of the wall time its column covers (the
+# first and last columns only from the job's first step to its last), from the summaries and
+# one rank's step records: dividing by every rank's steps would cost a scan of all of them.
 HEATMAP_FUNCTION = """
 WITH (SELECT min(window_start_ns) FROM function_summaries WHERE job_id = {job:String}) AS t0,
      (SELECT max(window_start_ns) FROM function_summaries WHERE job_id = {job:String}) AS t1,
      {window_ns:Int64} * (intDiv(t1 - t0, {window_ns:Int64} * {max_columns:UInt32}) + 1)
-         AS bucket_ns
+         AS bucket_ns,
+     (SELECT min(rank) FROM topologies ARRAY JOIN ranks AS rank WHERE job_id = {job:String})
+         AS first_rank,
+     (SELECT (min(start_ns), max(start_ns + duration_ns)) FROM step_records
+      WHERE job_id = {job:String} AND rank = coalesce(first_rank, 0)) AS span
 SELECT rank, intDiv(window_start_ns, bucket_ns) - intDiv(t0, bucket_ns) AS col,
-       round(100 * sumIf(total_ns, layer = {layer:String} AND name = {name:String})
-             / if(sumIf(total_ns, layer = 'step') > 0, sumIf(total_ns, layer = 'step'),
-                  bucket_ns), 2) AS value
+       round(100 * sum(total_ns)
+             / greatest(least((col + intDiv(t0, bucket_ns) + 1) * bucket_ns,
+                              if(span.2 > 0, span.2, t1 + bucket_ns))
+                        - greatest((col + intDiv(t0, bucket_ns)) * bucket_ns, span.1),
+                        1), 2) AS value
 FROM function_summaries
-WHERE job_id = {job:String}
-  AND ((layer = {layer:String} AND name = {name:String}) OR layer = 'step')
+WHERE job_id = {job:String} AND layer = {layer:String} AND name = {name:String}
 GROUP BY rank, col
-HAVING countIf(layer = {layer:String} AND name = {name:String}) > 0
 ORDER BY rank, col
 """
+
 
 def _axis(query: str) -> str:
     """The time axis of a heatmap query: its first column's start and the columns' width."""

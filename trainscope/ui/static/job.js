@@ -47,7 +47,7 @@ function drawHeatmap(heat) {
   const shapes = state.suspects.filter(r => row.has(r)).map(r => ({
     type: "rect", xref: "paper", yref: "y", x0: 0, x1: 1, y0: r - 0.5, y1: r + 0.5,
     line: {color: "#b91c1c", width: 2}, fillcolor: "rgba(0,0,0,0)"}));
-  const unit = state.metric ? `% of step time in ${state.metric}` : "step time, ms";
+  const unit = state.metric ? `% of time in ${state.metric}` : "step time, ms";
   Plotly.react("heatmap", [{type: "heatmap", x: times.map(t => new Date(t)), y: ranks, z,
                             colorscale: "YlOrRd", reversescale: true, colorbar: {title: {text: unit}},
                             hovertemplate: `rank %{y}<br>%{x}<br>%{z:.1f} ${state.metric ? "%" : "ms"}<extra></extra>`}],
