@@ -57,6 +57,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "detectors": ("trainscope.detectors", "trainscope.detectors.*"),
     "sinks": ("trainscope.sinks", "trainscope.sinks.*"),
     "whatif": ("trainscope.whatif", "trainscope.whatif.*"),
+    # The read-only web dashboard: its ClickHouse queries, the web app and its command.
+    "ui": ("trainscope.ui", "trainscope.ui.*"),
     # Each producer is its own unit: none uses another's internals.
     "producers": ("trainscope.producers",),
     "producers.agent": ("trainscope.producers.agent", "trainscope.producers.agent.*"),
@@ -80,6 +82,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "trainscope.demo",
         "trainscope.publish_simulated",
         "trainscope.testing",
+        # /metrics of the stream job: a collector over the engine's and the notifier's counts.
+        "trainscope.health_metrics",
     ),
 }
 
@@ -113,6 +117,9 @@ ALLOWED: dict[str, dict[str, str]] = {
         "schemas": "op types, the op-trace format and the what-if tables",
         "env": ENV,
         "store": "traces and results are written through the shared store helper",
+    },
+    "ui": {
+        "store": "the dashboard reads the store through the shared read-only opener",
     },
     "producers": {},
     "producers.agent": {

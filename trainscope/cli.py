@@ -25,6 +25,7 @@ _LAZY = {
     "agent": "trainscope.producers.agent.cli:agent",
     "profile": "trainscope.producers.torch.cli:profile",
     "replay": "trainscope.producers.replay.cli:replay",
+    "ui": "trainscope.ui.cli:ui",
 }
 
 

@@ -226,11 +226,23 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
               show_default=True,
               help="Jobs whose windows and detector state are kept; beyond that the least "
                    "recently seen job's windows are closed and its state forgotten.")
+@click.option("--alertmanager", "alertmanager_url", metavar="URL",
+              help="Send findings at or above the alert threshold to this Prometheus "
+                   "Alertmanager (http://HOST:9093), through its v2 API.")
+@click.option("--alert-resend-s", type=click.FloatRange(min=0.1), default=60.0,
+              show_default=True, help="How often firing alerts are re-sent to Alertmanager.")
+@click.option("--dashboard-url", metavar="URL",
+              help="Base URL of `trainscope ui`, for the link in each alert.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              help="Serve the pipeline's counters at http://BIND:PORT/metrics (Prometheus).")
+@click.option("--metrics-bind", default="127.0.0.1", show_default=True,
+              help="Address the /metrics server binds to.")
 def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, window_s: float,
              lateness_s: float, commit_interval_s: float, close_idle_s: float,
              source_idle_s: float, stop_timeout_s: float, idle_exit_s: float | None,
              stats_every_s: float | None, max_jobs: int, drain_on_stop: bool,
-             max_open_bytes: int) -> None:
+             max_open_bytes: int, alertmanager_url: str | None, alert_resend_s: float,
+             dashboard_url: str | None, metrics_port: int | None, metrics_bind: str) -> None:
     """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job).
 
     At-least-once from the bus, exactly-once in the store: with every commit the open windows,
@@ -253,6 +265,19 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
     signal.signal(signal.SIGTERM, stopper)
     signal.signal(signal.SIGINT, stopper)
     quiet_repeats()
+    notifier = None
+    if alertmanager_url is not None:
+        from trainscope.sinks.alert_book import AlertBook
+        from trainscope.sinks.alertmanager import AlertmanagerNotifier
+
+        try:
+            notifier = AlertmanagerNotifier(
+                alertmanager_url,
+                AlertBook(threshold=ALERT_THRESHOLD, dashboard_url=dashboard_url),
+                resend_s=alert_resend_s,
+            )
+        except ValueError as exc:
+            raise click.ClickException(f"--alertmanager: {exc}") from None
     try:
         sink = ClickHouseSink.open(store, url)
         bus = open_bus(bus_url)
@@ -263,6 +288,8 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
         for f in findings:
             if f.score >= ALERT_THRESHOLD:
                 click.echo(f"ALERT [{f.score:.2f}] {view.job_id}: {f.message}")
+        if notifier is not None:
+            notifier.on_window(view, findings)
 
     try:
         p = Pipeline(bus, group=group, window_s=window_s, lateness_s=lateness_s, sink=sink,
@@ -277,13 +304,32 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
         raise click.ClickException(str(exc)) from None
 
     stopper.attach(p)
+    if metrics_port is not None:
+        from trainscope.health_metrics import PipelineCollector, serve_metrics
+
+        try:
+            serve_metrics(PipelineCollector(p, notifier.stats if notifier else None),
+                          metrics_port, metrics_bind)
+        except OSError as exc:
+            p.close()
+            bus.close()
+            sink.close()
+            raise click.ClickException(
+                f"--metrics-port {metrics_port}: cannot listen on {metrics_bind}: {exc}"
+            ) from None
+    if notifier is not None:
+        notifier.start()
     click.echo(f"consuming {bus_url} as group {group}; SIGTERM or Ctrl-C to stop", err=True)
     p.run(idle_timeout_s=idle_exit_s if idle_exit_s is not None else float("inf"))
     complete = p.finish(drain=drain_on_stop or not p.stopping)
     p.close()
     bus.close()
     sink.close()
-    click.echo(json.dumps(p.stats().as_dict()), err=True)
+    final = p.stats().as_dict()
+    if notifier is not None:
+        notifier.close()
+        final["alertmanager"] = notifier.stats().as_dict()
+    click.echo(json.dumps(final), err=True)
     sys.stderr.flush()
     if not complete:
         raise click.ClickException("stopped before every window was written and committed; "

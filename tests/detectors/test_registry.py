@@ -105,3 +105,33 @@ def test_plugins_are_cloned_per_job_too(plugin_dist) -> None:
     findings = runner.run(WindowView("a", 0, 10**9)) + runner.run(WindowView("b", 0, 10**9))
     assert [(f.job_id, f.detector) for f in findings] == [("a", "acme-good"), ("b", "acme-good")]
     assert runner.jobs() == ["a", "b"]
+
+
+class Sleepy:
+    name = "sleepy"
+
+    def detect(self, window: WindowView) -> list:
+        import time
+
+        started = time.perf_counter()
+        while time.perf_counter() - started < 0.01:  # busy, so the time is spent here
+            pass
+        raise RuntimeError("after the work")
+
+
+def test_time_in_each_detector_is_summed_even_when_it_raises() -> None:
+    import pickle
+
+    runner = DetectorRunner([Counting(), Sleepy()])
+    for job in ("a", "b"):
+        runner.run(WindowView(job, 0, 10**9))
+    assert set(runner.detect_seconds) == {"counting", "sleepy"}
+    assert runner.detect_seconds["sleepy"] >= 0.02
+    assert runner.detect_seconds["counting"] < runner.detect_seconds["sleepy"]
+    # A checkpoint from before the field existed restores with it empty.
+    old = pickle.loads(pickle.dumps(runner))
+    del old.__dict__["detect_seconds"]
+    restored = pickle.loads(pickle.dumps(old))
+    assert restored.detect_seconds == {}
+    restored.run(WindowView("a", 0, 10**9))
+    assert restored.detect_seconds["sleepy"] > 0

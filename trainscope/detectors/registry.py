@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -92,6 +93,8 @@ class DetectorRunner:
     findings_emitted: int = 0
     max_jobs: int = DEFAULT_MAX_JOBS
     evicted_jobs: int = 0
+    # Seconds each detector spent in detect(), over all windows (exported at /metrics).
+    detect_seconds: dict[str, float] = field(default_factory=dict)
     _templates: list[Detector] = field(init=False, repr=False)
     _jobs: OrderedDict[str, list[Detector]] = field(init=False, repr=False)
 
@@ -116,6 +119,10 @@ class DetectorRunner:
             self._jobs.move_to_end(job_id)
         return instances
 
+    def __setstate__(self, state: dict) -> None:
+        # A checkpoint written before detect_seconds existed restores with it empty.
+        self.__dict__.update({"detect_seconds": {}, **state})
+
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
 
@@ -125,6 +132,7 @@ class DetectorRunner:
     def run(self, window: WindowView) -> list[Finding]:
         findings: list[Finding] = []
         for detector in self.for_job(window.job_id):
+            started = time.perf_counter()
             try:
                 findings.extend(detector.detect(window))
             except Exception as exc:
@@ -134,5 +142,10 @@ class DetectorRunner:
                     log.warning("detector %s raised and is isolated: %r", detector.name, exc)
                 if self.on_error is not None:
                     self.on_error(detector.name, exc)
+            finally:
+                spent_s = time.perf_counter() - started
+                self.detect_seconds[detector.name] = (
+                    self.detect_seconds.get(detector.name, 0.0) + spent_s
+                )
         self.findings_emitted += len(findings)
         return findings

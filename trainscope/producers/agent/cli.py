@@ -105,6 +105,10 @@ def build_collectors(
     default=None,
     help="Stop after this many seconds (default: run until SIGTERM/SIGINT).",
 )
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              help="Serve the agent's counters at http://BIND:PORT/metrics (Prometheus).")
+@click.option("--metrics-bind", default="127.0.0.1", show_default=True,
+              help="Address the /metrics server binds to.")
 @click.option("-v", "--verbose", is_flag=True, help="Log every published window.")
 def agent(
     bus_url: str,
@@ -116,6 +120,8 @@ def agent(
     pids: tuple[int, ...],
     probes: str | None,
     duration_s: float | None,
+    metrics_port: int | None,
+    metrics_bind: str,
     verbose: bool,
 ) -> None:
     """Observe the training processes of this host without touching them (NVML, eBPF)."""
@@ -140,6 +146,16 @@ def agent(
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     daemon = Agent(settings, bus, collectors)
+    if metrics_port is not None:
+        from trainscope.producers.agent.metrics import serve_metrics
+
+        try:
+            serve_metrics(daemon, metrics_port, metrics_bind)
+        except OSError as exc:
+            bus.close()
+            raise click.ClickException(
+                f"--metrics-port {metrics_port}: cannot listen on {metrics_bind}: {exc}"
+            ) from None
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("received %s: stopping", signal.Signals(signum).name)

@@ -1,0 +1,170 @@
+"""``trainscope ui``: a read-only web dashboard over the store (Starlette, Jinja2 templates,
+Plotly charts whose JavaScript ships inside the ``plotly`` Python package; nothing comes from a
+CDN at run time).
+
+Pages are rendered on the server; the job page's charts fetch JSON from ``/api/…``, where every
+figure is one ClickHouse query (:mod:`trainscope.ui.queries`).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import math
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from trainscope.ui.queries import DashboardQueries
+
+HERE = Path(__file__).parent
+
+
+def plotly_js() -> Path:
+    """The minified Plotly bundle inside the installed ``plotly`` package."""
+    path = Path(str(importlib.resources.files("plotly") / "package_data" / "plotly.min.js"))
+    if not path.is_file():
+        raise RuntimeError(f"the plotly package has no plotly.min.js at {path}")
+    return path
+
+
+def _iso(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: NaN/inf (e.g. a median over no peers) become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _json(payload: Any) -> Response:
+    return JSONResponse(_clean(payload))
+
+
+def _int(request: Request, name: str) -> int:
+    raw = request.query_params.get(name)
+    try:
+        return int(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise HTTPException(
+            400, f"Error: query parameter {name}={raw!r} is not an integer"
+        ) from None
+
+
+def create_app(queries: DashboardQueries, *, source: str, refresh_s: float = 10.0) -> Starlette:
+    """``refresh_s``: how often a running job's page reloads its data."""
+    templates = Jinja2Templates(directory=str(HERE / "templates"))
+    templates.env.filters["iso"] = _iso
+    plotly = plotly_js()
+
+    def need_job(job_id: str) -> dict[str, Any]:
+        job = queries.job(job_id)
+        if job is None:
+            raise HTTPException(404, f"Error: no job {job_id!r} in the store")
+        return job
+
+    def need_known(job_id: str) -> None:
+        if not queries.known(job_id):
+            raise HTTPException(404, f"Error: no job {job_id!r} in the store")
+
+    def index(request: Request) -> Response:
+        return templates.TemplateResponse(request, "jobs.html", {
+            "jobs": queries.jobs(), "source": source, "threshold": queries.threshold,
+        })
+
+    def job_page(request: Request) -> Response:
+        # The header comes with the overview the page fetches: the job's figures are
+        # queried once per page, not twice.
+        job_id = request.path_params["job_id"]
+        need_known(job_id)
+        return templates.TemplateResponse(request, "job.html", {
+            "job_id": job_id, "source": source, "threshold": queries.threshold,
+            "config": _script_json({"job_id": job_id, "threshold": queries.threshold,
+                                    "refresh_s": refresh_s,
+                                    "from_ms": _int_or_none(request, "from_ns", 10**6),
+                                    "to_ms": _int_or_none(request, "to_ns", 10**6)}),
+        })
+
+    def api_jobs(request: Request) -> Response:
+        return _json(queries.jobs())
+
+    def api_overview(request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        job = need_job(job_id)
+        whatif = queries.whatif(job_id)
+        if whatif is not None:
+            whatif["S_worker"] = json.loads(whatif.pop("S_worker_json") or "[]")
+            whatif["analysed_at"] = _iso(whatif["analysed_at_ns"])
+        findings = queries.findings(job_id)
+        for f in findings:
+            f["first"], f["last"] = _iso(f.pop("first_ns")), _iso(f.pop("last_ns"))
+        job["first"], job["last"] = _iso(job.pop("first_ns")), _iso(job.pop("last_ns"))
+        return _json({
+            "job": job,
+            "steps": queries.step_times(job_id),
+            "marks": queries.finding_marks(job_id),
+            "findings": findings,
+            "functions": queries.functions(job_id),
+            "whatif": whatif,
+        })
+
+    def api_heatmap(request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        need_known(job_id)
+        layer = request.query_params.get("layer", "")
+        name = request.query_params.get("name", "")
+        axis, cells = queries.heatmap(job_id, layer, name)
+        # The cells come as JSON from ClickHouse; only the axis is added around them.
+        head = json.dumps(_clean(axis))[:-1]
+        body = head + (', ' if axis else '') + '"cells": ' + cells.decode() + "}"
+        return Response(body, media_type="application/json")
+
+    def api_breakdown(request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        need_known(job_id)
+        rank = _int(request, "rank")
+        from_ms, to_ms = _int(request, "from_ms"), _int(request, "to_ms")
+        return _json({"rank": rank, "rows": queries.breakdown(job_id, rank, from_ms * 10**6,
+                                                              to_ms * 10**6)})
+
+    def plotly_bundle(request: Request) -> Response:
+        return FileResponse(plotly, media_type="text/javascript",
+                            headers={"Cache-Control": "max-age=86400"})
+
+    return Starlette(routes=[
+        Route("/", index),
+        Route("/jobs/{job_id:path}", job_page),
+        Route("/api/jobs", api_jobs),
+        # Job ids may hold a slash ("team/run-7"): matched as a path, up to the last segment.
+        Route("/api/jobs/{job_id:path}/overview", api_overview),
+        Route("/api/jobs/{job_id:path}/heatmap", api_heatmap),
+        Route("/api/jobs/{job_id:path}/breakdown", api_breakdown),
+        Route("/static/plotly.min.js", plotly_bundle),
+        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
+    ])
+
+
+def _script_json(value: Any) -> str:
+    """JSON to put inside a <script> element: a job id that holds "</script>" (job ids come
+    from producers) must not end the element."""
+    text = json.dumps(value)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _int_or_none(request: Request, name: str, divisor: int) -> int | None:
+    raw = request.query_params.get(name)
+    return int(raw) // divisor if raw and raw.lstrip("-").isdigit() else None

@@ -1,0 +1,165 @@
+// The job page: fetches its figures from /api/jobs/<job>/… and draws them with Plotly.
+"use strict";
+const CFG = window.TRAINSCOPE;
+const API = `/api/jobs/${encodeURIComponent(CFG.job_id)}`;
+const state = { suspects: [], metric: null, bucketMs: 0 };
+
+async function getJSON(url) {
+  const response = await fetch(url);
+  if (!response.ok) throw new Error(`${url}: ${response.status} ${await response.text()}`);
+  return response.json();
+}
+
+function escapeHtml(text) {
+  return String(text).replace(/[&<>"']/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;",
+                                                  '"': "&quot;", "'": "&#39;"}[c]));
+}
+
+function drawSteps(steps, marks) {
+  const x = steps.map(s => new Date(s.t_ms));
+  const traces = [
+    {x, y: steps.map(s => s.mean_ms), name: "mean over ranks", mode: "lines"},
+    {x, y: steps.map(s => s.max_ms), name: "slowest rank", mode: "lines",
+     text: steps.map(s => `step ${s.step}, slowest rank ${s.slowest_rank}`)},
+  ];
+  if (marks.length) {
+    const top = Math.max(...steps.map(s => s.max_ms));
+    traces.push({x: marks.map(m => new Date(m.t_ms)), y: marks.map(() => top * 1.02),
+                 name: "findings", mode: "markers", marker: {color: "#b91c1c", symbol: "triangle-down", size: 10},
+                 text: marks.map(m => m.top_message), hoverinfo: "x+text"});
+  }
+  const shapes = CFG.from_ms ? [{type: "rect", xref: "x", yref: "paper", x0: new Date(CFG.from_ms),
+    x1: new Date(CFG.to_ms || CFG.from_ms), y0: 0, y1: 1, fillcolor: "#fde68a", opacity: .4, line: {width: 0}}] : [];
+  Plotly.react("steps", traces, {margin: {t: 10, r: 10}, yaxis: {title: "ms per step"},
+                                 legend: {orientation: "h"}, shapes}, {responsive: true});
+}
+
+function drawHeatmap(heat) {
+  state.bucketMs = heat.bucket_ms;
+  const [rankOf, colOf, valueOf] = heat.cells;
+  const ranks = [...new Set(rankOf)].sort((a, b) => a - b);
+  let columns = 0;
+  for (const c of colOf) columns = Math.max(columns, c + 1);
+  const times = Array.from({length: columns}, (_, i) => heat.t0_ms + i * heat.bucket_ms);
+  const row = new Map(ranks.map((r, i) => [r, i]));
+  const z = ranks.map(() => new Array(columns).fill(null));
+  for (let i = 0; i < rankOf.length; i++) z[row.get(rankOf[i])][colOf[i]] = valueOf[i];
+  const shapes = state.suspects.filter(r => row.has(r)).map(r => ({
+    type: "rect", xref: "paper", yref: "y", x0: 0, x1: 1, y0: r - 0.5, y1: r + 0.5,
+    line: {color: "#b91c1c", width: 2}, fillcolor: "rgba(0,0,0,0)"}));
+  const unit = state.metric ? `% of time in ${state.metric}` : "step time, ms";
+  Plotly.react("heatmap", [{type: "heatmap", x: times.map(t => new Date(t)), y: ranks, z,
+                            colorscale: "YlOrRd", reversescale: true, colorbar: {title: {text: unit}},
+                            hovertemplate: `rank %{y}<br>%{x}<br>%{z:.1f} ${state.metric ? "%" : "ms"}<extra></extra>`}],
+               {margin: {t: 10, r: 10}, yaxis: {title: "rank", autorange: "reversed"}, shapes},
+               {responsive: true});
+  const heatmap = document.getElementById("heatmap");
+  heatmap.dataset.suspects = state.suspects.join(",");
+  if (!heatmap.dataset.bound) {
+    heatmap.dataset.bound = "1";
+    heatmap.on("plotly_click", event => {
+      const point = event.points[0];
+      const t = new Date(point.x).getTime();
+      openBreakdown(point.y, t, t + state.bucketMs);
+    });
+  }
+}
+
+async function openBreakdown(rank, fromMs, toMs) {
+  const data = await getJSON(`${API}/breakdown?rank=${rank}&from_ms=${fromMs}&to_ms=${toMs}`);
+  const rows = data.rows.slice(0, 15);
+  const names = rows.map(r => `${r.layer}/${r.name}`);
+  const peers = rows.length ? rows[0].peers : 0;
+  Plotly.react("breakdown", [
+    {type: "bar", name: `rank ${rank}`, x: names, y: rows.map(r => r.rank_ms), marker: {color: "#b91c1c"}},
+    {type: "bar", name: `median of ${peers} peers`, x: names, y: rows.map(r => r.peer_median_ms), marker: {color: "#9ca3af"}},
+  ], {barmode: "group", margin: {t: 40, r: 10},
+      title: {text: `rank ${rank} vs its peers, ${new Date(fromMs).toISOString()} – ${new Date(toMs).toISOString()}`},
+      yaxis: {title: "ms per step"}}, {responsive: true});
+  document.getElementById("breakdown").dataset.rank = rank;
+}
+
+function drawFindings(findings) {
+  const box = document.getElementById("findings");
+  if (!findings.length) { box.innerHTML = "<p>No finding reached the alert threshold.</p>"; return; }
+  const rows = findings.map(f => `<tr class="finding" data-rank="${f.rank}">
+    <td>${f.rank >= 0 ? f.rank : (f.pp_stage >= 0 ? "stage " + f.pp_stage : "job")}</td>
+    <td>${escapeHtml(f.category)}</td><td>${escapeHtml(f.function_name)}</td><td>${f.max_score}</td>
+    <td>${f.windows}</td><td>${f.first}<br>${f.last}</td><td>${escapeHtml(f.all_victims.join(", "))}</td>
+    <td>${escapeHtml(f.top_message)}<div class="evidence">${escapeHtml(f.detectors)}: ${escapeHtml(JSON.stringify(f.top_evidence))}</div></td></tr>`);
+  box.innerHTML = `<table><thead><tr><th>rank</th><th>category</th><th>function</th><th>score</th>
+    <th>windows</th><th>first / last</th><th>victims</th><th>message and evidence</th></tr></thead>
+    <tbody>${rows.join("")}</tbody></table>`;
+}
+
+function drawWhatif(w) {
+  const box = document.getElementById("whatif");
+  if (!w) { box.innerHTML = "<p>No what-if result for this job (run <code>trainscope whatif --job …</code>).</p>"; return; }
+  const warnings = w.warnings.length ? `<p class="alert">${w.warnings.map(escapeHtml).join("<br>")}</p>` : "";
+  box.innerHTML = `<p>Analysed ${w.analysed_at}: ${w.steps} steps, ${w.workers} workers.
+    Slowdown S = <b>${w.S.toFixed(3)}</b> (real ${(w.step_time_real_s * 1e3).toFixed(1)} ms/step,
+    without stragglers ${(w.step_time_ideal_s * 1e3).toFixed(1)} ms/step);
+    M_W = ${w.M_W.toFixed(2)} (few slow workers), M_S = ${w.M_S.toFixed(2)} (last stage).</p>${warnings}`;
+  const stages = [...new Set(w.S_worker.map(c => c.stage))].sort((a, b) => a - b);
+  const dps = [...new Set(w.S_worker.map(c => c.dp_rank))].sort((a, b) => a - b);
+  const z = stages.map(s => dps.map(d => (w.S_worker.find(c => c.stage === s && c.dp_rank === d) || {}).score ?? null));
+  Plotly.react("workers", [{type: "heatmap", x: dps, y: stages, z, colorscale: "YlOrRd", reversescale: true, zmin: 1, zmax: 1.5,
+                            hovertemplate: "dp %{x}, stage %{y}: %{z:.3f}<extra></extra>"}],
+               {margin: {t: 10, r: 10}, xaxis: {title: "DP rank", dtick: 1}, yaxis: {title: "stage", dtick: 1}}, {responsive: true});
+}
+
+function fillMetrics(functions, findings) {
+  const select = document.getElementById("metric");
+  if (select.options.length) return;
+  const named = findings.find(f => f.function_name && f.function_name.includes("/"));
+  select.add(new Option("step time", ""));
+  for (const f of functions) {
+    if (f.layer === "step") continue;
+    const value = `${f.layer}/${f.name}`;
+    select.add(new Option(value, value, false, named && named.function_name === value));
+  }
+  select.addEventListener("change", () => loadHeatmap());
+}
+
+async function loadHeatmap() {
+  const value = document.getElementById("metric").value;
+  state.metric = value || null;
+  const [layer, ...rest] = value ? value.split("/") : ["", ""];
+  const query = value ? `?layer=${encodeURIComponent(layer)}&name=${encodeURIComponent(rest.join("/"))}` : "";
+  drawHeatmap(await getJSON(`${API}/heatmap${query}`));
+}
+
+function drawHeader(job) {
+  const status = document.getElementById("status");
+  status.textContent = job.status;
+  status.className = `status ${job.status}`;
+  document.getElementById("summary").textContent = `${job.ranks} ranks, steps 0–${job.last_step}, ` +
+    `${job.first} to ${job.last}; ${job.open_findings} open finding(s), ${job.suspects} ` +
+    `suspect(s) at or above ${CFG.threshold}.`;
+}
+
+async function load() {
+  const overview = await getJSON(`${API}/overview`);
+  drawHeader(overview.job);
+  state.suspects = [...new Set(overview.findings.filter(f => f.rank >= 0).map(f => f.rank))];
+  document.getElementById("suspects").textContent = state.suspects.length
+    ? `suspect rank(s): ${state.suspects.join(", ")}` : "";
+  drawSteps(overview.steps, overview.marks);
+  fillMetrics(overview.functions, overview.findings);
+  drawFindings(overview.findings);
+  drawWhatif(overview.whatif);
+  await loadHeatmap();
+  document.getElementById("refreshed").textContent = `Updated ${new Date().toLocaleTimeString()}.`;
+  document.body.dataset.loaded = "1";
+  document.body.dataset.loads = String(Number(document.body.dataset.loads || 0) + 1);
+  return overview.job.status;
+}
+
+async function refreshLoop() {
+  let status = "unknown";
+  try { status = await load(); } catch (error) { console.error(error); document.getElementById("refreshed").textContent = String(error); }
+  if (status === "running") setTimeout(refreshLoop, CFG.refresh_s * 1000);
+}
+
+window.openBreakdown = openBreakdown;
+refreshLoop();
