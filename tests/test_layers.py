@@ -57,6 +57,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "detectors": ("trainscope.detectors", "trainscope.detectors.*"),
     "sinks": ("trainscope.sinks", "trainscope.sinks.*"),
     "whatif": ("trainscope.whatif", "trainscope.whatif.*"),
+    # Configuration what-if: memory and latency models, placement search, recommendations.
+    "plan": ("trainscope.plan", "trainscope.plan.*"),
     # Each producer is its own unit: none uses another's internals.
     "producers": ("trainscope.producers",),
     "producers.agent": ("trainscope.producers.agent", "trainscope.producers.agent.*"),
@@ -111,6 +113,12 @@ ALLOWED: dict[str, dict[str, str]] = {
         "schemas": "op types, the op-trace format and the what-if tables",
         "env": ENV,
         "store": "traces and results are written through the shared store helper",
+    },
+    "plan": {
+        "schemas": "the error base, metric names and the op-type vocabulary",
+        "env": ENV,
+        "store": "bandwidths a running job measured are read from the store",
+        "whatif": "the latency model's reference replays on the what-if event simulator",
     },
     "producers": {},
     "producers.agent": {
