@@ -95,16 +95,22 @@ def exhaustive(model: LatencyModel, chunk: int = 20_000) -> SearchResult:
     return SearchResult(best, best_cost, seen)
 
 
-def search(model: LatencyModel, *, restarts: int = 2, seed: int = 0,
+def search(model: LatencyModel, *, start: np.ndarray | None = None,
+           restarts: int | None = None, seed: int = 0,
            iterations: int | None = None) -> SearchResult:
-    """The best of annealing runs from the default placement and ``restarts`` random ones."""
+    """The best of annealing runs from ``start`` (default: Megatron's placement) and
+    ``restarts`` random ones
+    (default: 2 up to 64 groups, where a run is cheap and the landscape small enough for a
+    random start to matter; none beyond, where the default start is the best one we have)."""
     cfg = model.cfg
+    if restarts is None:
+        restarts = 2 if cfg.dp * cfg.pp <= 64 else 0
     rng = np.random.default_rng(seed)
     best: SearchResult | None = None
     evaluated = 0
     for k in range(restarts + 1):
-        start = None if k == 0 else rng.permutation(cfg.dp * cfg.pp).reshape(cfg.dp, cfg.pp)
-        result = anneal(model, start=start, iterations=iterations, seed=seed + k)
+        first = start if k == 0 else rng.permutation(cfg.dp * cfg.pp).reshape(cfg.dp, cfg.pp)
+        result = anneal(model, start=first, iterations=iterations, seed=seed + k)
         evaluated += result.evaluated
         if best is None or result.step_s < best.step_s:
             best = result
