@@ -101,3 +101,17 @@ def test_bad_plan_files_are_one_line_errors(tmp_path, doc, needle) -> None:
 def test_missing_file_is_a_one_line_error(tmp_path) -> None:
     line = error_line(trainscope("plan", str(tmp_path / "nope.yaml")))
     assert "nope.yaml: cannot read" in line
+
+
+def test_the_readme_example_is_what_the_command_prints() -> None:
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    block = readme.split("$ trainscope plan examples/plan-64gpu.yaml\n", 1)[1].split("```")[0]
+    rows = [line for line in block.splitlines() if line[:3].strip().isdigit()]
+    assert len(rows) == 3
+    done = trainscope("plan", str(root / "examples" / "plan-64gpu.yaml"))
+    assert done.returncode == 0, done.stderr
+    for row in rows:
+        assert row in done.stdout.splitlines()
+    uniform = next(line for line in block.splitlines() if line.startswith("A planner"))
+    assert uniform in done.stdout

@@ -172,6 +172,12 @@ def _print(result: Any, job: Any, whatif: dict[str, Any] | None, show_rejected: 
             echo(f"\nThis job ({whatif['config']}), re-placed, would run "
                  f"{whatif['faster_pct']:.1f}% faster: {whatif['current_step_s']:.3f} s → "
                  f"{whatif['replaced_step_s']:.3f} s per step (model).")
+            for used in whatif["current_slow_links_used"]:
+                still = used in whatif["replaced_slow_links_used"]
+                echo(f"  its placement sends {' and '.join(used['traffic'])} traffic over "
+                     f"{used['link']}" + ("; re-placed, it still does (the search found no faster "
+                                         "placement that avoids it)" if still else
+                                         "; re-placed, it does not"))
     if result.rejected:
         memory = sum(1 for r in result.rejected if "GiB" in r.reason)
         echo(f"\n{len(result.rejected)} configuration(s) left out ({memory} do not fit in "

@@ -11,6 +11,8 @@ around its nominal value. Nothing in this module shares code with :mod:`.latency
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from trainscope.plan.costs import StageCosts
@@ -55,6 +57,12 @@ def simulate_step_s(
         seq[n] = seen.get((s, op.code), 0)
         seen[(s, op.code)] = seq[n] + 1
     graph, _ = host_graph(spec, schedules, stage, code, seq, chunk)
+    # The planner's models have untied input and output embeddings: the first and last stages
+    # do not all-reduce embedding gradients with each other. Dropping the group's peers keeps
+    # the event order valid (it only removes edges).
+    untied = tuple(() if c == ot.EMBEDDING_ALL_REDUCE else p
+                   for c, p in zip(code, graph.peers, strict=True))
+    graph = replace(graph, peers=untied)
 
     # Link-level times, rank by rank.
     tp_s = np.zeros((dp, pp))
