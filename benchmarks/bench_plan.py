@@ -1,8 +1,9 @@
 """Configuration what-if (`trainscope plan`): accuracy of the latency model, the gain of the
 recommendation on a cluster with slow links, and search time against cluster size, on one core.
 
-1. **Model vs replay**: 40 configurations and placements of a 64-GPU cluster (8 hosts × 8) with
-   three slow host-to-host links; the latency model's step time against the what-if engine's
+1. **Model vs replay**: 60 configurations and placements (Megatron's, a random one and one the
+   search picked, for 20 configurations) of a 64-GPU cluster (8 hosts × 8) with three slow
+   host-to-host links; the latency model's step time against the what-if engine's
    event replay of the same placed job (trainscope.plan.eventsim). Median error and Spearman ρ.
 2. **Recommendation vs uniform links**: the recommendation (configuration + searched placement
    on the measured links) against what a planner assuming uniform links would run (its best
@@ -34,6 +35,7 @@ from trainscope.plan.costs import stage_costs  # noqa: E402
 from trainscope.plan.eventsim import simulate_step_s  # noqa: E402
 from trainscope.plan.latency import LatencyModel, default_slots  # noqa: E402
 from trainscope.plan.recommend import configurations, memory_problem, plan  # noqa: E402
+from trainscope.plan.search import search  # noqa: E402
 from trainscope.plan.spec import ClusterSpec, HostLink, Links, ModelSpec, SearchSpec  # noqa: E402
 from trainscope.plan.transformer import ParallelConfig  # noqa: E402
 
@@ -65,13 +67,16 @@ def model_vs_replay() -> None:
     rows = []
     shapes = [(8, 4, 2), (4, 4, 4), (2, 4, 8), (4, 8, 2), (8, 8, 1), (2, 8, 4), (16, 2, 2),
               (4, 2, 8), (8, 2, 4), (2, 16, 2)]
-    for (dp, pp, tp), mb, k in itertools.product(shapes, (1, 2), range(2)):
+    for (dp, pp, tp), mb in itertools.product(shapes, (1, 2)):
         cfg = ParallelConfig(dp, pp, tp, mb)
         costs = stage_costs(MODEL_7B, spec, cfg)
         m = cfg.microbatches(MODEL_7B)
-        slots = default_slots(cfg) if k == 0 else rng.permutation(dp * pp).reshape(dp, pp)
-        predicted = float(LatencyModel(cfg, costs, links, m).step_s(slots))
-        rows.append((predicted, simulate_step_s(cfg, costs, links, m, slots, seed=k)))
+        latency = LatencyModel(cfg, costs, links, m)
+        random = rng.permutation(dp * pp).reshape(dp, pp)
+        searched = search(latency, restarts=0, iterations=500, seed=mb).slots
+        for k, slots in enumerate((default_slots(cfg), random, searched)):
+            predicted = float(latency.step_s(slots))
+            rows.append((predicted, simulate_step_s(cfg, costs, links, m, slots, seed=k)))
     from scipy.stats import spearmanr
 
     got = np.array(rows)
