@@ -84,3 +84,13 @@ def test_a_healthy_job_reports_no_slow_link(stores) -> None:
     assert all(r["slow_links_used"] == [] for r in out["recommendations"])
     assert "network link of GPU" not in out["recommendations"][0]["reason"]
     assert out["job_whatif"]["current_slow_links_used"] == []
+
+
+@pytest.mark.slow
+def test_an_unknown_job_is_a_one_line_error(stores) -> None:
+    done = subprocess.run([sys.executable, "-m", "trainscope.cli", "plan", str(stores["plan"]),
+                           "--from-job", "nope", "--store", str(stores["slow"])],
+                          capture_output=True, text=True, timeout=300, check=False)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode != 0 and len(lines) == 1, done.stderr
+    assert lines[0] == "Error: job 'nope': no topology in the store (is the job id right?)"
