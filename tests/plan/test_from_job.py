@@ -94,3 +94,19 @@ def test_an_unknown_job_is_a_one_line_error(stores) -> None:
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode != 0 and len(lines) == 1, done.stderr
     assert lines[0] == "Error: job 'nope': no topology in the store (is the job id right?)"
+
+
+@pytest.mark.slow
+def test_calibration_takes_the_jobs_compute_times(stores) -> None:
+    """The demo's ranks run a 24 ms forward and a 48 ms backward per micro-batch; the achieved
+    share of the peak follows from the model file's FLOPs (a middle stage: 2 layers, tp 2)."""
+    done = trainscope("plan", str(stores["plan"]), "--from-job", "plan-job", "--store",
+                      str(stores["healthy"]), "--calibrate", "--json")
+    calibration = json.loads(done.stdout)["calibration"]
+    m = PLAN["model"]
+    b, s, h = 1, m["seq_len"], m["hidden"]
+    layer_flops = 2 * b * s * (4 * h * h + 2 * h * 4 * h) + 4 * b * s * s * h
+    expected = 2 * layer_flops / 2 / (0.024 * 989e12)
+    assert calibration["mfu"] == pytest.approx(expected, rel=0.03)
+    assert calibration["backward_over_forward"] == pytest.approx(2.0, rel=0.03)
+    assert calibration["ranks"] == 32

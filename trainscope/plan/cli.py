@@ -24,10 +24,14 @@ from trainscope.plan.spec import GIB, PlanInputError
 @click.option("--url", help="ClickHouse server URL instead of a store.")
 @click.option("--job-micro-batch", type=click.IntRange(1), default=1, show_default=True,
               help="The running job's micro-batch size (the store does not record it).")
+@click.option("--calibrate", is_flag=True, help="With --from-job: take the share of peak "
+              "FLOP/s (mfu) and the backward/forward ratio from the job's measured forward and "
+              "backward times. Only meaningful when PLAN_FILE describes the job's own model "
+              "and --job-micro-batch its micro-batch size.")
 @click.option("--show-rejected", is_flag=True, help="List every configuration left out, "
               "with the reason.")
 def plan(plan_file: Path, top_k: int | None, as_json: bool, seed: int, job_id: str | None,
-         store: Path | None, url: str | None, job_micro_batch: int,
+         store: Path | None, url: str | None, job_micro_batch: int, calibrate: bool,
          show_rejected: bool) -> None:
     """Recommend (dp, pp, tp, micro-batch) and a rank → GPU placement for PLAN_FILE's model.
 
@@ -49,6 +53,8 @@ def plan(plan_file: Path, top_k: int | None, as_json: bool, seed: int, job_id: s
         raise click.UsageError("--store/--url only go with --from-job")
     if job_id is not None and (store is None) == (url is None):
         raise click.UsageError("--from-job needs exactly one of --store DIR or --url URL")
+    if calibrate and job_id is None:
+        raise click.UsageError("--calibrate needs --from-job")
     try:
         spec = load_plan_file(plan_file)
         assert spec.cluster is not None
@@ -56,10 +62,13 @@ def plan(plan_file: Path, top_k: int | None, as_json: bool, seed: int, job_id: s
         if top_k is not None:
             search_spec = msgspec.structs.replace(search_spec, top_k=top_k)
         job = None
+        calibration = None
         cluster = spec.cluster
         if job_id is not None:
             job = _read_job(job_id, store, url)
             cluster = job.cluster(cluster)
+            if calibrate:
+                cluster, calibration = job.calibrate(spec.model, cluster, job_micro_batch)
             links = job.links(cluster)
         else:
             links = Links.of(cluster)
@@ -69,8 +78,17 @@ def plan(plan_file: Path, top_k: int | None, as_json: bool, seed: int, job_id: s
     except (PlanInputError, MeasuredError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
-        click.echo(json.dumps(_as_json(result, job, whatif), indent=2))
+        out = _as_json(result, job, whatif)
+        if calibration is not None:
+            out["calibration"] = calibration
+        click.echo(json.dumps(out, indent=2))
     else:
+        if calibration is not None:
+            click.echo(
+                f"Compute calibrated on job {job_id}: forward {calibration['forward_ms_median']}"
+                f" ms per micro-batch (median of {calibration['ranks']} ranks) → mfu "
+                f"{calibration['mfu']:.3f} (file: {calibration['file_mfu']:g}), backward "
+                f"{calibration['backward_over_forward']:.2f}× forward")
         _print(result, job, whatif, show_rejected)
 
 

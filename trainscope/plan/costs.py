@@ -1,9 +1,10 @@
 """Per-operation times of one configuration, before placement: compute per stage, and the bytes
 each kind of communication moves (the link it crosses is the placement's business).
 
-Compute runs at ``mfu`` of the GPU's peak; a backward costs twice its forward, three times with
-full recomputation. Every layer does two tensor-parallel all-reduces of the hidden states in
-its forward and two in its backward (Megatron without sequence parallelism). A pipeline send
+Compute runs at ``mfu`` of the GPU's peak; a backward costs ``backward_over_forward`` (2) times
+its forward, one forward more with full recomputation. Every layer does two tensor-parallel
+all-reduces of the hidden states in its forward and two in its backward (Megatron without
+sequence parallelism). A pipeline send
 moves one micro-batch's hidden states, split over the tensor-parallel ranks (each sends its
 1/tp slice over its own link). The data-parallel gradient all-reduce moves each GPU's gradient
 shard in a ring: 2·(dp − 1)/dp of it over the ring's slowest link.
@@ -19,8 +20,7 @@ from trainscope.plan.spec import ClusterSpec, ModelSpec
 from trainscope.plan.transformer import (
     ELEMENT_BYTES,
     ParallelConfig,
-    head_forward_flops,
-    layer_forward_flops,
+    stage_forward_flops,
     stage_params,
 )
 
@@ -46,11 +46,8 @@ class StageCosts:
 def stage_costs(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig) -> StageCosts:
     p, t, b = cfg.pp, cfg.tp, cfg.micro_batch
     flops_per_s = cluster.peak_tflops * 1e12 * cluster.mfu
-    layers = model.layers // p
-    fwd = np.full(p, layers * layer_forward_flops(model, b) / t)
-    fwd[-1] += head_forward_flops(model, b) / t
-    forward_s = fwd / flops_per_s
-    backward_s = forward_s * (3.0 if model.recompute else 2.0)
+    forward_s = np.asarray(stage_forward_flops(model, cfg)) / t / flops_per_s
+    backward_s = forward_s * (cluster.backward_over_forward + (1.0 if model.recompute else 0.0))
     e = ELEMENT_BYTES[model.precision]
     hidden_bytes = b * model.seq_len * model.hidden * e
     params = np.array([stage_params(model, cfg, s) for s in range(p)], dtype=np.float64)
@@ -59,7 +56,7 @@ def stage_costs(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig) -> 
         forward_s=forward_s,
         backward_s=backward_s,
         tp_bytes_per_layer=hidden_bytes,
-        tp_allreduces=np.full(p, 4.0 * layers if t > 1 else 0.0),
+        tp_allreduces=np.full(p, 4.0 * (model.layers // p) if t > 1 else 0.0),
         p2p_bytes=hidden_bytes / t,
         grad_bytes=params * GRAD_BYTES[model.precision],
         optimizer_s=params * traffic / (cluster.hbm_gbyte_per_s * 1e9),

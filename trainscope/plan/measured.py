@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from trainscope.plan.spec import GBIT, ClusterSpec, Links
-from trainscope.plan.transformer import ParallelConfig
+from trainscope.plan.spec import GBIT, ClusterSpec, Links, ModelSpec
+from trainscope.plan.transformer import ParallelConfig, stage_forward_flops
 from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.metrics import NIC_TX_BYTES_PER_S
 
@@ -57,6 +57,9 @@ class JobLinks:
     coords: np.ndarray  # (world, 3) dp_rank, pp_stage, tp_rank
     nic: dict[int, Measured] = field(default_factory=dict)  # by rank
     pairs: dict[tuple[int, int], Measured] = field(default_factory=dict)  # (src, dst) ranks
+    # Mean forward and backward time of one call, per rank (function summaries).
+    forward_s: dict[int, float] = field(default_factory=dict)
+    backward_s: dict[int, float] = field(default_factory=dict)
     now_ns: int = 0
 
     @property
@@ -91,6 +94,49 @@ class JobLinks:
                 links.host_bytes_per_s[ha, hb] = links.host_bytes_per_s[hb, ha] = (
                     m.value_bytes_per_s)
         return links
+
+    def calibrate(self, model: ModelSpec, cluster: ClusterSpec,
+                  micro_batch: int) -> tuple[ClusterSpec, dict[str, Any]]:
+        """``mfu`` and ``backward_over_forward`` from the job's measured compute times.
+
+        One forward call is one micro-batch of one stage; the model file must describe the job's
+        own model at its micro-batch size, or the figures mean nothing. The median over stages
+        of (FLOPs of a stage's forward per GPU) ÷ (measured time × peak) gives the achieved
+        share of the peak."""
+        import msgspec
+
+        if not self.forward_s:
+            raise MeasuredError(f"job {self.job_id!r}: no forward/backward summaries to "
+                                "calibrate compute times with")
+        cfg = self.config(micro_batch)
+        problem = cfg.problem(model, cluster.gpus_per_host)
+        if problem:
+            raise MeasuredError(f"job {self.job_id!r} ({cfg.label()}): the model file does not "
+                                f"fit the job's configuration: {problem}")
+        flops = np.asarray(stage_forward_flops(model, cfg)) / cfg.tp
+        shares, ratios = [], []
+        for s in range(self.pp):
+            ranks = [r for r in np.flatnonzero(self.coords[:, 1] == s) if r in self.forward_s]
+            if not ranks:
+                continue
+            fwd = float(np.median([self.forward_s[r] for r in ranks]))
+            shares.append(flops[s] / (fwd * cluster.peak_tflops * 1e12))
+            ratios.extend(self.backward_s[r] / self.forward_s[r] for r in ranks
+                          if r in self.backward_s)
+        mfu = float(np.median(shares))
+        if not 0 < mfu <= 1:
+            raise MeasuredError(
+                f"job {self.job_id!r}: its forward times imply {mfu:.2f} of the GPU's peak; "
+                "does the model file describe this job's model and micro-batch?")
+        ratio = float(np.median(ratios)) if ratios else cluster.backward_over_forward
+        if model.recompute:
+            ratio -= 1.0  # the measured backward includes the recomputed forward
+        calibrated = msgspec.structs.replace(cluster, mfu=mfu, backward_over_forward=ratio)
+        info = {"ranks": len(self.forward_s), "stages": len(shares), "mfu": round(mfu, 4),
+                "file_mfu": cluster.mfu, "backward_over_forward": round(ratio, 3),
+                "forward_ms_median": round(1e3 * float(np.median(list(self.forward_s.values()))),
+                                           3)}
+        return calibrated, info
 
     def config(self, micro_batch: int) -> ParallelConfig:
         return ParallelConfig(self.dp, self.pp, self.tp, micro_batch)
@@ -232,6 +278,15 @@ def read_job_links(client: Any, job_id: str, *, now_ns: int | None = None) -> Jo
             continue
         result.pairs[(int(rank), peers[0])] = Measured(
             float(bytes_total) / (float(total_ns) / 1e9), int(windows), int(newest))
+    for rank, name, total_ns, calls in client.query(
+        "SELECT rank, name, sum(total_ns), sum(count) FROM function_summaries "
+        "WHERE job_id = {job:String} AND name IN ('forward', 'backward') AND count > 0 "
+        "GROUP BY rank, name",
+        parameters={"job": job_id},
+    ).result_rows:
+        if 0 <= rank < world:
+            into = result.forward_s if name == "forward" else result.backward_s
+            into[int(rank)] = float(total_ns) / 1e9 / float(calls)
     if not result.nic and not result.pairs:
         raise MeasuredError(
             f"job {job_id!r}: the store has no link measurements ({NIC_TX_BYTES_PER_S} "

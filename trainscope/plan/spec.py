@@ -16,6 +16,8 @@ cluster:
   gpus_per_host: 8
   gpu_memory_gib: 80
   peak_tflops: 989           # dense 16-bit peak of one GPU
+  mfu: 0.5                   # share of the peak a layer reaches (default 0.5)
+  backward_over_forward: 2.0 # (default 2; recomputation adds one forward)
   intra_host_gbit_per_s: 2400
   inter_host_gbit_per_s: 200 # between two GPUs on different hosts (one NIC per GPU)
   links:                     # host pairs that are slower (or faster) than that
@@ -94,6 +96,7 @@ class ClusterSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     gpu_memory_gib: float
     peak_tflops: float
     mfu: float = 0.5  # share of peak a transformer layer reaches
+    backward_over_forward: float = 2.0  # a backward's time over its forward's (no recompute)
     hbm_gbyte_per_s: float = 2000.0  # bounds the optimizer step
     intra_host_gbit_per_s: float = 2400.0
     inter_host_gbit_per_s: float = 200.0
@@ -114,6 +117,9 @@ class ClusterSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                 raise ValueError(f"cluster.{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"cluster.mfu must be in (0, 1], got {self.mfu}")
+        if not self.backward_over_forward > 0:
+            raise ValueError(
+                f"cluster.backward_over_forward must be > 0, got {self.backward_over_forward}")
         for i, link in enumerate(self.links):
             a, b = link.hosts
             where = f"cluster.links[{i}]"

@@ -81,3 +81,11 @@ def layer_forward_flops(model: ModelSpec, micro_batch: int) -> float:
 
 def head_forward_flops(model: ModelSpec, micro_batch: int) -> float:
     return 2 * micro_batch * model.seq_len * model.hidden * model.vocab
+
+
+def stage_forward_flops(model: ModelSpec, cfg: ParallelConfig) -> list[float]:
+    """FLOPs of one micro-batch's forward on each stage (all tp shards together)."""
+    layers = model.layers // cfg.pp
+    out = [layers * layer_forward_flops(model, cfg.micro_batch)] * cfg.pp
+    out[-1] += head_forward_flops(model, cfg.micro_batch)
+    return out
