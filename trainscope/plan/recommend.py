@@ -4,9 +4,10 @@ Every (dp, pp, tp, micro-batch) with dp·pp·tp = all GPUs and a shape the model
 a candidate. One that needs more memory on some stage than a GPU has is rejected with the
 stage and the figures. The others are scored with Megatron's default placement on the
 measured links and, optimistically, as if every network link were nominal; the most promising
-``shortlist`` get a placement search, and the top ``top_k`` are returned with the reason they
-win. As a baseline, the configuration a planner that assumes uniform links would choose (the
-best by the uniform-link model, default placement) is scored on the measured links too.
+``shortlist`` (at least ``top_k``) get a placement search, and the top ``top_k`` are returned
+with the reason they win. As a baseline, the configuration a planner that assumes uniform
+links would choose (the best by the uniform-link model, default placement) is scored on the
+measured links too.
 """
 
 from __future__ import annotations
@@ -75,7 +76,10 @@ def configurations(model: ModelSpec, cluster: ClusterSpec,
                     problem = cfg.problem(model, cluster.gpus_per_host)
                     if problem is None and v > 1:
                         problem = "interleaved schedules are not modelled yet"
-                    (bad.append(Rejected(cfg, problem)) if problem else ok.append(cfg))
+                    if problem:
+                        bad.append(Rejected(cfg, problem))
+                    else:
+                        ok.append(cfg)
     return ok, bad
 
 
@@ -126,6 +130,7 @@ def plan(
         return result
     result.uniform_choice = min(candidates, key=lambda c: c.uniform_step_s)
     order = sorted(candidates, key=lambda c: min(c.default_step_s, c.uniform_step_s))
+    shortlist = max(shortlist, search_spec.top_k)
     for c in order[:shortlist]:
         costs = stage_costs(model, cluster, c.cfg)
         latency = LatencyModel(c.cfg, costs, links, c.cfg.microbatches(model))
