@@ -3,7 +3,12 @@ host pair explains."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
+import pytest
+import yaml
 
 from trainscope.plan.measured import JobLinks, Measured
 from trainscope.plan.spec import GBIT, ClusterSpec
@@ -55,3 +60,28 @@ def test_current_placement_as_slots() -> None:
     assert job().current_slots().tolist() == [[0, 2], [1, 3]]
     shuffled = job(gpu_of_rank=np.array([3, 1, 2, 0]))
     assert shuffled.current_slots().tolist() == [[3, 2], [1, 0]]
+
+
+def test_a_job_without_link_measurements_is_a_one_line_error(tmp_path) -> None:
+    """A job the store knows (its topology) but whose ranks sent no NIC figures or pipeline
+    sends: planning from it says what is missing instead of assuming nominal links."""
+    pytest.importorskip("chdb", reason="needs the embedded ClickHouse engine (embedded extra)")
+    from trainscope.producers.simulate.layout import Layout
+    from trainscope.sinks.clickhouse import ClickHouseSink
+
+    store = tmp_path / "store"
+    sink = ClickHouseSink.open(store)
+    sink.write_topology(Layout(2, 2, 2).topology("quiet-job"))
+    sink.close()
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump({
+        "model": dict(layers=8, hidden=1024, heads=16, seq_len=1024, vocab=1024,
+                      global_batch=16),
+        "cluster": dict(hosts=1, gpus_per_host=8, gpu_memory_gib=80, peak_tflops=989),
+    }), encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "trainscope.cli", "plan", str(plan_file),
+                           "--from-job", "quiet-job", "--store", str(store)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode != 0 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("Error: job 'quiet-job': the store has no link measurements")
