@@ -59,6 +59,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "whatif": ("trainscope.whatif", "trainscope.whatif.*"),
     # The read-only web dashboard: its ClickHouse queries, the web app and its command.
     "ui": ("trainscope.ui", "trainscope.ui.*"),
+    # Configuration what-if: memory and latency models, placement search, recommendations.
+    "plan": ("trainscope.plan", "trainscope.plan.*"),
     # Each producer is its own unit: none uses another's internals.
     "producers": ("trainscope.producers",),
     "producers.agent": ("trainscope.producers.agent", "trainscope.producers.agent.*"),
@@ -120,6 +122,12 @@ ALLOWED: dict[str, dict[str, str]] = {
     },
     "ui": {
         "store": "the dashboard reads the store through the shared read-only opener",
+    },
+    "plan": {
+        "schemas": "the error base, metric names and the op-type vocabulary",
+        "env": ENV,
+        "store": "bandwidths a running job measured are read from the store",
+        "whatif": "the latency model's reference replays on the what-if event simulator",
     },
     "producers": {},
     "producers.agent": {

@@ -22,6 +22,7 @@ _LAZY = {
     "demo": "trainscope.cli_demo:demo",
     "pipeline": "trainscope.cli_demo:pipeline",
     "whatif": "trainscope.whatif.cli:whatif",
+    "plan": "trainscope.plan.cli:plan",
     "agent": "trainscope.producers.agent.cli:agent",
     "profile": "trainscope.producers.torch.cli:profile",
     "replay": "trainscope.producers.replay.cli:replay",
