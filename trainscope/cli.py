@@ -24,7 +24,7 @@ _LAZY = {
     "whatif": "trainscope.whatif.cli:whatif",
     "agent": "trainscope.producers.agent.cli:agent",
     "profile": "trainscope.producers.torch.cli:profile",
-    "replay": "trainscope.producers.replay.cli:replay",
+    "replay": "trainscope.cli_traces:replay",
 }
 
 

@@ -1,0 +1,212 @@
+"""Calling-context trees: Python frame → annotation → framework op → runtime call → kernel.
+
+Every kept event of a :class:`~trainscope.traces.reader.Trace` gets the id of its call path
+(:func:`trainscope.schemas.callpath.callpath_id`, the same ids the live profiler and the
+function summaries carry):
+
+- host events (Python frames, ``record_function`` annotations, ATen ops, runtime and driver
+  calls) nest by time on their thread: the parent is the innermost event that encloses the
+  event. An event that starts inside one and ends after it (``record_function`` starts inside
+  its ``__enter__`` frame and ends after it) hangs under the innermost one enclosing it whole;
+- device events (kernels, copies, memsets) hang under the runtime call with the same
+  ``correlation`` id, or, where the trace has none, the one their launch flow (``ac2g``)
+  starts at;
+- a ``gpu_user_annotation`` hangs under the ``user_annotation`` with the same external id.
+
+``ProfilerStep#N`` is one node (``ProfilerStep#*``) so the steps of a trace, and of two ranks
+or runs, share their paths. A node's ``total_ns`` is the time of the events at that path
+(inclusive of what they call); ``self_ns`` takes away the time of their host-side children.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trainscope.schemas.callpath import callpath_id
+from trainscope.traces.classes import CLASS_INDEX, CLASSES, DEVICE_CLASSES, layer_of
+from trainscope.traces.reader import Trace
+
+_STEP = re.compile(r"^ProfilerStep#\d+$")
+STEP_NODE = "ProfilerStep#*"
+# Tie-break for host events with equal start and duration: the outer one first.
+_HOST_ORDER = {c: i for i, c in enumerate(("python_function", "user_annotation", "cpu_op",
+                                            "cuda_runtime", "cuda_driver"))}
+_DEVICE = np.array([c in DEVICE_CLASSES for c in CLASSES])
+_RUNTIME = (CLASS_INDEX["cuda_runtime"], CLASS_INDEX["cuda_driver"])
+_GPU_ANNOTATION = CLASS_INDEX["gpu_user_annotation"]
+_ANNOTATION = CLASS_INDEX["user_annotation"]
+
+Node = tuple[int, str, str]  # parent id, layer, name
+
+
+@dataclass
+class CallTree:
+    """Per event of a trace: its call path id, layer and self time; and the node table."""
+
+    callpath: np.ndarray  # uint64 per event
+    layer: list[str]  # per event
+    self_ns: np.ndarray
+    nodes: dict[int, Node] = field(default_factory=dict)
+    unlinked_device: int = 0  # device events whose launch was not found
+
+
+def node_name(name: str) -> str:
+    return STEP_NODE if _STEP.match(name) else name
+
+
+def build(trace: Trace) -> CallTree:
+    n = len(trace)
+    callpath = np.zeros(n, dtype=np.uint64)
+    self_ns = trace.dur_ns.copy()
+    nodes: dict[int, Node] = {}
+    ids: dict[tuple[int, str, str], int] = {}
+
+    def node(parent: int, layer: str, name: str) -> int:
+        key = (parent, layer, name)
+        cp = ids.get(key)
+        if cp is None:
+            cp = ids[key] = callpath_id(parent, layer, name)
+            nodes[cp] = key
+        return cp
+
+    pair_layer: dict[tuple[int, int], tuple[str, str]] = {}
+    layers: list[str] = [""] * n
+    names = trace.names
+    cls_list, name_list = trace.cls.tolist(), trace.name_id.tolist()
+    for i in range(n):
+        key = (cls_list[i], name_list[i])
+        found = pair_layer.get(key)
+        if found is None:
+            name = names[key[1]]
+            found = pair_layer[key] = (layer_of(CLASSES[key[0]], name), node_name(name))
+        layers[i] = found[0]
+    host = ~_DEVICE[trace.cls]
+    host_idx = np.flatnonzero(host)
+    tie = np.array([_HOST_ORDER.get(c, 9) for c in CLASSES])[trace.cls[host_idx]]
+    order = host_idx[np.lexsort((tie, -trace.dur_ns[host_idx], trace.start_ns[host_idx],
+                                 trace.thread[host_idx]))]
+    start, dur, thread = trace.start_ns.tolist(), trace.dur_ns.tolist(), trace.thread.tolist()
+    corr, ext = trace.correlation.tolist(), trace.external.tolist()
+    cps = [0] * n
+    launch_by_corr: dict[int, int] = {}
+    launch_at: dict[tuple[int, int], int] = {}
+    annotation_by_ext: dict[int, int] = {}
+    stack: list[tuple[int, int, int]] = []  # (end ns, call path, event index)
+    current = -1
+    for i in order.tolist():
+        t, s = thread[i], start[i]
+        end = s + dur[i]
+        if t != current:
+            stack.clear()
+            current = t
+        while stack and stack[-1][0] <= s:
+            stack.pop()
+        depth = len(stack) - 1
+        while depth >= 0 and stack[depth][0] < end:
+            depth -= 1  # ends after the innermost one: hang it under one that encloses it
+        if depth >= 0:
+            parent, parent_index = stack[depth][1], stack[depth][2]
+            self_ns[parent_index] -= dur[i]
+        else:
+            parent = 0
+        c = cls_list[i]
+        cp = node(parent, layers[i], pair_layer[(c, name_list[i])][1])
+        cps[i] = cp
+        stack.append((end, cp, i))
+        if c in _RUNTIME:
+            if corr[i] >= 0:
+                launch_by_corr[corr[i]] = cp
+            launch_at[(t, s)] = cp
+        elif c == _ANNOTATION and ext[i] >= 0:
+            annotation_by_ext.setdefault(ext[i], cp)
+    launch_by_flow = {flow: launch_at[at] for at, flow in trace.flow_out.items()
+                      if at in launch_at}
+    unlinked = 0
+    for i in np.flatnonzero(~host).tolist():
+        c = cls_list[i]
+        if c == _GPU_ANNOTATION:
+            parent = annotation_by_ext.get(ext[i], 0)
+        else:
+            parent = launch_by_corr.get(corr[i], 0) if corr[i] >= 0 else 0
+            if not parent:
+                flow = trace.flow_in.get((thread[i], start[i]))
+                parent = launch_by_flow.get(flow, 0) if flow is not None else 0
+            if not parent:
+                unlinked += 1
+        cps[i] = node(parent, layers[i], pair_layer[(c, name_list[i])][1])
+    callpath[:] = np.array(cps, dtype=np.uint64) if n else callpath
+    return CallTree(callpath=callpath, layer=layers, self_ns=self_ns, nodes=nodes,
+                    unlinked_device=unlinked)
+
+
+def path_of(nodes: dict[int, Node], cp: int) -> list[tuple[str, str]]:
+    """(layer, name) from the root down to ``cp``."""
+    out: list[tuple[str, str]] = []
+    seen = 0
+    while cp and cp in nodes and seen < 10_000:
+        parent, layer, name = nodes[cp]
+        out.append((layer, name))
+        cp, seen = parent, seen + 1
+    return out[::-1]
+
+
+@dataclass
+class PathTimes:
+    """A calling-context tree with times: per call path, count, inclusive and self time."""
+
+    nodes: dict[int, Node]
+    count: dict[int, int]
+    total_ns: dict[int, int]
+    self_ns: dict[int, int]
+    steps: int = 0  # profiler steps the times cover (0: unknown)
+
+    def merged(self, other: PathTimes) -> PathTimes:
+        out = PathTimes({**self.nodes, **other.nodes}, dict(self.count), dict(self.total_ns),
+                        dict(self.self_ns), self.steps + other.steps)
+        for cp, value in other.count.items():
+            out.count[cp] = out.count.get(cp, 0) + value
+            out.total_ns[cp] = out.total_ns.get(cp, 0) + other.total_ns[cp]
+            out.self_ns[cp] = out.self_ns.get(cp, 0) + other.self_ns[cp]
+        return out
+
+    def per_step(self) -> dict[int, float]:
+        scale = 1 / self.steps if self.steps else 1.0
+        return {cp: ns * scale for cp, ns in self.total_ns.items()}
+
+
+def path_times(tree: CallTree, trace: Trace, steps: int = 0,
+               mask: np.ndarray | None = None) -> PathTimes:
+    """Times per call path over the events of ``trace`` (those in ``mask`` if given)."""
+    cp, dur, own = tree.callpath, trace.dur_ns, tree.self_ns
+    if mask is not None:
+        cp, dur, own = cp[mask], dur[mask], own[mask]
+    if not len(cp):
+        return PathTimes(dict(tree.nodes), {}, {}, {}, steps)
+    keys, inverse, counts = np.unique(cp, return_inverse=True, return_counts=True)
+    totals = np.bincount(inverse, weights=dur.astype(np.float64))
+    selfs = np.bincount(inverse, weights=own.astype(np.float64))
+    ks = keys.tolist()
+    # bincount sums in float64: exact below 2**53 ns (104 days) per path.
+    return PathTimes(
+        dict(tree.nodes),
+        dict(zip(ks, counts.tolist(), strict=True)),
+        dict(zip(ks, np.rint(totals).astype(np.int64).tolist(), strict=True)),
+        dict(zip(ks, np.rint(selfs).astype(np.int64).tolist(), strict=True)),
+        steps,
+    )
+
+
+def call_path_rows(job_id: str, rank: int, window_start_ns: int, window_end_ns: int,
+                   times: PathTimes) -> list[tuple[object, ...]]:
+    """Rows of the ``call_paths`` table (see :mod:`trainscope.schemas.ddl`)."""
+    rows = []
+    for cp, count in times.count.items():
+        parent, layer, name = times.nodes[cp]
+        path = path_of(times.nodes, cp)
+        rows.append((job_id, rank, window_start_ns, window_end_ns, cp, parent, len(path) - 1,
+                     layer, name, [n for _, n in path], [la for la, _ in path], count,
+                     times.total_ns[cp], times.self_ns[cp], times.steps))
+    return rows
