@@ -35,3 +35,10 @@ def handler_trace(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def plain_trace(tmp_path_factory) -> Path:
     return trace_jobs.profile_single(tmp_path_factory.mktemp("plain"), handler=False)
+
+
+@pytest.fixture(scope="session")
+def slow_data_trace(tmp_path_factory) -> Path:
+    """A plain export of a run whose DataLoader takes 8 ms per batch in the training process."""
+    return trace_jobs.profile_single(tmp_path_factory.mktemp("slow"), handler=False,
+                                     slow_data=True)

@@ -22,10 +22,25 @@ EXTRA_S = 0.02
 ACTIVE_STEPS = 3
 
 
-def _loop(prof: torch.profiler.profile, model: torch.nn.Module, extra: bool) -> int:
+class SlowDataset(torch.utils.data.Dataset):
+    """Samples that take ``SLOW_SAMPLE_S`` each to load (decoding, augmentation …)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        time.sleep(SLOW_SAMPLE_S)
+        return (torch.full((16,), float(index)),)
+
+
+SLOW_SAMPLE_S = 0.001
+
+
+def _loop(prof: torch.profiler.profile, model: torch.nn.Module, extra: bool,
+          slow_data: bool = False) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 16)),
-                                       batch_size=8)
+    dataset = SlowDataset() if slow_data else torch.utils.data.TensorDataset(torch.randn(64, 16))
+    data = torch.utils.data.DataLoader(dataset, batch_size=8)
     extra_ns = 0
     for step, (batch,) in enumerate(data):
         if step >= 1 + ACTIVE_STEPS:
@@ -66,7 +81,7 @@ def profile_rank(rank: int, world: int, port: int, out_dir: str, extra_rank: int
         (Path(out_dir) / "extra_ns.txt").write_text(json.dumps({"rank": rank, "ns": extra_ns}))
 
 
-def profile_single(out_dir: Path, *, handler: bool) -> Path:
+def profile_single(out_dir: Path, *, handler: bool, slow_data: bool = False) -> Path:
     """One process, no torch.distributed: torch's handler naming or a plain export."""
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -74,7 +89,7 @@ def profile_single(out_dir: Path, *, handler: bool) -> Path:
     on_ready = torch.profiler.tensorboard_trace_handler(str(out_dir)) if handler else None
     with torch.profiler.profile(schedule=schedule, with_stack=True,
                                 on_trace_ready=on_ready) as prof:
-        _loop(prof, _model(), extra=False)
+        _loop(prof, _model(), extra=False, slow_data=slow_data)
     if handler:
         (path,) = out_dir.glob("*.pt.trace.json")
         return path
