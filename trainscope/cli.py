@@ -25,6 +25,7 @@ _LAZY = {
     "agent": "trainscope.producers.agent.cli:agent",
     "profile": "trainscope.producers.torch.cli:profile",
     "replay": "trainscope.cli_traces:replay",
+    "analyze": "trainscope.cli_traces:analyze",
 }
 
 
