@@ -245,3 +245,15 @@ def test_malformed_files_give_one_clear_line(tmp_path, content, expected) -> Non
     message = result.output.strip()
     assert message.startswith("Error: ") and len(message.splitlines()) == 1, message
     assert str(path) in message and expected in message
+
+
+def test_names_that_differ_only_in_an_address_are_one_function(tmp_path) -> None:
+    events = [{"ph": "X", "cat": "python_function", "pid": 1, "tid": 1, "ts": k * 10,
+               "dur": 1 + k, "name": f"<built-in method sum of Tensor object at 0x7f{k:04x}>"}
+              for k in range(3)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"distributedInfo": {"rank": 0}, "traceEvents": events}))
+    result = condense(read_trace(path), "j", WINDOW_NS)
+    (summary,) = [s for b in result.summaries for s in b.to_summaries()]
+    assert (summary.name, summary.count, summary.total_ns) == (
+        "<built-in method sum of Tensor>", 3, 6000)

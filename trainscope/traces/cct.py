@@ -47,14 +47,25 @@ class CallTree:
     """Per event of a trace: its call path id, layer and self time; and the node table."""
 
     callpath: np.ndarray  # uint64 per event
-    layer: list[str]  # per event
+    layer_id: np.ndarray  # int8 per event, index into layer_names
+    layer_names: list[str]
     self_ns: np.ndarray
     nodes: dict[int, Node] = field(default_factory=dict)
     unlinked_device: int = 0  # device events whose launch was not found
 
+    def layer_is(self, layer: str) -> np.ndarray:
+        if layer not in self.layer_names:
+            return np.zeros(len(self.layer_id), dtype=bool)
+        return self.layer_id == self.layer_names.index(layer)
+
 
 def node_name(name: str) -> str:
     return STEP_NODE if _STEP.match(name) else name
+
+
+# Events are walked a slice at a time, so the Python lists a walk needs stay small even for
+# a trace of tens of millions of events.
+_CHUNK = 1 << 16
 
 
 def build(trace: Trace) -> CallTree:
@@ -72,74 +83,89 @@ def build(trace: Trace) -> CallTree:
             nodes[cp] = key
         return cp
 
-    pair_layer: dict[tuple[int, int], tuple[str, str]] = {}
-    layers: list[str] = [""] * n
-    names = trace.names
-    cls_list, name_list = trace.cls.tolist(), trace.name_id.tolist()
-    for i in range(n):
-        key = (cls_list[i], name_list[i])
-        found = pair_layer.get(key)
-        if found is None:
-            name = names[key[1]]
-            found = pair_layer[key] = (layer_of(CLASSES[key[0]], name), node_name(name))
-        layers[i] = found[0]
+    # (class, name id) → (layer, node name), and a small integer per layer.
+    pairs, pair_index = np.unique(trace.cls.astype(np.int64) << 32 | trace.name_id,
+                                  return_inverse=True)
+    layer_names: list[str] = []
+    pair_info: list[tuple[str, str]] = []
+    pair_layer = np.zeros(len(pairs), dtype=np.int8)
+    for k, pair in enumerate(pairs.tolist()):
+        name = trace.names[pair & 0xFFFFFFFF]
+        layer = layer_of(CLASSES[pair >> 32], name)
+        if layer not in layer_names:
+            layer_names.append(layer)
+        pair_layer[k] = layer_names.index(layer)
+        pair_info.append((layer, node_name(name)))
+    layer_id = pair_layer[pair_index] if n else np.zeros(0, dtype=np.int8)
     host = ~_DEVICE[trace.cls]
     host_idx = np.flatnonzero(host)
     tie = np.array([_HOST_ORDER.get(c, 9) for c in CLASSES])[trace.cls[host_idx]]
     order = host_idx[np.lexsort((tie, -trace.dur_ns[host_idx], trace.start_ns[host_idx],
                                  trace.thread[host_idx]))]
-    start, dur, thread = trace.start_ns.tolist(), trace.dur_ns.tolist(), trace.thread.tolist()
-    corr, ext = trace.correlation.tolist(), trace.external.tolist()
-    cps = [0] * n
     launch_by_corr: dict[int, int] = {}
     launch_at: dict[tuple[int, int], int] = {}
     annotation_by_ext: dict[int, int] = {}
     stack: list[tuple[int, int, int]] = []  # (end ns, call path, event index)
     current = -1
-    for i in order.tolist():
-        t, s = thread[i], start[i]
-        end = s + dur[i]
-        if t != current:
-            stack.clear()
-            current = t
-        while stack and stack[-1][0] <= s:
-            stack.pop()
-        depth = len(stack) - 1
-        while depth >= 0 and stack[depth][0] < end:
-            depth -= 1  # ends after the innermost one: hang it under one that encloses it
-        if depth >= 0:
-            parent, parent_index = stack[depth][1], stack[depth][2]
-            self_ns[parent_index] -= dur[i]
-        else:
-            parent = 0
-        c = cls_list[i]
-        cp = node(parent, layers[i], pair_layer[(c, name_list[i])][1])
-        cps[i] = cp
-        stack.append((end, cp, i))
-        if c in _RUNTIME:
-            if corr[i] >= 0:
-                launch_by_corr[corr[i]] = cp
-            launch_at[(t, s)] = cp
-        elif c == _ANNOTATION and ext[i] >= 0:
-            annotation_by_ext.setdefault(ext[i], cp)
+    for lo in range(0, len(order), _CHUNK):
+        chunk = order[lo:lo + _CHUNK]
+        cps = np.zeros(len(chunk), dtype=np.uint64)
+        columns = zip(chunk.tolist(), trace.thread[chunk].tolist(),
+                      trace.start_ns[chunk].tolist(), trace.dur_ns[chunk].tolist(),
+                      trace.cls[chunk].tolist(), pair_index[chunk].tolist(),
+                      trace.correlation[chunk].tolist(), trace.external[chunk].tolist(),
+                      strict=True)
+        for j, (i, t, s, d, c, pair, corr, ext) in enumerate(columns):
+            end = s + d
+            if t != current:
+                stack.clear()
+                current = t
+            while stack and stack[-1][0] <= s:
+                stack.pop()
+            depth = len(stack) - 1
+            while depth >= 0 and stack[depth][0] < end:
+                depth -= 1  # ends after the innermost one: hang it under one enclosing it
+            if depth >= 0:
+                parent = stack[depth][1]
+                self_ns[stack[depth][2]] -= d
+            else:
+                parent = 0
+            layer, name = pair_info[pair]
+            cp = node(parent, layer, name)
+            cps[j] = cp
+            stack.append((end, cp, i))
+            if c in _RUNTIME:
+                if corr >= 0:
+                    launch_by_corr[corr] = cp
+                launch_at[(t, s)] = cp
+            elif c == _ANNOTATION and ext >= 0:
+                annotation_by_ext.setdefault(ext, cp)
+        callpath[chunk] = cps
     launch_by_flow = {flow: launch_at[at] for at, flow in trace.flow_out.items()
                       if at in launch_at}
     unlinked = 0
-    for i in np.flatnonzero(~host).tolist():
-        c = cls_list[i]
-        if c == _GPU_ANNOTATION:
-            parent = annotation_by_ext.get(ext[i], 0)
-        else:
-            parent = launch_by_corr.get(corr[i], 0) if corr[i] >= 0 else 0
-            if not parent:
-                flow = trace.flow_in.get((thread[i], start[i]))
-                parent = launch_by_flow.get(flow, 0) if flow is not None else 0
-            if not parent:
-                unlinked += 1
-        cps[i] = node(parent, layers[i], pair_layer[(c, name_list[i])][1])
-    callpath[:] = np.array(cps, dtype=np.uint64) if n else callpath
-    return CallTree(callpath=callpath, layer=layers, self_ns=self_ns, nodes=nodes,
-                    unlinked_device=unlinked)
+    device_idx = np.flatnonzero(~host)
+    for lo in range(0, len(device_idx), _CHUNK):
+        chunk = device_idx[lo:lo + _CHUNK]
+        cps = np.zeros(len(chunk), dtype=np.uint64)
+        columns = zip(trace.thread[chunk].tolist(), trace.start_ns[chunk].tolist(),
+                      trace.cls[chunk].tolist(), pair_index[chunk].tolist(),
+                      trace.correlation[chunk].tolist(), trace.external[chunk].tolist(),
+                      strict=True)
+        for j, (t, s, c, pair, corr, ext) in enumerate(columns):
+            if c == _GPU_ANNOTATION:
+                parent = annotation_by_ext.get(ext, 0)
+            else:
+                parent = launch_by_corr.get(corr, 0) if corr >= 0 else 0
+                if not parent:
+                    flow = trace.flow_in.get((t, s))
+                    parent = launch_by_flow.get(flow, 0) if flow is not None else 0
+                if not parent:
+                    unlinked += 1
+            cps[j] = node(parent, *pair_info[pair])
+        callpath[chunk] = cps
+    return CallTree(callpath=callpath, layer_id=layer_id, layer_names=layer_names,
+                    self_ns=self_ns, nodes=nodes, unlinked_device=unlinked)
 
 
 def path_of(nodes: dict[int, Node], cp: int) -> list[tuple[str, str]]:

@@ -59,27 +59,32 @@ def condense(trace: Trace, job_id: str, window_ns: int) -> Condensed:
     if not len(trace):
         return out
     window = trace.start_ns // window_ns * window_ns
-    names = trace.names
-    name_id = trace.name_id
-    for w in np.unique(window).tolist():
-        mask = window == w
-        idx = np.flatnonzero(mask)
-        durations: dict[FunctionKey, list[int]] = {}
-        moved: dict[FunctionKey, int] = {}
-        cps, durs, nbytes = (tree.callpath[idx].tolist(), trace.dur_ns[idx].tolist(),
-                             trace.bytes_moved[idx].tolist())
-        for j, i in enumerate(idx.tolist()):
-            key = (tree.layer[i], names[name_id[i]], cps[j])
-            bucket = durations.get(key)
-            if bucket is None:
-                bucket = durations[key] = []
-            bucket.append(durs[j])
-            if nbytes[j]:
-                moved[key] = moved.get(key, 0) + nbytes[j]
+    # One sort groups the events by window, call path and name; each group's durations go
+    # to the summary builder as a numpy slice (no per-event Python objects).
+    order = np.lexsort((trace.name_id, tree.callpath, window))
+    w_sorted, cp_sorted = window[order], tree.callpath[order]
+    name_sorted, dur_sorted = trace.name_id[order], trace.dur_ns[order]
+    bytes_sorted, layer_sorted = trace.bytes_moved[order], tree.layer_id[order]
+    change = np.ones(len(order), dtype=bool)
+    change[1:] = ((w_sorted[1:] != w_sorted[:-1]) | (cp_sorted[1:] != cp_sorted[:-1])
+                  | (name_sorted[1:] != name_sorted[:-1]))
+    starts = np.flatnonzero(change)
+    bounds = np.r_[starts, len(order)]
+    moved_per_group = np.add.reduceat(bytes_sorted, starts)
+    by_window: dict[int, tuple[dict[FunctionKey, np.ndarray], dict[FunctionKey, int]]] = {}
+    for k, lo in enumerate(starts.tolist()):
+        hi = int(bounds[k + 1])
+        key = (tree.layer_names[int(layer_sorted[lo])], trace.names[int(name_sorted[lo])],
+               int(cp_sorted[lo]))
+        durations, moved = by_window.setdefault(int(w_sorted[lo]), ({}, {}))
+        durations[key] = dur_sorted[lo:hi]
+        if moved_per_group[k]:
+            moved[key] = int(moved_per_group[k])
+    for w, (durations, moved) in sorted(by_window.items()):
         out.summaries.extend(summary_batches(
             durations, job_id=job_id, rank=trace.rank, window_start_ns=w,
             window_end_ns=w + window_ns, bytes_total=moved,
         ))
         steps_in = sum(1 for s in out.steps if s.start_ns // window_ns * window_ns == w)
-        out.windows[w] = path_times(tree, trace, steps_in, mask)
+        out.windows[w] = path_times(tree, trace, steps_in, window == w)
     return out

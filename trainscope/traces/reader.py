@@ -227,7 +227,8 @@ def read_trace(path: Path, rank: int | None = None) -> Trace:
     a_start, a_dur, a_corr = cols["start"].append, cols["dur"].append, cols["corr"].append
     a_ext, a_bytes = cols["ext"].append, cols["bytes"].append
     names: list[str] = []
-    name_ids: dict[str, int] = {}
+    name_ids: dict[str, int] = {}  # raw name → id of its normalised name
+    normal_ids: dict[str, int] = {}
     threads: list[tuple[Any, Any]] = []
     thread_ids: dict[tuple[Any, Any], int] = {}
     class_of: dict[str, str | None] = {}
@@ -266,8 +267,13 @@ def read_trace(path: Path, rank: int | None = None) -> Trace:
                 kept[cls] += 1
                 name_id = name_ids.get(name)
                 if name_id is None:
-                    name_id = name_ids[name] = len(names)
-                    names.append(normalise_name(name))
+                    # Names that differ only in an object address are one function.
+                    normal = normalise_name(name)
+                    name_id = normal_ids.get(normal)
+                    if name_id is None:
+                        name_id = normal_ids[normal] = len(names)
+                        names.append(normal)
+                    name_ids[name] = name_id
                 key = (event.get("pid"), event.get("tid"))
                 thread = thread_ids.get(key)
                 if thread is None:

@@ -46,11 +46,10 @@ class IdleGpu:
         t = view.trace
         names = np.array([view.name(i) for i in range(len(t))], dtype=object)
         host = ~view.device & ~view.of("gpu_user_annotation")
-        layer = np.array(view.tree.layer, dtype=object)
         masks = {
             "data": host & np.array([n.startswith("enumerate(DataLoader)") for n in names],
                                     dtype=bool),
-            "communication": host & (layer == "collective"),
+            "communication": host & view.tree.layer_is("collective"),
             "synchronisation": host & np.isin(names, SYNC_NAMES),
         }
         causes = {k: overlap_ns(gaps, self._intervals(view, m)) for k, m in masks.items()}
