@@ -12,9 +12,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import trace_jobs
 
-H100 = Path(__file__).resolve().parent.parent / "data" / "kineto-cuda-h100"
-H100_TRACES = sorted(H100.glob("*.json.gz"))
-
 
 @pytest.fixture(scope="session")
 def gloo_traces(tmp_path_factory) -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import H100_TRACES
+from trace_data import H100_TRACES
 
 from trainscope.cli_traces import analyze
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import H100_TRACES
 from handmade import busy_gemm
+from trace_data import H100_TRACES
 
 from trainscope.traces.analyzers import TraceView, breakdown, run_all
 from trainscope.traces.analyzers.host import DataLoaderWaits, PageableCopies, Synchronisations

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import H100_TRACES
+from trace_data import H100_TRACES
 
 from trainscope.traces.cct import path_of
 from trainscope.traces.condense import condense

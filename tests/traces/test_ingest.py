@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import H100_TRACES
+from trace_data import H100_TRACES
 
 from trainscope.cli_traces import replay
 from trainscope.schemas.callpath import normalise_name
