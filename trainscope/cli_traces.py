@@ -159,8 +159,8 @@ def _write_store(store: Path | None, url: str | None, records: list[object],
               help="With TRACE: the rank of a single trace without distributedInfo. With "
               "--job: the suspect rank whose call paths are compared with its peers'.")
 @click.option("--suspect", type=click.IntRange(min=0), default=None,
-              help="Rank to compare with its peers (default: the rank whose call paths differ "
-              "most from the others').")
+              help="Rank to compare with its peers (default: the rank with the most excess "
+              "time in its own work, less its excess time in collectives).")
 @click.option("--baseline", "baseline", multiple=True, type=click.Path(path_type=Path),
               help="Traces of an earlier run (repeatable): the call paths of TRACE… (all ranks "
               "merged) are compared with these.")
@@ -276,13 +276,17 @@ def _peer_diff(trees: dict[int, object], suspect: int | None) -> dict[str, objec
         raise click.UsageError(f"--suspect {suspect}: no trace of that rank")
     if len(typed) < 2:
         raise click.UsageError("comparing a rank with its peers needs traces of 2+ ranks")
+    from trainscope.traces.diff import diff, suspect_score
+
     candidates = [suspect] if suspect is not None else sorted(typed)
     best: dict[str, object] | None = None
+    best_score = 0.0
     for r in candidates:
-        report = _chain_report(typed[r], [t for q, t in typed.items() if q != r])
-        report["rank"] = r
-        if best is None or report["excess_ns"] > best["excess_ns"]:  # type: ignore[operator]
-            best = report
+        peers = [t for q, t in typed.items() if q != r]
+        score = suspect_score(diff(typed[r], peers))
+        if best is None or score > best_score:
+            best, best_score = _chain_report(typed[r], peers), score
+            best["rank"] = r
     assert best is not None
     best["peers"] = len(typed) - 1
     return best

@@ -11,7 +11,7 @@ from trace_data import H100_TRACES
 
 from trainscope.traces.cct import path_of
 from trainscope.traces.condense import condense
-from trainscope.traces.diff import diff, hot_chain
+from trainscope.traces.diff import diff, hot_chain, suspect_score, waiting_excess
 from trainscope.traces.reader import read_trace, trace_files
 
 
@@ -38,11 +38,25 @@ def test_suspect_rank_against_its_peer(gloo_traces: Path) -> None:
     deltas = diff(suspect, list(trees.values()))
     chain = hot_chain(deltas)
     _check_names_the_extra_block(chain, known["ns"])
-    # Per step, against the peer, on every step: three steps of 20 ms each.
+    # Per step, against the peer, on every step: three steps of 50 ms each.
     assert chain[-1].per_step and chain[-1].steps == 3
     # The peer against the suspect finds no excess under extra_work (it never ran it).
     back = diff(next(iter(trees.values())), [suspect])
     assert not [d for d in back.values() if "extra_work" in d.label() and d.delta_ns > 0]
+
+
+def test_the_rank_that_waits_is_not_taken_for_the_cause(gloo_traces: Path) -> None:
+    """Rank 0 waits for rank 1 in the all-reduce: its gloo:all_reduce and, around it, its
+    backward take longer than rank 1's. The cause's score is its own-work excess less its
+    excess in collectives, so rank 1 scores high and rank 0 low."""
+    known = json.loads((gloo_traces / "extra_ns.txt").read_text())
+    trees = _trees(gloo_traces)
+    cause, victim = trees[known["rank"]], trees[1 - known["rank"]]
+    to_victim, to_cause = diff(victim, [cause]), diff(cause, [victim])
+    assert waiting_excess(to_victim) > 0 > waiting_excess(to_cause)
+    assert suspect_score(to_cause) > known["ns"] / 3 > suspect_score(to_victim)
+    # The victim's hot chain never ends in a collective.
+    assert all(layer != "collective" for d in hot_chain(to_victim) for layer, _ in d.path)
 
 
 def test_two_runs_merged_over_ranks(gloo_traces: Path) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from trainscope.traces.cct import PathTimes, path_of
 
 DEFAULT_SHARE = 0.8
+WAITING_LAYERS = ("collective",)
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,18 @@ def diff(suspect: PathTimes, peers: list[PathTimes]) -> dict[int, PathDelta]:
     return out
 
 
-def hot_chain(deltas: dict[int, PathDelta], share: float = DEFAULT_SHARE) -> list[PathDelta]:
+def hot_chain(deltas: dict[int, PathDelta], share: float = DEFAULT_SHARE,
+              waiting_layers: tuple[str, ...] = WAITING_LAYERS) -> list[PathDelta]:
     """The root-to-leaf chain of the path with the largest excess that no single child
     explains (no child holds ``share`` of it), with the excess of every path on the way.
 
     Roots alone do not decide: a peer that waits in a collective for the suspect has as long
-    a step as the suspect, so the excess shows only below the step, where the work is.
+    a step as the suspect, so the excess shows only below the step, where the work is. Paths
+    through a collective are waiting, not work, and never end the chain (as in the peer-diff
+    detector): a victim's longer all-reduce is not where its time went.
     """
+    deltas = {cp: d for cp, d in deltas.items()
+              if not any(layer in waiting_layers for layer, _ in d.path)}
     by_path = {d.path: d for d in deltas.values()}
     best_child: dict[tuple[tuple[str, str], ...], float] = {}
     for d in deltas.values():
@@ -82,3 +88,21 @@ def hot_chain(deltas: dict[int, PathDelta], share: float = DEFAULT_SHARE) -> lis
     best = max(terminals, key=lambda d: d.delta_ns)
     return [by_path[best.path[:i]] for i in range(1, len(best.path) + 1)
             if best.path[:i] in by_path]
+
+
+def waiting_excess(deltas: dict[int, PathDelta],
+                   waiting_layers: tuple[str, ...] = WAITING_LAYERS) -> float:
+    """Excess time in collectives (outermost collective paths only): a victim waits longer
+    than its peers there, the rank they wait for less."""
+    return sum(d.delta_ns for d in deltas.values()
+               if d.path and d.path[-1][0] in waiting_layers
+               and not any(layer in waiting_layers for layer, _ in d.path[:-1]))
+
+
+def suspect_score(deltas: dict[int, PathDelta]) -> float:
+    """How much a rank looks like the cause: its excess in own work (the hot chain's) less
+    its excess in waiting. A victim's own-work excess often sits where it blocks for the
+    collective (e.g. inside backward for DDP), but its collectives then take longer too."""
+    chain = hot_chain(deltas)
+    return (chain[-1].delta_ns if chain else 0.0) - waiting_excess(deltas)
+

@@ -4,8 +4,9 @@
 ``Pageable``) takes GPU time that a pinned, asynchronous copy would hide.
 
 ``Synchronisations``: rule: the host spends at least ``share`` of the step time blocked in
-``cudaDeviceSynchronize``/``cudaStreamSynchronize``/``cudaEventSynchronize`` or
-``.item()`` (``aten::item``).
+``cudaDeviceSynchronize``/``cudaStreamSynchronize``/``cudaEventSynchronize`` inside the
+profiled steps (``.item()`` on a GPU tensor is one; on a CPU tensor, as in torch's AdamW, it
+is not).
 
 ``DataLoaderWaits``: rule: ``enumerate(DataLoader)…__next__`` annotations take at least
 ``share`` of the step time and at least ``min_ns`` per batch (a tiny step with a fast loader
@@ -19,9 +20,9 @@ from collections import Counter
 import numpy as np
 
 from trainscope.traces.analyzers.base import Suggestion, TraceView, union
+from trainscope.traces.cct import STEP_NODE
 
 SYNC_RUNTIME = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")
-SYNC_OPS = ("aten::item",)
 
 
 class PageableCopies:
@@ -54,9 +55,11 @@ class Synchronisations:
 
     def analyze(self, view: TraceView) -> list[Suggestion]:
         t = view.trace
-        host = view.of("cuda_runtime", "cuda_driver", "cpu_op")
-        idx = [i for i in np.flatnonzero(host).tolist()
-               if view.name(i) in SYNC_RUNTIME or view.name(i) in SYNC_OPS]
+        runtime = view.of("cuda_runtime", "cuda_driver")
+        idx = [i for i in np.flatnonzero(runtime).tolist() if view.name(i) in SYNC_RUNTIME]
+        if view.steps:
+            # Only the program's own: the profiler synchronises when it stops, outside steps.
+            idx = [i for i in idx if STEP_NODE in view.where(i).split(" → ")]
         step = view.step_ns
         if not idx or not step:
             return []
@@ -64,16 +67,19 @@ class Synchronisations:
         blocked = int((e - s).sum())
         if blocked < self.share * step:
             return []
-        items = sum(1 for i in idx if view.name(i) == "aten::item")
-        top = Counter(view.launching_op(i) if view.name(i) in SYNC_RUNTIME
-                      else view.where(i).rsplit(" → ", 2)[0] for i in idx).most_common(1)[0][0]
+        paths = [view.where(i).split(" → ") for i in idx]
+        items = sum(1 for p in paths if "aten::item" in p)
+        longest = max(range(len(idx)), key=lambda k: int(t.dur_ns[idx[k]]))
+        where = paths[longest]
+        cut = where.index("aten::item") + 1 if "aten::item" in where else len(where)
         return [Suggestion(
             self.name, t.rank, blocked,
             f"the host is blocked on the GPU for {blocked / step:.0%} of the step time "
-            f"({len(idx)} synchronisations, {items} of them .item())",
+            f"({len(idx)} synchronisations, {items} of them from .item())",
             "keep values on the GPU (log loss every N steps, torch.where instead of "
             "if tensor:), drop explicit cudaDeviceSynchronize/torch.cuda.synchronize()",
-            where=top, evidence={"blocked_ns": float(blocked), "items": float(items)},
+            where=" → ".join(where[:cut]),
+            evidence={"blocked_ns": float(blocked), "items": float(items)},
         )]
 
 
