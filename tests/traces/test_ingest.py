@@ -248,7 +248,9 @@ def test_distributed_info_after_the_events_is_found(tmp_path) -> None:
         (b'[{"ph": "X"}]', "the top level is not an object"),
         (b'{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "a", "ts": "soon", "dur": 1}]}',
          "traceEvents[0]"),
-        (b'{"traceEvents": []}', "cannot tell the rank"),
+        (b'{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "a", "ts": 1, "dur": 1}]}',
+         "cannot tell the rank"),
+        (b'{"distributedInfo": {"rank": 0}, "traceEvents": []}', "holds no events"),
     ],
 )
 def test_malformed_files_give_one_clear_line(tmp_path, content, expected) -> None:

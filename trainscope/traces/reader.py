@@ -333,7 +333,9 @@ def read_trace(path: Path, rank: int | None = None) -> Trace:
         base = _trailing(path, "baseTimeNanoseconds") or 0
     if type(base) is not int:
         raise KinetoError(f"{path}: baseTimeNanoseconds is {base!r}, expected an integer")
-    if counts.total_read and not counts.total_kept:
+    if not counts.total_read:
+        raise KinetoError(f"{path}: the trace holds no events (traceEvents is empty)")
+    if not counts.total_kept:
         found = ", ".join(f"{label} ({n})" for label, n in counts.read.most_common(6))
         raise KinetoError(
             f"{path}: none of its {counts.total_read} events is of a known class "
