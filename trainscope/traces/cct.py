@@ -102,7 +102,10 @@ def build(trace: Trace) -> CallTree:
     tie = np.array([_HOST_ORDER.get(c, 9) for c in CLASSES])[trace.cls[host_idx]]
     order = host_idx[np.lexsort((tie, -trace.dur_ns[host_idx], trace.start_ns[host_idx],
                                  trace.thread[host_idx]))]
-    launch_by_corr: dict[int, int] = {}
+    # Flows are needed only for device work that carries no correlation id (older traces).
+    device_mask = _DEVICE[trace.cls]
+    uncorrelated = device_mask & (trace.cls != _GPU_ANNOTATION) & (trace.correlation < 0)
+    need_flows = bool(uncorrelated.any()) and len(trace.flows) > 0
     launch_at: dict[tuple[int, int], int] = {}
     annotation_by_ext: dict[int, int] = {}
     stack: list[tuple[int, int, int]] = []  # (end ns, call path, event index)
@@ -113,9 +116,8 @@ def build(trace: Trace) -> CallTree:
         columns = zip(chunk.tolist(), trace.thread[chunk].tolist(),
                       trace.start_ns[chunk].tolist(), trace.dur_ns[chunk].tolist(),
                       trace.cls[chunk].tolist(), pair_index[chunk].tolist(),
-                      trace.correlation[chunk].tolist(), trace.external[chunk].tolist(),
-                      strict=True)
-        for j, (i, t, s, d, c, pair, corr, ext) in enumerate(columns):
+                      trace.external[chunk].tolist(), strict=True)
+        for j, (i, t, s, d, c, pair, ext) in enumerate(columns):
             end = s + d
             if t != current:
                 stack.clear()
@@ -135,30 +137,46 @@ def build(trace: Trace) -> CallTree:
             cps[j] = cp
             stack.append((end, cp, i))
             if c in _RUNTIME:
-                if corr >= 0:
-                    launch_by_corr[corr] = cp
-                launch_at[(t, s)] = cp
+                if need_flows:
+                    launch_at[(t, s)] = cp
             elif c == _ANNOTATION and ext >= 0:
                 annotation_by_ext.setdefault(ext, cp)
         callpath[chunk] = cps
-    launch_by_flow = {flow: launch_at[at] for at, flow in trace.flow_out.items()
-                      if at in launch_at}
-    unlinked = 0
+    # correlation id → call path of its runtime call, as sorted arrays (no per-launch dict)
+    runtime = np.isin(trace.cls, _RUNTIME) & (trace.correlation >= 0)
+    corr_keys = trace.correlation[runtime]
+    corr_order = np.argsort(corr_keys, kind="stable")
+    corr_keys, corr_paths = corr_keys[corr_order], callpath[runtime][corr_order]
+    flow_in: dict[tuple[int, int], int] = {}
+    launch_by_flow: dict[int, int] = {}
+    if need_flows:
+        for start_flag, t, s, flow in trace.flows.tolist():
+            if start_flag:
+                if (t, s) in launch_at:
+                    launch_by_flow[flow] = launch_at[(t, s)]
+            else:
+                flow_in[(t, s)] = flow
     device_idx = np.flatnonzero(~host)
+    corr_dev = trace.correlation[device_idx]
+    if len(corr_keys):
+        k = np.minimum(np.searchsorted(corr_keys, corr_dev), len(corr_keys) - 1)
+        launched = np.where((corr_dev >= 0) & (corr_keys[k] == corr_dev), corr_paths[k], 0)
+    else:
+        launched = np.zeros(len(device_idx), dtype=np.uint64)
+    unlinked = 0
     for lo in range(0, len(device_idx), _CHUNK):
         chunk = device_idx[lo:lo + _CHUNK]
         cps = np.zeros(len(chunk), dtype=np.uint64)
         columns = zip(trace.thread[chunk].tolist(), trace.start_ns[chunk].tolist(),
                       trace.cls[chunk].tolist(), pair_index[chunk].tolist(),
-                      trace.correlation[chunk].tolist(), trace.external[chunk].tolist(),
+                      launched[lo:lo + _CHUNK].tolist(), trace.external[chunk].tolist(),
                       strict=True)
-        for j, (t, s, c, pair, corr, ext) in enumerate(columns):
+        for j, (t, s, c, pair, parent, ext) in enumerate(columns):
             if c == _GPU_ANNOTATION:
                 parent = annotation_by_ext.get(ext, 0)
             else:
-                parent = launch_by_corr.get(corr, 0) if corr >= 0 else 0
-                if not parent:
-                    flow = trace.flow_in.get((t, s))
+                if not parent and need_flows:
+                    flow = flow_in.get((t, s))
                     parent = launch_by_flow.get(flow, 0) if flow is not None else 0
                 if not parent:
                     unlinked += 1
