@@ -71,6 +71,7 @@ class TraceView:
 
     def __init__(self, trace: Trace, tree: CallTree, steps: int = 0) -> None:
         self.trace, self.tree, self.steps = trace, tree, steps
+        self._ops: dict[int, str] = {}  # call path → launching op (many events share a path)
 
     def of(self, *classes: str) -> np.ndarray:
         return np.isin(self.trace.cls, [CLASS_INDEX[c] for c in classes])
@@ -109,8 +110,12 @@ class TraceView:
 
     def launching_op(self, i: int) -> str:
         """The innermost framework op above event ``i``, else its innermost annotation."""
-        path = path_of(self.tree.nodes, int(self.tree.callpath[i]))
-        for layer, name in reversed(path):
-            if layer in ("torch_op", "collective", "user_annotation"):
-                return name
-        return path[0][1] if path else ""
+        cp = int(self.tree.callpath[i])
+        found = self._ops.get(cp)
+        if found is None:
+            path = path_of(self.tree.nodes, cp)
+            found = next((name for layer, name in reversed(path)
+                          if layer in ("torch_op", "collective", "user_annotation")),
+                         path[0][1] if path else "")
+            self._ops[cp] = found
+        return found
