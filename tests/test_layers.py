@@ -55,6 +55,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "trainscope.streams.logonce",
     ),
     "detectors": ("trainscope.detectors", "trainscope.detectors.*"),
+    # Whole profiler traces: streaming ingestion, calling-context trees, analyzers. Reads files
+    # and makes records; no bus, no store, so producers and commands alike can use it.
+    "traces": ("trainscope.traces", "trainscope.traces.*"),
     "sinks": ("trainscope.sinks", "trainscope.sinks.*"),
     "whatif": ("trainscope.whatif", "trainscope.whatif.*"),
     # The read-only web dashboard: its ClickHouse queries, the web app and its command.
@@ -81,6 +84,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "trainscope",
         "trainscope.cli",
         "trainscope.cli_demo",
+        "trainscope.cli_traces",
         "trainscope.demo",
         "trainscope.publish_simulated",
         "trainscope.testing",
@@ -110,6 +114,9 @@ ALLOWED: dict[str, dict[str, str]] = {
     "detectors": {
         "schemas": "a detector reads a WindowView of records and returns Findings",
     },
+    "traces": {
+        "schemas": "traces become summaries, step records and call-path ids",
+    },
     "sinks": {
         "schemas": "the sink writes records and WindowViews into the tables of the DDL",
         "env": ENV,
@@ -137,6 +144,7 @@ ALLOWED: dict[str, dict[str, str]] = {
     },
     "producers.replay": {
         "schemas": "replay turns Kineto traces and op-trace files into records and envelopes",
+        "traces": "a Kineto trace is read and condensed by the trace ingestion",
         "env": ENV,
         "transport": PUBLISH,
     },

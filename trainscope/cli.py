@@ -25,7 +25,8 @@ _LAZY = {
     "plan": "trainscope.plan.cli:plan",
     "agent": "trainscope.producers.agent.cli:agent",
     "profile": "trainscope.producers.torch.cli:profile",
-    "replay": "trainscope.producers.replay.cli:replay",
+    "replay": "trainscope.cli_traces:replay",
+    "analyze": "trainscope.cli_traces:analyze",
     "ui": "trainscope.ui.cli:ui",
 }
 
@@ -94,7 +95,8 @@ def sql(query: str, store: Path | None, create: bool, url: str | None, fmt: str)
     """Run a read-only SQL QUERY on the store.
 
     Tables: function_summaries, step_records, metric_samples, findings, topologies,
-    dead_letters (and op_traces, whatif_results after a what-if run). Queries run with
+    dead_letters, call_paths (after replay kineto --store), and op_traces, whatif_results
+    after a what-if run. Queries run with
     ClickHouse's readonly=1: no writes, no DDL, no setting changes, no table functions that
     read files, URLs or other servers. A store that a running pipeline owns cannot be opened
     by another process: query it through a ClickHouse server with --url.

@@ -154,5 +154,35 @@ ENGINE = ReplacingMergeTree(written_ns)
 ORDER BY (`group`)"""
 
 
+# Calling-context trees of profiler traces: one row per rank, window and call path, with the
+# whole path as arrays (root first), so one query gives the time of any path on any rank:
+#   SELECT rank, sum(total_ns) FROM call_paths WHERE has(path, 'extra_work') AND
+#   name = 'extra_work' GROUP BY rank
+# ``total_ns`` includes what the path's events call; ``self_ns`` takes away their host-side
+# children; ``steps`` is the number of profiler steps that started in the window.
+CALL_PATHS_DDL = """CREATE TABLE IF NOT EXISTS call_paths (
+    `job_id` String,
+    `rank` Int64,
+    `window_start_ns` Int64,
+    `window_end_ns` Int64,
+    `callpath_id` UInt64,
+    `parent_id` UInt64,
+    `depth` Int64,
+    `layer` String,
+    `name` String,
+    `path` Array(String),
+    `path_layers` Array(String),
+    `count` Int64,
+    `total_ns` Int64,
+    `self_ns` Int64,
+    `steps` Int64
+)
+ENGINE = ReplacingMergeTree
+ORDER BY (job_id, rank, window_start_ns, callpath_id)
+SETTINGS non_replicated_deduplication_window = 10000"""
+
+
 def all_ddl() -> list[str]:
-    return [table.ddl() for table in TABLES.values()] + [DEAD_LETTERS_DDL, CHECKPOINTS_DDL]
+    return [table.ddl() for table in TABLES.values()] + [
+        DEAD_LETTERS_DDL, CHECKPOINTS_DDL, CALL_PATHS_DDL,
+    ]

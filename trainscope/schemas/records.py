@@ -25,6 +25,9 @@ SCHEMA_VERSION = 1
 LAYERS = (
     "step",
     "python",
+    # record_function labels and other annotations, on the host and on the GPU timeline
+    "user_annotation",
+    "gpu_user_annotation",
     "torch_op",
     "cuda_kernel",
     "cuda_api",

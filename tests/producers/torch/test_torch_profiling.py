@@ -70,6 +70,9 @@ def test_a_profile_request_profiles_exactly_k_steps_with_call_paths(attach, memo
     # The profile covered 3 steps: 3 forward passes of the top-level module were seen.
     model_calls = [s for s in fine if s.layer == "python" and s.name == "nn.Module: TinyModel_0"]
     assert sum(s.count for s in model_calls) == 3
+    # record_function blocks (here the optimizer's own) are annotations, as in a Kineto trace.
+    steps = [s for s in summaries_of(records) if s.name == "Optimizer.step#SGD.step"]
+    assert {s.layer for s in steps} == {"user_annotation"} and sum(s.count for s in steps) == 3
     # Profiled steps are ordinary steps as well: all 8 still have step records.
     assert len(by_type(records, StepRecord)) == 8
 

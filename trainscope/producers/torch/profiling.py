@@ -5,8 +5,9 @@ profiler at the next step boundary and stops it after K steps or when the time b
 whichever comes first. Only one session runs per process. Stopping hands the raw result to the
 sender thread, which walks the event tree and condenses it per function:
 
-- ``python`` (Python frames), ``torch_op`` (ATen ops), ``cuda_kernel``, ``cuda_api`` (runtime
-  calls such as cudaLaunchKernel) and ``memcpy``/memset;
+- ``python`` (Python frames), ``user_annotation`` (``record_function`` blocks), ``torch_op``
+  (ATen ops), ``cuda_kernel``, ``cuda_api`` (runtime calls such as cudaLaunchKernel) and
+  ``memcpy``/memset;
 - ``callpath_id`` identifies the chain Python frame → op → kernel that led to the event: it is a
   hash of the parent's call-path id, the layer and the name, so a kernel's id is derived from
   the op that launched it, and that op's from the Python frame that called it. The table
@@ -198,8 +199,9 @@ def _disable() -> Any:
 
 def summarise_result(result: Any, att: Attachment, report: ProfileReport) -> list[SummaryBatch]:
     """Condense the profiler's event tree into per-(window, function, call path) summaries."""
-    from torch._C._profiler import _EventType
+    from torch._C._profiler import RecordScope, _EventType
 
+    user_scope = RecordScope.USER_SCOPE
     python_tags = {_EventType.PyCall, _EventType.PyCCall}
     durations: dict[tuple[int, str, str, int], list[int]] = {}
     window_ns = att.recorder.window_ns
@@ -220,7 +222,9 @@ def summarise_result(result: Any, att: Attachment, report: ProfileReport) -> lis
             if tag in python_tags:
                 layer = "python"
             elif tag == _EventType.TorchOp:
-                layer = "torch_op"
+                # record_function blocks (user scope) are annotations, as in Kineto traces,
+                # so live and replayed call paths share their ids.
+                layer = "user_annotation" if event.extra_fields.scope == user_scope else "torch_op"
             elif tag == _EventType.Kineto:
                 layer = classify_kineto(event.name)
                 if parent == 0 and layer != "cuda_api":

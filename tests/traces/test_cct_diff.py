@@ -1,0 +1,84 @@
+"""The differential calling-context tree finds the extra ``record_function`` block that one
+rank of a real gloo job ran, and its cost within 1% of what the job measured itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from trace_data import H100_TRACES
+
+from trainscope.traces.cct import path_of
+from trainscope.traces.condense import condense
+from trainscope.traces.diff import diff, hot_chain, suspect_score, waiting_excess
+from trainscope.traces.reader import read_trace, trace_files
+
+
+def _trees(directory: Path) -> dict[int, object]:
+    out = {}
+    for path in trace_files([directory]):
+        trace = read_trace(path)
+        out[trace.rank] = condense(trace, "j", 10**9).whole()
+    return out
+
+
+def _check_names_the_extra_block(chain, known_ns: int) -> None:
+    names = [name for _, name in chain[-1].path]
+    assert "extra_work" in names, [d.label() for d in chain]
+    (block,) = [d for d in chain if d.path[-1][1] == "extra_work"]
+    assert block.delta_total_ns == pytest.approx(known_ns, rel=0.01)
+    assert block.path[-2][1] == "ProfilerStep#*"
+
+
+def test_suspect_rank_against_its_peer(gloo_traces: Path) -> None:
+    known = json.loads((gloo_traces / "extra_ns.txt").read_text())
+    trees = _trees(gloo_traces)
+    suspect = trees.pop(known["rank"])
+    deltas = diff(suspect, list(trees.values()))
+    chain = hot_chain(deltas)
+    _check_names_the_extra_block(chain, known["ns"])
+    # Per step, against the peer, on every step: three steps of 50 ms each.
+    assert chain[-1].per_step and chain[-1].steps == 3
+    # The peer against the suspect finds no excess under extra_work (it never ran it).
+    back = diff(next(iter(trees.values())), [suspect])
+    assert not [d for d in back.values() if "extra_work" in d.label() and d.delta_ns > 0]
+
+
+def test_the_rank_that_waits_is_not_taken_for_the_cause(gloo_traces: Path) -> None:
+    """Rank 0 waits for rank 1 in the all-reduce: its gloo:all_reduce and, around it, its
+    backward take longer than rank 1's. The cause's score is its own-work excess less its
+    excess in collectives, so rank 1 scores high and rank 0 low."""
+    known = json.loads((gloo_traces / "extra_ns.txt").read_text())
+    trees = _trees(gloo_traces)
+    cause, victim = trees[known["rank"]], trees[1 - known["rank"]]
+    to_victim, to_cause = diff(victim, [cause]), diff(cause, [victim])
+    assert waiting_excess(to_victim) > 0 > waiting_excess(to_cause)
+    assert suspect_score(to_cause) > known["ns"] / 3 > suspect_score(to_victim)
+    # The victim's hot chain never ends in a collective.
+    assert all(layer != "collective" for d in hot_chain(to_victim) for layer, _ in d.path)
+
+
+def test_two_runs_merged_over_ranks(gloo_traces: Path) -> None:
+    """Run B (both ranks, merged) against run A (rank 0 only, as a run without the block)."""
+    known = json.loads((gloo_traces / "extra_ns.txt").read_text())
+    trees = _trees(gloo_traces)
+    run_b = trees[0].merged(trees[1])
+    assert run_b.steps == 6
+    run_a = trees[0]
+    chain = hot_chain(diff(run_b, [run_a]))
+    # Merged per step over 6 rank-steps: the block's 3 steps show as half of it per step.
+    (block,) = [d for d in chain if d.path[-1][1] == "extra_work"]
+    assert block.delta_ns * 6 == pytest.approx(known["ns"], rel=0.01)
+
+
+def test_a_trace_against_itself_has_no_hot_chain() -> None:
+    trace = read_trace(H100_TRACES[0], rank=0)
+    times = condense(trace, "j", 10**9).whole()
+    assert hot_chain(diff(times, [times])) == []
+    # Kernels sit under the op that launched them in the H100 trace.
+    kernels = [cp for cp, (_, layer, _) in times.nodes.items() if layer == "cuda_kernel"]
+    assert kernels
+    for cp in kernels:
+        layers = [layer for layer, _ in path_of(times.nodes, cp)]
+        assert layers[-2:] == ["cuda_api", "cuda_kernel"] and "torch_op" in layers

@@ -1,0 +1,98 @@
+"""Training loops that real torch.profiler runs record, for the trace tests.
+
+``profile_rank`` runs one rank of a gloo DDP job under ``torch.profiler`` with
+``with_stack=True``, ``record_function`` blocks, a DataLoader and torch's own
+``tensorboard_trace_handler`` (files named ``host_pid.ts.pt.trace.json[.gz]``). The rank named
+``extra_rank`` also runs an ``extra_work`` block every step whose cost is measured with
+``perf_counter_ns`` and written next to the traces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+EXTRA_S = 0.05
+ACTIVE_STEPS = 3
+
+
+class SlowDataset(torch.utils.data.Dataset):
+    """Samples that take ``SLOW_SAMPLE_S`` each to load (decoding, augmentation …)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        time.sleep(SLOW_SAMPLE_S)
+        return (torch.full((16,), float(index)),)
+
+
+SLOW_SAMPLE_S = 0.001
+
+
+def _loop(prof: torch.profiler.profile, model: torch.nn.Module, extra: bool,
+          slow_data: bool = False) -> int:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    dataset = SlowDataset() if slow_data else torch.utils.data.TensorDataset(torch.randn(64, 16))
+    data = torch.utils.data.DataLoader(dataset, batch_size=8)
+    extra_ns = 0
+    for step, (batch,) in enumerate(data):
+        if step >= 1 + ACTIVE_STEPS:
+            break
+        with record_function("forward"):
+            loss = model(batch).pow(2).mean()
+        with record_function("backward"):
+            optimizer.zero_grad()
+            loss.backward()
+        optimizer.step()
+        if extra:
+            with record_function("extra_work"):
+                t0 = time.perf_counter_ns()  # the block's own work, measured inside it
+                time.sleep(EXTRA_S)
+                if step >= 1:  # the first step is the profiler's warm-up, not recorded
+                    extra_ns += time.perf_counter_ns() - t0
+        prof.step()
+    return extra_ns
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+
+def profile_rank(rank: int, world: int, port: int, out_dir: str, extra_rank: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=ACTIVE_STEPS, repeat=1)
+    handler = torch.profiler.tensorboard_trace_handler(out_dir, use_gzip=rank == 1)
+    with torch.profiler.profile(schedule=schedule, with_stack=True,
+                                on_trace_ready=handler) as prof:
+        extra_ns = _loop(prof, model, rank == extra_rank)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == extra_rank:
+        (Path(out_dir) / "extra_ns.txt").write_text(json.dumps({"rank": rank, "ns": extra_ns}))
+
+
+def profile_single(out_dir: Path, *, handler: bool, slow_data: bool = False) -> Path:
+    """One process, no torch.distributed: torch's handler naming or a plain export."""
+    torch.set_num_threads(1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=ACTIVE_STEPS, repeat=1)
+    on_ready = torch.profiler.tensorboard_trace_handler(str(out_dir)) if handler else None
+    with torch.profiler.profile(schedule=schedule, with_stack=True,
+                                on_trace_ready=on_ready) as prof:
+        _loop(prof, _model(), extra=False, slow_data=slow_data)
+    if handler:
+        (path,) = out_dir.glob("*.pt.trace.json")
+        return path
+    path = out_dir / "plain.json"
+    prof.export_chrome_trace(str(path))
+    return path
