@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from trainscope.detectors.features import (
+    ANY_THROTTLING,
     MAD_TO_SIGMA,
     OWN_WORK_CATEGORY,
     WAIT_LAYERS,
@@ -37,12 +38,15 @@ from trainscope.detectors.features import (
     per_step_times,
     robust_z,
     step_time_ns,
-    throttled_fraction,
+    throttling_shares,
 )
 from trainscope.schemas import metrics as m
+from trainscope.schemas.metrics import THROTTLE_REASON_NAMES
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
 
+# NVML's "the GPU is at its power limit" reason: on an H100 every busy GPU reports it.
+_POWER_CAP = THROTTLE_REASON_NAMES[0x004]
 MAX_VICTIMS = 64
 # Score cap for a suspect that has not persisted yet: visible in the store, not an alert.
 UNCONFIRMED_SCORE_CAP = 0.45
@@ -78,7 +82,10 @@ class PeerDiffDetector:
         stage_imbalance_frac: float = 0.10,
         throughput_drop_frac: float = 0.2,
         history_windows: int = 8,
-        throttled_frac_min: float = 0.25,
+        throttled_excess_frac: float = 0.25,
+        peers_capped_frac: float = 0.5,
+        clock_ratio_max: float = 0.9,
+        power_limit_ratio_max: float = 0.9,
     ) -> None:
         self.z_min = z_min
         self.z_full = z_full
@@ -90,7 +97,10 @@ class PeerDiffDetector:
         self.stage_imbalance_frac = stage_imbalance_frac
         self.throughput_drop_frac = throughput_drop_frac
         self.history_windows = history_windows
-        self.throttled_frac_min = throttled_frac_min
+        self.throttled_excess_frac = throttled_excess_frac
+        self.peers_capped_frac = peers_capped_frac
+        self.clock_ratio_max = clock_ratio_max
+        self.power_limit_ratio_max = power_limit_ratio_max
         self._history: list[pd.DataFrame] = []
         self._step_history: list[float] = []
 
@@ -293,28 +303,60 @@ class PeerDiffDetector:
         return suspects
 
     def _categorise_compute(self, window: WindowView, suspects: list[_Suspect]) -> None:
-        """A compute suspect whose SM clock dropped, or whose GPU reported a throttling reason
-        in at least ``throttled_frac_min`` of its readings, is throttled."""
+        """A compute suspect is throttled when its GPU is held back more than its peers' are.
+
+        Every judgement is relative to the other ranks of the window, because on a real cluster
+        the absolute readings say little: on an H100 every busy GPU reports ``sw_power_cap`` in
+        every reading (see ``benchmarks/gpu_throttle_duty.py``), so an absolute share would make
+        every slow GPU a throttled one. The suspect is throttled when
+
+        - for some throttling reason (or for any, where a producer condensed its readings), its
+          share of readings exceeds the peers' median share by ``throttled_excess_frac`` — a
+          thermal or HW slowdown the peers do not have, or a power cap they do not hit;
+        - its enforced power limit is at most ``power_limit_ratio_max`` of the peers' median —
+          a GPU capped lower than the others shows the same ``sw_power_cap`` bit as they do;
+        - or its mean SM clock is at most ``clock_ratio_max`` of the peers' median, but only
+          while the peers are not running at their power cap themselves: under a power cap the
+          mean clock falls with load (measured on the H100: 1401 MHz computing all the time,
+          1620 MHz computing 70% of the time, 1733 MHz at 50%), so the straggler, which computes
+          while its peers wait for it, reads ≤ 0.9 of their clock with nothing wrong with it.
+        """
         if not any(s.category == "gpu-compute" for s in suspects):
             return
         means = metric_means(window)
-        clock = means[m.SM_CLOCK_MHZ] if m.SM_CLOCK_MHZ in means.columns else None
-        reference = float(clock.median()) if clock is not None else 0.0
-        throttled = throttled_fraction(window)
+        shares = throttling_shares(window)
         for s in suspects:
             if s.category != "gpu-compute":
                 continue
             evidence = dict(s.evidence or {})
-            if clock is not None and s.rank in clock.index:
-                ratio = float(clock[s.rank]) / reference if reference > 0 else 1.0
-                evidence["sm_clock_ratio"] = ratio
-            else:
-                ratio = 1.0
-            frac = throttled.get(s.rank)
-            if frac is not None:
-                evidence["throttled_frac"] = float(frac)
+            throttled = False
+            peer_shares = shares.drop(index=s.rank, errors="ignore")
+            peers_capped = False
+            if not peer_shares.empty:
+                capped = peer_shares[_POWER_CAP].dropna()
+                if capped.empty:  # condensed readings: any throttling reason, mostly the cap
+                    capped = peer_shares[ANY_THROTTLING].dropna()
+                peers_capped = bool(capped.median() >= self.peers_capped_frac) \
+                    if not capped.empty else False
+            if s.rank in shares.index:
+                own = shares.loc[s.rank]
+                reference = peer_shares.median().reindex(own.index).fillna(0.0)
+                excess = (own - reference).dropna()
+                evidence["throttled_frac"] = float(own[ANY_THROTTLING])
+                evidence["peers_throttled_frac"] = float(reference[ANY_THROTTLING])
+                if not excess.empty:
+                    evidence["throttled_excess_frac"] = float(excess.max())
+                    throttled |= bool(excess.max() >= self.throttled_excess_frac)
+            limit = _ratio_to_peers(means, m.POWER_LIMIT_W, s.rank)
+            if limit is not None:
+                evidence["power_limit_ratio"] = limit
+                throttled |= limit <= self.power_limit_ratio_max
+            clock = _ratio_to_peers(means, m.SM_CLOCK_MHZ, s.rank)
+            if clock is not None:
+                evidence["sm_clock_ratio"] = clock
+                throttled |= clock <= self.clock_ratio_max and not peers_capped
             s.evidence = evidence or None
-            if ratio <= 0.9 or (frac is not None and frac >= self.throttled_frac_min):
+            if throttled:
                 s.category = "gpu-throttle"
 
     # -- findings ---------------------------------------------------------------------------
@@ -394,6 +436,17 @@ class PeerDiffDetector:
         self._history = [*self._history, table][-self.history_windows :]
         if np.isfinite(step_ns):
             self._step_history = [*self._step_history, step_ns][-self.history_windows :]
+
+
+def _ratio_to_peers(means: pd.DataFrame, metric: str, rank: int) -> float | None:
+    """A rank's window mean of ``metric`` over the median of the other ranks' (None if unknown)."""
+    if metric not in means.columns or rank not in means.index:
+        return None
+    own = float(means.at[rank, metric])
+    reference = float(means[metric].drop(index=rank).median()) if len(means) > 1 else np.nan
+    if not (np.isfinite(own) and np.isfinite(reference)) or reference <= 0:
+        return None
+    return own / reference
 
 
 def _victims(
