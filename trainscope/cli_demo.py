@@ -34,6 +34,30 @@ def resolve_layout(
     return dp, pp, tp
 
 
+def load_detectors(names: str | None) -> list | None:
+    """The detectors named in a ``--detectors a,b`` option, loaded from the registry (None: the
+    option was not given, every registered detector runs). An unknown name, or a named one
+    that cannot be loaded, is a one-line error."""
+    if names is None:
+        return None
+    from trainscope.detectors.registry import UnknownDetector, load
+
+    wanted = list(dict.fromkeys(n.strip() for n in names.split(",") if n.strip()))
+    if not wanted:
+        raise click.ClickException("--detectors names no detector")
+    try:
+        loaded = load(wanted)
+    except UnknownDetector as exc:
+        raise click.ClickException(f"--detectors: {exc}") from None
+    for name, error in loaded.errors.items():
+        raise click.ClickException(f"--detectors: {name} could not be loaded: {error}")
+    return loaded.detectors
+
+
+DETECTORS_HELP = ("Run only these detectors (comma-separated names, as `trainscope detectors` "
+                  "lists them). Default: every registered one.")
+
+
 @click.command()
 @click.option("--ranks", type=int, help="World size. Default: 16 (dp 4 × pp 2 × tp 2).")
 @click.option("--dp", type=int, help="Data-parallel degree.")
@@ -64,12 +88,13 @@ def resolve_layout(
 @click.option("--optrace", type=click.Path(file_okay=False, path_type=Path),
               help="Also write the job's op trace (optrace.parquet + optrace.yaml) into this "
                    "directory, for trainscope whatif.")
+@click.option("--detectors", "detector_names", metavar="NAME[,NAME…]", help=DETECTORS_HELP)
 def demo(
     ranks: int | None, dp: int | None, pp: int | None, tp: int | None, steps: int,
     faults: tuple[str, ...], seed: int, start_s: int | None, job_id: str, store: Path | None,
     no_store: bool,
     bus_url: str, window_s: float, threshold: float, as_json: bool, spans: bool,
-    optrace: Path | None,
+    optrace: Path | None, detector_names: str | None,
 ) -> None:
     """Run a simulated training job through the whole pipeline and diagnose it."""
     from rich.console import Console
@@ -82,6 +107,7 @@ def demo(
     from trainscope.streams.bus import BusError
 
     dp, pp, tp = resolve_layout(ranks, dp, pp, tp)
+    detectors = load_detectors(detector_names)
     try:
         parsed = parse_faults(list(faults))
     except FaultSpecError as exc:
@@ -124,7 +150,7 @@ def demo(
                 threshold=threshold, on_window=on_window,
                 on_step=lambda s: progress.update(task, completed=s + 1),
                 ops_sink=op_frames.append if optrace is not None else None,
-                send="spans" if spans else "summaries",
+                send="spans" if spans else "summaries", detectors=detectors,
             )
     except (ValueError, BusError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -217,10 +243,11 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
               show_default=True,
               help="Jobs whose windows and detector state are kept; beyond that the least "
                    "recently seen job's windows are closed and its state forgotten.")
+@click.option("--detectors", "detector_names", metavar="NAME[,NAME…]", help=DETECTORS_HELP)
 def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, window_s: float,
              lateness_s: float, commit_interval_s: float, close_idle_s: float,
              source_idle_s: float, stop_timeout_s: float, idle_exit_s: float | None,
-             stats_every_s: float | None, max_jobs: int) -> None:
+             stats_every_s: float | None, max_jobs: int, detector_names: str | None) -> None:
     """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job).
 
     At-least-once from the bus, exactly-once in the store: positions are committed only past
@@ -237,6 +264,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
     from trainscope.streams.pipeline import Pipeline
 
     quiet_repeats()
+    detectors = load_detectors(detector_names)  # before anything is opened: a typo fails fast
     try:
         sink = ClickHouseSink.open(store, url)
         bus = open_bus(bus_url)
@@ -252,7 +280,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
         p = Pipeline(bus, group=group, window_s=window_s, lateness_s=lateness_s, sink=sink,
                      on_window=on_window, commit_interval_s=commit_interval_s,
                      job_idle_s=close_idle_s, source_idle_s=source_idle_s,
-                     stats_every_s=stats_every_s, max_jobs=max_jobs,
+                     stats_every_s=stats_every_s, max_jobs=max_jobs, detectors=detectors,
                      on_stats=lambda stats: click.echo(json.dumps(stats.as_dict()), err=True))
     except BusError as exc:  # e.g. the broker is down, or a TLS handshake or login failed
         bus.close()
