@@ -54,6 +54,8 @@ def load_detectors(names: str | None) -> list | None:
     return loaded.detectors
 
 
+WINDOW_HELP = ("Window length in seconds; producers must cut the same windows. Default: "
+               "$TRAINSCOPE_WINDOW_S, else 15.")
 DETECTORS_HELP = ("Run only these detectors (comma-separated names, as `trainscope detectors` "
                   "lists them). Default: every registered one.")
 
@@ -74,11 +76,12 @@ DETECTORS_HELP = ("Run only these detectors (comma-separated names, as `trainsco
                    "about now). Fix it, with --seed, for byte-identical reruns.")
 @click.option("--job-id", default="demo-job", show_default=True)
 @click.option("--store", type=click.Path(path_type=Path),
-              help="chDB store directory. Default: under the user's data directory.")
+              help="chDB store directory. Default: $TRAINSCOPE_STORE_DIR, else under the "
+                   "user's data directory.")
 @click.option("--no-store", is_flag=True, help="Do not write to ClickHouse.")
 @click.option("--bus", "bus_url", default="memory", show_default=True,
               help="memory, or kafka://HOST:PORT for a real broker.")
-@click.option("--window-s", type=click.FloatRange(min=0.1), default=15.0, show_default=True)
+@click.option("--window-s", type=click.FloatRange(min=0.1), default=None, help=WINDOW_HELP)
 @click.option("--threshold", type=click.FloatRange(0, 1), default=ALERT_THRESHOLD,
               show_default=True, help="Alert threshold on finding scores.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
@@ -93,7 +96,7 @@ def demo(
     ranks: int | None, dp: int | None, pp: int | None, tp: int | None, steps: int,
     faults: tuple[str, ...], seed: int, start_s: int | None, job_id: str, store: Path | None,
     no_store: bool,
-    bus_url: str, window_s: float, threshold: float, as_json: bool, spans: bool,
+    bus_url: str, window_s: float | None, threshold: float, as_json: bool, spans: bool,
     optrace: Path | None, detector_names: str | None,
 ) -> None:
     """Run a simulated training job through the whole pipeline and diagnose it."""
@@ -102,10 +105,13 @@ def demo(
 
     from trainscope.demo import run_demo
     from trainscope.producers.simulate import ClusterSpec, FaultSpecError, parse_faults
+    from trainscope.settings import from_context
     from trainscope.sinks.clickhouse import ClickHouseSink
-    from trainscope.store import StoreError, default_store_dir
+    from trainscope.store import StoreError
     from trainscope.streams.bus import BusError
 
+    settings = from_context()
+    window_s = window_s if window_s is not None else settings.window_s
     dp, pp, tp = resolve_layout(ranks, dp, pp, tp)
     detectors = load_detectors(detector_names)
     try:
@@ -120,9 +126,9 @@ def demo(
     out = Console(stderr=as_json)
     sink = None
     if not no_store:
-        store = store or default_store_dir()
+        store = store or settings.store_dir
         try:
-            sink = ClickHouseSink.open(store)
+            sink = ClickHouseSink.open(store, settings=settings)
         except StoreError as exc:
             raise click.ClickException(str(exc)) from None
 
@@ -219,10 +225,13 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
 
 @click.command()
 @click.option("--bus", "bus_url", required=True, help="kafka://HOST:PORT of the broker.")
-@click.option("--store", type=click.Path(path_type=Path), help="chDB store directory.")
-@click.option("--url", help="ClickHouse server URL instead of a store.")
+@click.option("--store", type=click.Path(path_type=Path),
+              help="chDB store directory. Default: $TRAINSCOPE_STORE_DIR, else under the "
+                   "user's data directory.")
+@click.option("--url", help="ClickHouse server URL instead of a store. Default: "
+                            "$TRAINSCOPE_CLICKHOUSE_URL.")
 @click.option("--group", default="trainscope-pipeline", show_default=True)
-@click.option("--window-s", type=click.FloatRange(min=0.1), default=15.0, show_default=True)
+@click.option("--window-s", type=click.FloatRange(min=0.1), default=None, help=WINDOW_HELP)
 @click.option("--lateness-s", type=click.FloatRange(min=0), default=5.0, show_default=True)
 @click.option("--commit-interval-s", type=click.FloatRange(min=0), default=5.0,
               show_default=True, help="How often written windows are committed.")
@@ -244,7 +253,8 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
               help="Jobs whose windows and detector state are kept; beyond that the least "
                    "recently seen job's windows are closed and its state forgotten.")
 @click.option("--detectors", "detector_names", metavar="NAME[,NAME…]", help=DETECTORS_HELP)
-def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, window_s: float,
+def pipeline(bus_url: str, store: Path | None, url: str | None, group: str,
+             window_s: float | None,
              lateness_s: float, commit_interval_s: float, close_idle_s: float,
              source_idle_s: float, stop_timeout_s: float, idle_exit_s: float | None,
              stats_every_s: float | None, max_jobs: int, detector_names: str | None) -> None:
@@ -257,6 +267,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
     """
     import signal
 
+    from trainscope.settings import from_context
     from trainscope.sinks.clickhouse import ClickHouseSink
     from trainscope.store import StoreError
     from trainscope.streams.bus import BusError, open_bus
@@ -264,9 +275,14 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
     from trainscope.streams.pipeline import Pipeline
 
     quiet_repeats()
+    if store is not None and url is not None:
+        raise click.UsageError("give either --store DIR or --url URL, not both")
+    settings = from_context()
+    store, url = settings.store(store, url)
+    window_s = window_s if window_s is not None else settings.window_s
     detectors = load_detectors(detector_names)  # before anything is opened: a typo fails fast
     try:
-        sink = ClickHouseSink.open(store, url)
+        sink = ClickHouseSink.open(store, url, settings=settings)
         bus = open_bus(bus_url)
     except (StoreError, BusError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
