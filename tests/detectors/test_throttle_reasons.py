@@ -3,7 +3,8 @@
 A rank with a slow GPU (a gpu-compute suspect) is run through the peer detector with its NVML
 readings — and its peers' — set to chosen values. Only the throttling reasons (power and thermal
 limits) may turn it into gpu-throttle, and only when the suspect has them more often than its
-peers: on a real cluster every busy GPU is power-capped all the time.
+peers: on a real cluster every busy GPU is power-capped all the time. The mixture detector,
+which names gpu-throttle from an SM clock drop, is held to the same rule.
 
 Real data, read on an NVIDIA H100 80GB HBM3 (driver 580.159.04, power limit 700 W) with NVML
 every 50 ms (``benchmarks/gpu_throttle_duty.py``, figures in ``benchmarks/README.md``; the
@@ -27,6 +28,7 @@ import pytest
 
 from trainscope.detectors.base import WindowView
 from trainscope.detectors.features import throttling_shares
+from trainscope.detectors.mixture import MixtureDetector
 from trainscope.detectors.peer import PeerDiffDetector
 from trainscope.producers.agent.aggregate import WindowAggregator
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
@@ -220,3 +222,26 @@ def test_the_agents_condensed_share_is_judged_per_reading_and_against_peers() ->
     # The same share is no excess when the peers are throttled as often.
     peers_too = with_reasons(heavy, [0], peers=[0x4, 0x4, 0x4, 0x0, 0x0])
     assert categories(peers_too) == {"gpu-compute"}
+
+
+def alert_categories(detector, views: list[WindowView]) -> set[str]:
+    return {f.category for v in views for f in detector.detect(v)
+            if f.rank == SLOW and f.score >= 0.5}
+
+
+def test_the_mixture_detector_does_not_call_the_busy_straggler_throttled() -> None:
+    """Its SM clock 14% below its peers' (the H100's 1401 vs 1620 MHz) is what a GPU computing
+    while its peers wait reads under the power cap they all report."""
+    views = with_reasons(slow_gpu_windows(), [H100_BUSY_REASONS], peers=[H100_BUSY_REASONS])
+    views = with_metric(views, m.SM_CLOCK_MHZ, [H100_MEAN_SM_MHZ_BUSY_100],
+                        peers=[H100_MEAN_SM_MHZ_BUSY_70])
+    assert alert_categories(MixtureDetector(), views) == {"gpu-compute"}
+
+
+def test_the_mixture_detector_names_a_thermal_slowdown_among_power_capped_peers() -> None:
+    views = with_reasons(slow_gpu_windows(), [0x4 | 0x40], peers=[H100_BUSY_REASONS])
+    views = with_metric(views, m.SM_CLOCK_MHZ, [1200.0], peers=[H100_MEAN_SM_MHZ_BUSY_70])
+    assert alert_categories(MixtureDetector(), views) == {"gpu-throttle"}
+    # The same clocks with the power cap alone on every rank: a busy straggler, not throttled.
+    capped = with_reasons(views, [H100_BUSY_REASONS], peers=[H100_BUSY_REASONS])
+    assert alert_categories(MixtureDetector(), capped) == {"gpu-compute"}

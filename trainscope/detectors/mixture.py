@@ -30,8 +30,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trainscope.detectors.features import MAD_TO_SIGMA, metric_means, per_step_times, robust_z
+from trainscope.detectors.features import (
+    MAD_TO_SIGMA,
+    metric_means,
+    per_step_times,
+    robust_z,
+    throttling_shares,
+)
 from trainscope.detectors.params import check_number
+from trainscope.detectors.throttle import ThrottleRule
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
@@ -325,11 +332,21 @@ class MixtureDetector:
         # The category comes from the most specific cause among the features that moved
         # (|z| >= MOVED_Z), not simply the largest move: a throttled GPU is also busier for longer
         # (utilisation up) and waits less in collectives, but its SM clock drop is the cause.
+        # A clock or power drop names gpu-throttle only when the GPU is held back more than
+        # its peers: under a power cap a straggler's clock is lower because it computes while
+        # its peers wait (trainscope/detectors/throttle.py), which is not throttling.
         category, best = "slowdown", len(CATEGORY_PRIORITY)
+        throttled: bool | None = None
         for j in order:
             if abs(z[j]) < MOVED_Z:
                 break
             move = (str(dev.columns[j]), int(np.sign(z[j])))
+            if CATEGORY_OF_MOVE.get(move[0], {}).get(move[1]) == "gpu-throttle":
+                if throttled is None:
+                    throttled, _ = ThrottleRule().judge(
+                        throttling_shares(window), metric_means(window), rank)
+                if not throttled:
+                    continue
             if move in CATEGORY_PRIORITY and CATEGORY_PRIORITY.index(move) < best:
                 best = CATEGORY_PRIORITY.index(move)
                 category = CATEGORY_OF_MOVE[move[0]][move[1]]

@@ -24,8 +24,10 @@ from trainscope.detectors.features import (
     per_step_times,
     robust_z,
     step_time_ns,
+    throttling_shares,
 )
 from trainscope.detectors.params import check_number
+from trainscope.detectors.throttle import ThrottleRule
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
@@ -151,6 +153,13 @@ class RankAnomalyDetector:
         for rank in scores.index[(z >= self.z_min).to_numpy()]:
             feature, feature_z = _most_deviant(frame, rank)
             category = FEATURES.get(feature)
+            if category == "gpu-throttle" and not ThrottleRule().judge(
+                throttling_shares(window), metric_means(window), int(rank)
+            )[0]:
+                # A clock below the peers' that the throttle rule does not confirm is the
+                # straggler working while its peers wait (trainscope/detectors/throttle.py):
+                # a symptom, like the step time.
+                category = None
             if category is None:
                 continue
             score = round(float(min(1.0, scores[rank])) * min(1.0, float(z[rank]) / FULL_Z), 4)

@@ -29,7 +29,6 @@ import numpy as np
 import pandas as pd
 
 from trainscope.detectors.features import (
-    ANY_THROTTLING,
     MAD_TO_SIGMA,
     OWN_WORK_CATEGORY,
     WAIT_LAYERS,
@@ -41,13 +40,11 @@ from trainscope.detectors.features import (
     throttling_shares,
 )
 from trainscope.detectors.params import check_number, check_order
+from trainscope.detectors.throttle import ThrottleRule
 from trainscope.schemas import metrics as m
-from trainscope.schemas.metrics import THROTTLE_REASON_NAMES
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
 
-# NVML's "the GPU is at its power limit" reason: on an H100 every busy GPU reports it.
-_POWER_CAP = THROTTLE_REASON_NAMES[0x004]
 # At most this many victims are listed per finding (a finding is one row in the store).
 MAX_VICTIMS = 64
 # Score cap for a suspect that has not persisted yet: visible in the store, not an alert.
@@ -73,6 +70,7 @@ HEALTHY_QUANTILE = 0.25
 VICTIM_WAIT_FRAC = 0.25
 
 DETECTOR = "peer-diff"
+
 
 @dataclass
 class _Suspect:
@@ -116,18 +114,12 @@ class PeerDiffDetector:
         # Windows of the rank's own history (2 minutes at 15 s windows): long enough for a
         # robust median, short enough to follow a job that changes phase.
         history_windows: int = 8,
-        # Throttling, all relative to the peers (see _categorise_compute, and
-        # benchmarks/README.md for the H100 readings behind it): a throttling reason in a
-        # quarter more of the readings than the peers' median share ...
-        throttled_excess_frac: float = 0.25,
-        # ... the peers count as running at their power cap when at least half of their
-        # readings carry it (then the SM clock ratio says nothing) ...
-        peers_capped_frac: float = 0.5,
-        # ... an SM clock at most 0.9 of the peers' (a healthy GPU's clock varies by a few
-        # percent, a thermal slowdown lowers it far more) ...
-        clock_ratio_max: float = 0.9,
-        # ... or an enforced power limit at most 0.9 of the peers'.
-        power_limit_ratio_max: float = 0.9,
+        # When a compute suspect is gpu-throttle, all relative to its peers: the fields of
+        # ThrottleRule (trainscope/detectors/throttle.py), whose defaults say why.
+        throttled_excess_frac: float = ThrottleRule.excess_frac,
+        peers_capped_frac: float = ThrottleRule.peers_capped_frac,
+        clock_ratio_max: float = ThrottleRule.clock_ratio_max,
+        power_limit_ratio_max: float = ThrottleRule.power_limit_ratio_max,
     ) -> None:
         check_number(DETECTOR, "z_min", z_min, gt=0)
         check_number(DETECTOR, "z_full", z_full, gt=0)
@@ -140,10 +132,8 @@ class PeerDiffDetector:
         check_number(DETECTOR, "throughput_drop_frac", throughput_drop_frac, gt=0, lt=1)
         check_number(DETECTOR, "history_windows", history_windows, ge=MIN_HISTORY_WINDOWS,
                      integer=True)
-        check_number(DETECTOR, "throttled_excess_frac", throttled_excess_frac, gt=0, le=1)
-        check_number(DETECTOR, "peers_capped_frac", peers_capped_frac, gt=0, le=1)
-        check_number(DETECTOR, "clock_ratio_max", clock_ratio_max, gt=0, lt=1)
-        check_number(DETECTOR, "power_limit_ratio_max", power_limit_ratio_max, gt=0, lt=1)
+        ThrottleRule(throttled_excess_frac, peers_capped_frac, clock_ratio_max,
+                     power_limit_ratio_max).check(DETECTOR)
         self.z_min = z_min
         self.z_full = z_full
         self.min_excess_frac = min_excess_frac
@@ -366,59 +356,19 @@ class PeerDiffDetector:
         return suspects
 
     def _categorise_compute(self, window: WindowView, suspects: list[_Suspect]) -> None:
-        """A compute suspect is throttled when its GPU is held back more than its peers' are.
-
-        Every judgement is relative to the other ranks of the window, because on a real cluster
-        the absolute readings say little: on an H100 every busy GPU reports ``sw_power_cap`` in
-        every reading (see ``benchmarks/gpu_throttle_duty.py``), so an absolute share would make
-        every slow GPU a throttled one. The suspect is throttled when
-
-        - for some throttling reason (or for any, where a producer condensed its readings), its
-          share of readings exceeds the peers' median share by ``throttled_excess_frac`` — a
-          thermal or HW slowdown the peers do not have, or a power cap they do not hit;
-        - its enforced power limit is at most ``power_limit_ratio_max`` of the peers' median —
-          a GPU capped lower than the others shows the same ``sw_power_cap`` bit as they do;
-        - or its mean SM clock is at most ``clock_ratio_max`` of the peers' median, but only
-          while the peers are not running at their power cap themselves: under a power cap the
-          mean clock falls with load (measured on the H100: 1401 MHz computing all the time,
-          1620 MHz computing 70% of the time, 1733 MHz at 50%), so the straggler, which computes
-          while its peers wait for it, reads ≤ 0.9 of their clock with nothing wrong with it.
-        """
+        """A compute suspect whose GPU is held back more than its peers' is throttled
+        (:mod:`trainscope.detectors.throttle` says how, and why relative to the peers)."""
         if not any(s.category == "gpu-compute" for s in suspects):
             return
+        rule = ThrottleRule(self.throttled_excess_frac, self.peers_capped_frac,
+                            self.clock_ratio_max, self.power_limit_ratio_max)
         means = metric_means(window)
         shares = throttling_shares(window)
         for s in suspects:
             if s.category != "gpu-compute":
                 continue
-            evidence = dict(s.evidence or {})
-            throttled = False
-            peer_shares = shares.drop(index=s.rank, errors="ignore")
-            peers_capped = False
-            if not peer_shares.empty:
-                capped = peer_shares[_POWER_CAP].dropna()
-                if capped.empty:  # condensed readings: any throttling reason, mostly the cap
-                    capped = peer_shares[ANY_THROTTLING].dropna()
-                peers_capped = bool(capped.median() >= self.peers_capped_frac) \
-                    if not capped.empty else False
-            if s.rank in shares.index:
-                own = shares.loc[s.rank]
-                reference = peer_shares.median().reindex(own.index).fillna(0.0)
-                excess = (own - reference).dropna()
-                evidence["throttled_frac"] = float(own[ANY_THROTTLING])
-                evidence["peers_throttled_frac"] = float(reference[ANY_THROTTLING])
-                if not excess.empty:
-                    evidence["throttled_excess_frac"] = float(excess.max())
-                    throttled |= bool(excess.max() >= self.throttled_excess_frac)
-            limit = _ratio_to_peers(means, m.POWER_LIMIT_W, s.rank)
-            if limit is not None:
-                evidence["power_limit_ratio"] = limit
-                throttled |= limit <= self.power_limit_ratio_max
-            clock = _ratio_to_peers(means, m.SM_CLOCK_MHZ, s.rank)
-            if clock is not None:
-                evidence["sm_clock_ratio"] = clock
-                throttled |= clock <= self.clock_ratio_max and not peers_capped
-            s.evidence = evidence or None
+            throttled, evidence = rule.judge(shares, means, s.rank)
+            s.evidence = {**(s.evidence or {}), **evidence} or None
             if throttled:
                 s.category = "gpu-throttle"
 
@@ -502,17 +452,6 @@ class PeerDiffDetector:
         self._history = [*self._history, table][-self.history_windows :]
         if np.isfinite(step_ns):
             self._step_history = [*self._step_history, step_ns][-self.history_windows :]
-
-
-def _ratio_to_peers(means: pd.DataFrame, metric: str, rank: int) -> float | None:
-    """A rank's window mean of ``metric`` over the median of the other ranks' (None if unknown)."""
-    if metric not in means.columns or rank not in means.index:
-        return None
-    own = float(means.at[rank, metric])
-    reference = float(means[metric].drop(index=rank).median()) if len(means) > 1 else np.nan
-    if not (np.isfinite(own) and np.isfinite(reference)) or reference <= 0:
-        return None
-    return own / reference
 
 
 def _victims(
