@@ -14,7 +14,9 @@ idle and full-load readings were also taken through trainscope's own ``NvmlSampl
 - bf16 matrix products all the time: reasons 0x4 (``sw_power_cap``) in every reading, SM clock
   1305–1440 MHz (mean 1401), ~695–700 W, 97–100% utilisation;
 - the same products 70% of a 400 ms step, waiting the rest: 0x4 in every reading, SM clock mean
-  1620 MHz; 50% of the step: 0x4 in every reading, mean 1733 MHz.
+  1620 MHz; 50% of the step: 0x4 in every reading, mean 1733 MHz;
+- with 5 s steps the power cap follows the load: computing all the time, 0x4 in 99% of the
+  readings (mean 1366 MHz); half of each step, in 56–60% (mean 1659–1684 MHz).
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ H100_BUSY_SM_MHZ = [1305.0, 1350.0, 1395.0, 1440.0]  # the range seen under full
 H100_MEAN_SM_MHZ_BUSY_100 = 1401.0
 H100_MEAN_SM_MHZ_BUSY_70 = 1620.0
 H100_POWER_LIMIT_W = 700.0
+# 5 s steps: a straggler computing all the time, its peers half of each step.
+H100_LONG_STEP_BUSY_100 = [H100_BUSY_REASONS] * 99 + [H100_IDLE_REASONS]
+# 29 of every 50 readings capped (58%), spread evenly as the steps are.
+H100_LONG_STEP_BUSY_50 = [H100_BUSY_REASONS if (k * 29) // 50 != ((k + 1) * 29) // 50
+                          else H100_IDLE_REASONS for k in range(50)]
+H100_LONG_STEP_SM_MHZ_BUSY_100 = 1366.0
+H100_LONG_STEP_SM_MHZ_BUSY_50 = 1672.0
 
 
 @cache
@@ -69,8 +78,10 @@ def with_metric(
     peers: list[float] | None = None,
 ) -> list[WindowView]:
     """The views with the slow rank's readings of ``name`` replaced by ``suspect`` (cycled over
-    the run), and the other ranks' by ``peers`` where given."""
+    the run), and every other rank's by ``peers`` where given (cycled over each rank's own
+    readings, so every peer has the same share of each value)."""
     out, i = [], 0
+    seen: dict[int, int] = {}  # readings of each peer so far
     for view in views:
         metrics = view.metrics.reset_index(drop=True)
         mine = (metrics["rank"] == SLOW) & (metrics["name"] == name)
@@ -80,8 +91,12 @@ def with_metric(
         i += len(rows)
         if peers is not None:
             theirs = metrics.index[(metrics["rank"] != SLOW) & (metrics["name"] == name)]
-            metrics.loc[theirs, "value"] = [float(peers[k % len(peers)])
-                                            for k in range(len(theirs))]
+            values = []
+            for rank in metrics.loc[theirs, "rank"]:
+                k = seen.get(int(rank), 0)
+                seen[int(rank)] = k + 1
+                values.append(float(peers[k % len(peers)]))
+            metrics.loc[theirs, "value"] = values
         out.append(dataclasses.replace(view, metrics=metrics))
     return out
 
@@ -152,6 +167,19 @@ def test_all_ranks_power_capped_as_on_the_h100_the_slow_one_stays_gpu_compute() 
     # The same clocks on uncapped GPUs are a throttled one: nothing else would lower its clock.
     uncapped = with_reasons(views, [H100_IDLE_REASONS], peers=[H100_IDLE_REASONS])
     assert categories(uncapped) == {"gpu-throttle"}
+
+
+def test_with_long_steps_the_straggler_is_capped_more_often_but_not_throttled() -> None:
+    """With 5 s steps its peers, waiting half of each step for it, show the cap in 58% of the
+    readings and it in 99%: an excess of 0.41 that its load explains, not a throttle."""
+    views = with_reasons(slow_gpu_windows(), H100_LONG_STEP_BUSY_100,
+                         peers=H100_LONG_STEP_BUSY_50)
+    views = with_metric(views, m.SM_CLOCK_MHZ, [H100_LONG_STEP_SM_MHZ_BUSY_100],
+                        peers=[H100_LONG_STEP_SM_MHZ_BUSY_50])
+    found = findings(views)
+    assert {f.category for f in found} == {"gpu-compute"}
+    # 0.4-0.47 in full windows; 0.5 in the last, which holds 6 readings (3 of them capped).
+    assert all(0.35 <= f.evidence["throttled_excess_frac"] <= 0.5 for f in found)
 
 
 def test_the_h100_clock_range_under_load_does_not_make_any_rank_throttled() -> None:

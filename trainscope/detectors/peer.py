@@ -117,6 +117,7 @@ class PeerDiffDetector:
         # When a compute suspect is gpu-throttle, all relative to its peers: the fields of
         # ThrottleRule (trainscope/detectors/throttle.py), whose defaults say why.
         throttled_excess_frac: float = ThrottleRule.excess_frac,
+        power_cap_excess_frac: float = ThrottleRule.power_cap_excess_frac,
         peers_capped_frac: float = ThrottleRule.peers_capped_frac,
         clock_ratio_max: float = ThrottleRule.clock_ratio_max,
         power_limit_ratio_max: float = ThrottleRule.power_limit_ratio_max,
@@ -132,8 +133,8 @@ class PeerDiffDetector:
         check_number(DETECTOR, "throughput_drop_frac", throughput_drop_frac, gt=0, lt=1)
         check_number(DETECTOR, "history_windows", history_windows, ge=MIN_HISTORY_WINDOWS,
                      integer=True)
-        ThrottleRule(throttled_excess_frac, peers_capped_frac, clock_ratio_max,
-                     power_limit_ratio_max).check(DETECTOR)
+        ThrottleRule(throttled_excess_frac, power_cap_excess_frac, peers_capped_frac,
+                     clock_ratio_max, power_limit_ratio_max).check(DETECTOR)
         self.z_min = z_min
         self.z_full = z_full
         self.min_excess_frac = min_excess_frac
@@ -144,6 +145,7 @@ class PeerDiffDetector:
         self.throughput_drop_frac = throughput_drop_frac
         self.history_windows = history_windows
         self.throttled_excess_frac = throttled_excess_frac
+        self.power_cap_excess_frac = power_cap_excess_frac
         self.peers_capped_frac = peers_capped_frac
         self.clock_ratio_max = clock_ratio_max
         self.power_limit_ratio_max = power_limit_ratio_max
@@ -360,8 +362,9 @@ class PeerDiffDetector:
         (:mod:`trainscope.detectors.throttle` says how, and why relative to the peers)."""
         if not any(s.category == "gpu-compute" for s in suspects):
             return
-        rule = ThrottleRule(self.throttled_excess_frac, self.peers_capped_frac,
-                            self.clock_ratio_max, self.power_limit_ratio_max)
+        rule = ThrottleRule(self.throttled_excess_frac, self.power_cap_excess_frac,
+                            self.peers_capped_frac, self.clock_ratio_max,
+                            self.power_limit_ratio_max)
         means = metric_means(window)
         shares = throttling_shares(window)
         for s in suspects:

@@ -50,8 +50,8 @@ NOMINAL_NIC_BYTES_PER_S = 25e9
 NOMINAL_PCIE_BYTES_PER_S = 14e9
 # NVML clocks-event reasons: SW thermal slowdown | HW thermal slowdown.
 _THERMAL_THROTTLE_BITS = 0x20 | 0x40
-# SW power cap: on an H100 every reading of a GPU that computes at least half of the time
-# carries it (benchmarks/gpu_throttle_duty.py: 100% of readings at 50%, 70% and 100% busy).
+# SW power cap: on an H100 every reading of a GPU that computes at least half of each 400 ms step
+# carries it (benchmarks/gpu_throttle_duty.py; with 5 s steps, 56-60% of the readings at half).
 _POWER_CAP_BIT = 0x04
 _POWER_CAPPED_UTIL_PCT = 50.0
 
