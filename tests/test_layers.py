@@ -69,6 +69,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "trainscope.streams.windows",
         "trainscope.streams.delivery",
         "trainscope.streams.pipeline",
+        "trainscope.streams.bus_pipeline",
+        "trainscope.streams.checkpoint",
     ),
     # Composition: the commands, the demo, the package's own attach()/step(), and the detector
     # contract check (it runs a simulated job through the pipeline). May import anything.

@@ -11,6 +11,7 @@ import click
 
 from trainscope.detectors.base import ALERT_THRESHOLD
 from trainscope.detectors.registry import DEFAULT_MAX_JOBS
+from trainscope.streams.checkpoint import DEFAULT_MAX_OPEN_BYTES
 
 
 def resolve_layout(
@@ -244,6 +245,13 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
                    "open (time spent waiting on the bus).")
 @click.option("--stop-timeout-s", type=click.FloatRange(min=1), default=30.0, show_default=True,
               help="On SIGTERM/Ctrl-C, how long to try writing and committing before giving up.")
+@click.option("--drain-on-stop", is_flag=True,
+              help="On SIGTERM/Ctrl-C, close and write the open windows instead of "
+                   "checkpointing them for the next run (for a pipeline stopped for good).")
+@click.option("--max-open-bytes", type=click.IntRange(min=0), default=DEFAULT_MAX_OPEN_BYTES,
+              show_default=True,
+              help="Largest checkpoint of open windows (compressed bytes) stored with a commit; "
+                   "beyond it, or at 0, a restart re-reads the open windows instead.")
 @click.option("--idle-exit-s", type=float, default=None,
               help="Exit after this many seconds without messages (default: run until stopped).")
 @click.option("--stats-every-s", type=click.FloatRange(min=0.1), default=None,
@@ -257,13 +265,15 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str,
              window_s: float | None,
              lateness_s: float, commit_interval_s: float, close_idle_s: float,
              source_idle_s: float, stop_timeout_s: float, idle_exit_s: float | None,
-             stats_every_s: float | None, max_jobs: int, detector_names: str | None) -> None:
+             stats_every_s: float | None, max_jobs: int, drain_on_stop: bool,
+             max_open_bytes: int, detector_names: str | None) -> None:
     """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job).
 
-    At-least-once from the bus, exactly-once in the store: positions are committed only past
-    windows that are written; a restart rebuilds unwritten windows in full and the store drops
-    the identical rows. SIGTERM or Ctrl-C closes and writes every open window, commits, and
-    exits 0.
+    At-least-once from the bus, exactly-once in the store: with every commit the open windows,
+    the written ones and the detectors' state are checkpointed in the store, and a restart
+    (after a crash, SIGKILL or SIGTERM) carries on from there, re-reading only what came after
+    the last commit. SIGTERM or Ctrl-C checkpoints, commits and exits 0 (--drain-on-stop
+    writes the open windows first); --idle-exit-s, the end of the stream, writes them.
     """
     import signal
 
@@ -271,8 +281,8 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str,
     from trainscope.sinks.clickhouse import ClickHouseSink
     from trainscope.store import StoreError
     from trainscope.streams.bus import BusError, open_bus
+    from trainscope.streams.bus_pipeline import Pipeline
     from trainscope.streams.logonce import quiet_repeats
-    from trainscope.streams.pipeline import Pipeline
 
     quiet_repeats()
     if store is not None and url is not None:
@@ -296,7 +306,8 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str,
         p = Pipeline(bus, group=group, window_s=window_s, lateness_s=lateness_s, sink=sink,
                      on_window=on_window, commit_interval_s=commit_interval_s,
                      job_idle_s=close_idle_s, source_idle_s=source_idle_s,
-                     stats_every_s=stats_every_s, max_jobs=max_jobs, detectors=detectors,
+                     stats_every_s=stats_every_s, max_jobs=max_jobs,
+                     max_open_bytes=max_open_bytes, detectors=detectors,
                      on_stats=lambda stats: click.echo(json.dumps(stats.as_dict()), err=True))
     except BusError as exc:  # e.g. the broker is down, or a TLS handshake or login failed
         bus.close()
@@ -310,7 +321,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str,
     signal.signal(signal.SIGINT, stop)
     click.echo(f"consuming {bus_url} as group {group}; SIGTERM or Ctrl-C to stop", err=True)
     p.run(idle_timeout_s=idle_exit_s if idle_exit_s is not None else float("inf"))
-    complete = p.finish()
+    complete = p.finish(drain=drain_on_stop or not p.stopping)
     p.close()
     bus.close()
     sink.close()

@@ -24,7 +24,8 @@ from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.records import Finding, Record
 from trainscope.schemas.window import WindowView
 from trainscope.streams.bus import EVENTS_TOPIC, METRICS_TOPIC, Bus, open_bus, rank_key
-from trainscope.streams.pipeline import Pipeline, PipelineStats
+from trainscope.streams.bus_pipeline import Pipeline
+from trainscope.streams.pipeline import PipelineStats
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_f
 from trainscope.schemas.records import Finding
 from trainscope.sinks.clickhouse import ClickHouseSink, run_query
 from trainscope.streams.bus import DEAD_LETTER_TOPIC, EVENTS_TOPIC, METRICS_TOPIC, Bus
+from trainscope.streams.bus_pipeline import Pipeline
 from trainscope.streams.memory_bus import MemoryBus
-from trainscope.streams.pipeline import Pipeline
 
 SEED = 13
 VALID_JOB = "job-alpha"

@@ -6,8 +6,8 @@ from trainscope.demo import publish_step
 from trainscope.detectors.peer import PeerDiffDetector
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.streams.bus import DEAD_LETTER_TOPIC, EVENTS_TOPIC
+from trainscope.streams.bus_pipeline import Pipeline
 from trainscope.streams.memory_bus import MemoryBus
-from trainscope.streams.pipeline import Pipeline
 
 
 def test_corrupted_message_is_rejected_counted_and_dead_lettered() -> None:

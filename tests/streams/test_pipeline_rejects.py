@@ -11,8 +11,9 @@ from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.records import FunctionSummary, MetricSample, SpanBatch, StepRecord
 from trainscope.sinks.clickhouse import ClickHouseSink, run_query
 from trainscope.streams.bus import DEAD_LETTER_TOPIC, EVENTS_TOPIC, Message
+from trainscope.streams.bus_pipeline import Pipeline
 from trainscope.streams.memory_bus import MemoryBus
-from trainscope.streams.pipeline import EmbeddedPipeline, Pipeline
+from trainscope.streams.pipeline import EmbeddedPipeline
 
 T0 = 1_767_225_600 * 10**9
 

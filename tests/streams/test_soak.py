@@ -1,6 +1,7 @@
 """A one-minute run of the soak benchmark: the pipeline process keeps up with a live 64-rank job
 at >= 10k span events/s, commits while windows are open, its memory levels off, and a restart
-after a SIGKILL re-reads only its open windows, not the topic."""
+after a SIGKILL restores its open windows from the checkpoint and re-reads less than one
+window."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_one_minute_soak() -> None:
     assert result["commits"] >= result["windows"] // 2, result
     rss = result["rss_mb"]
     assert rss["max_second_half"] <= 1.3 * rss["max_first_half"], result["rss_samples"]
-    # The restart rebuilds the window still open at the kill and the one the allowed lateness
-    # kept open behind it: under two windows' worth of messages, never the whole topic.
-    assert 0 < result["reread_messages"] < 2 * result["messages_per_window"], result
-    assert result["reread_messages"] < result["messages"] / 5, result
+    # The windows open at the kill come back from the checkpoint; the restart re-reads only
+    # what arrived after the last commit (commits every second): under one window's worth.
+    assert result["restored_open_windows"] > 0, result
+    assert result["reread_messages"] < result["messages_per_window"], result

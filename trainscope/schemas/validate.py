@@ -100,6 +100,13 @@ class Validator:
     def forget(self, job_id: str) -> None:
         self._world_size.pop(job_id, None)
 
+    def world_sizes(self) -> dict[str, int]:
+        """The world size each job declared (to carry over a restart)."""
+        return dict(self._world_size)
+
+    def remember_world_sizes(self, sizes: dict[str, int]) -> None:
+        self._world_size.update(sizes)
+
     def validate(self, records: Sequence[Record]) -> None:
         """Raise :class:`InvalidRecord` for the first bad record; accept the message otherwise.
 

@@ -76,6 +76,11 @@ class PendingOffsets:
             out[source] = queue[0][0] if queue else next_offset
         return out
 
+    def read_positions(self) -> dict[Source, int]:
+        """Per partition, the position after the last message read (partitions suspected of a
+        replaced log excepted)."""
+        return {s: o for s, o in self._next.items() if s not in self._suspect}
+
     def pending(self) -> int:
         return sum(len(q) for q in self._pending.values())
 
@@ -109,6 +114,16 @@ class SeenBatches:
             floor = newest - self.horizon
             self._seen[producer_id] = {s: d for s, d in seen.items() if s > floor}
         return True
+
+    def recent(self, per_producer: int) -> SeenBatches:
+        """A copy that remembers only each producer's newest ``per_producer`` stamps: what a
+        checkpoint keeps, since a re-send follows its original closely."""
+        copy = SeenBatches(horizon=self.horizon)
+        for producer_id, seen in self._seen.items():
+            floor = self._newest[producer_id] - per_producer
+            copy._seen[producer_id] = {s: d for s, d in seen.items() if s > floor}
+            copy._newest[producer_id] = self._newest[producer_id]
+        return copy
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The embedded stream job: records → windows → detectors → sink, in one process.
 
-:class:`EmbeddedPipeline` takes records directly (the demo on the in-memory path, tests);
-:class:`Pipeline` consumes them from a bus (in-memory or Kafka). Every stage counts what it
+:class:`EmbeddedPipeline` takes records directly (the demo on the in-memory path, tests) or
+bus messages handed to it. Every stage counts what it
 received, emitted, dropped and rejected.
 
 Bad input never stops the stream. A message that cannot be decoded, or any of whose records
@@ -15,21 +15,13 @@ job its own detector instances. At most ``max_jobs`` jobs are kept; beyond that 
 recently seen job's open windows are closed and detected, and its state is forgotten
 (``PipelineStats.jobs_evicted``).
 
-Delivery (see :mod:`trainscope.streams.delivery`): per partition, the committed position is
-the earliest message still feeding a window that is open or not yet written, so a restart
-re-reads exactly what rebuilds every unwritten window in full. A failed sink write is retried
-with backoff and never committed past. With each commit the pipeline checkpoints, in the store,
-which windows are written and its detectors' state; a restarted pipeline skips records of
-written windows (never writing a window from part of its input) and its detectors carry on
-where they were. Windows are deterministic functions of their input, so a rebuilt window gives
-byte-identical rows, which the store's insert deduplication drops. Batches a producer re-sent
-(same producer id and sequence) are dropped and counted.
+The bus-fed stream job, with its commits, checkpoints and restarts, is
+:class:`trainscope.streams.bus_pipeline.Pipeline`.
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 import zlib
 from collections import OrderedDict
@@ -55,11 +47,6 @@ from trainscope.schemas.records import (
 from trainscope.schemas.validate import InvalidRecord, Limits, Validator
 from trainscope.schemas.window import WindowView
 from trainscope.streams.bus import (
-    DEAD_LETTER_TOPIC,
-    EVENTS_TOPIC,
-    METRICS_TOPIC,
-    Bus,
-    BusError,
     Message,
 )
 from trainscope.streams.delivery import Backoff, PendingOffsets, SeenBatches
@@ -93,20 +80,13 @@ class PipelineStats:
     replayed_events: int = 0  # re-read after a restart for windows already written
     sink_retries: int = 0
     commits: int = 0
+    checkpoint_bytes: int = 0  # size of the last checkpoint stored (compressed)
+    checkpoint_skipped: int = 0  # messages re-read after a restart that its checkpoint held
     commit_failures: int = 0
     poll_failures: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# The Kafka client retries some commit failures internally until the call times out; polling
-# waits meanwhile, so a commit may not hold the loop for long. It is retried at the next interval.
-COMMIT_TIMEOUT_S = 3.0
-
-
-class SinkUnavailable(RuntimeError):
-    """The sink kept failing until the pipeline had to stop; nothing past it was committed."""
 
 
 class EmbeddedPipeline:
@@ -474,219 +454,6 @@ class EmbeddedPipeline:
         self._stats.window.dropped = engine.late_events
         self._stats.replayed_events = engine.replayed
         return self._stats
-
-
-class Pipeline(EmbeddedPipeline):
-    """An EmbeddedPipeline fed by a bus consumer group, committing what it has written.
-
-    Sink writes are retried until they succeed (or the stop deadline passes); bus failures are
-    logged once and retried, never raised: a stream job outlives a broker outage.
-    """
-
-    def __init__(
-        self,
-        bus: Bus,
-        *,
-        group: str = "trainscope-pipeline",
-        topics: tuple[str, ...] = (EVENTS_TOPIC, METRICS_TOPIC),
-        commit_interval_s: float = 5.0,
-        job_idle_s: float | None = 30.0,
-        sink_retry_s: float | None = None,
-        stats_every_s: float | None = None,
-        on_stats: Callable[[PipelineStats], None] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        # Idleness (of a partition, of a job) is measured in time spent waiting for the bus,
-        # not wall time: while this process is busy (a large poll, a slow sink) nothing it has
-        # not read yet can look idle.
-        self._listening_s = 0.0
-        super().__init__(job_idle_s=job_idle_s, sink_retry_s=sink_retry_s,
-                         clock=self.listening_s, **kwargs)
-        self.bus = bus
-        self.group = group
-        self.commit_interval_s = commit_interval_s
-        self.stats_every_s = stats_every_s
-        self.on_stats = on_stats
-        self._last_stats_s = time.monotonic()
-        self.consumer = bus.consumer(list(topics), group)
-        self.messages = 0
-        self._committed: dict[tuple[str, int], int] = {}
-        self._assigned: frozenset[tuple[str, int]] = frozenset()
-        self._last_commit_s = time.monotonic()
-        self._poll_backoff = Backoff("poll from the bus", initial_s=0.5, max_s=5.0)
-        self._commit_backoff = Backoff("offset commit", initial_s=0.5, max_s=10.0)
-        if self.sink is not None:
-            self._restore()
-
-    def logs_replaced(self, sources: list[tuple[str, int]]) -> None:
-        # Batches re-read from a log that was not replaced after all are dropped as
-        # duplicates (their producer stamps were seen) or skipped as already written.
-        rewind = getattr(self.consumer, "rewind", None)
-        if rewind is None:
-            return
-        try:
-            rewind(sources)
-        except BusError as exc:
-            log.warning("could not re-read %s from the beginning: %s", sources, exc)
-
-    def listening_s(self) -> float:
-        """Seconds spent waiting for the bus so far: the clock of idleness."""
-        return self._listening_s
-
-    def dead_letter(self, message: Message, error: str) -> None:
-        try:
-            self.bus.publish(DEAD_LETTER_TOPIC, message.value, key=error.encode()[:200])
-        except Exception as exc:  # the dead-letter topic is best effort; the count is not
-            log.warning("could not publish dead letter: %s", exc)
-
-    # -- checkpoints ------------------------------------------------------------------------
-
-    def _restore(self) -> None:
-        read = getattr(self.sink, "read_checkpoint", None)
-        if read is None:
-            return
-        try:
-            blob = read(self.group)
-        except Exception as exc:
-            log.warning("could not read the last checkpoint of %s: %s", self.group, exc)
-            return
-        if blob is None:
-            return
-        try:
-            state = pickle.loads(zlib.decompress(blob))
-        except Exception as exc:
-            log.warning("ignoring an unreadable checkpoint of %s: %s", self.group, exc)
-            return
-        for job_id, before_ns in state.get("closed_before_ns", {}).items():
-            self.engine.restore_closed(job_id, before_ns)
-        for topology in state.get("topologies", {}).values():
-            self.engine.add_topology(topology)
-        runner = state.get("runner")
-        if isinstance(runner, DetectorRunner) and [d.name for d in runner.detectors] == [
-            d.name for d in self.runner.detectors
-        ]:
-            self.runner = runner
-        log.info("restored checkpoint of %s: %d job(s)", self.group,
-                 len(state.get("closed_before_ns", {})))
-
-    def _checkpoint(self) -> None:
-        write = getattr(self.sink, "write_checkpoint", None)
-        if write is None:
-            return
-        state: dict[str, Any] = {
-            "closed_before_ns": self.engine.closed_before_ns(),
-            "topologies": self.engine.topologies(),
-        }
-        try:
-            blob = pickle.dumps({**state, "runner": self.runner})
-        except Exception as exc:  # a plugin detector that does not pickle
-            log.warning("detector state not checkpointed: %s", exc)
-            blob = pickle.dumps(state)
-        blob = zlib.compress(blob, 1)
-        if not self._write(lambda: write(self.group, blob)):
-            raise SinkUnavailable("could not write the checkpoint")
-
-    # -- the loop -----------------------------------------------------------------------------
-
-    def poll_once(self, timeout_s: float = 0.2, max_records: int = 20_000) -> int:
-        messages: list[Message] = []
-        waited = time.monotonic()
-        if self._poll_backoff.ready():
-            try:
-                messages = self.consumer.poll(max_records=max_records, timeout_s=timeout_s)
-            except BusError as exc:
-                self._stats.poll_failures += 1
-                self._poll_backoff.failed(exc)
-            else:
-                self._poll_backoff.succeeded()
-        else:
-            time.sleep(min(timeout_s, 0.05))
-        self._listening_s += time.monotonic() - waited
-        assignment = getattr(self.consumer, "assignment", None)
-        if assignment is not None:
-            assigned = frozenset(assignment())
-            if assigned != self._assigned:
-                log.info("assigned partitions: %s", ", ".join(
-                    f"{topic}[{partition}]" for topic, partition in sorted(assigned)))
-                self.engine.expect_sources(sorted(assigned - self._assigned))
-                self._assigned = assigned
-        if messages:
-            self.messages += len(messages)
-            self.process_messages(messages)
-        self.close_idle()
-        now = time.monotonic()
-        if now - self._last_commit_s >= self.commit_interval_s:
-            self.commit()
-        due = self.stats_every_s is not None and now - self._last_stats_s >= self.stats_every_s
-        if due and self.on_stats is not None:
-            self._last_stats_s = now
-            self.on_stats(self.stats())
-        return len(messages)
-
-    def commit(self) -> bool:
-        """Checkpoint and commit the positions whose windows are all written; False if the
-        bus refused (it is retried at the next interval, with backoff)."""
-        self._last_commit_s = time.monotonic()
-        if self.write_failed:
-            return False  # a window was dropped: never move past it
-        positions = self.offsets.positions(self.engine.closed_before)
-        changed = {s: o for s, o in positions.items() if self._committed.get(s) != o}
-        if not changed:
-            return True
-        if not self._commit_backoff.ready():
-            return False
-        if self.sink is not None:
-            try:
-                self._checkpoint()
-            except SinkUnavailable as exc:
-                log.error("%s; positions not committed", exc)
-                return False
-        try:
-            self.consumer.commit(changed, timeout_s=COMMIT_TIMEOUT_S)
-        except BusError as exc:
-            self._stats.commit_failures += 1
-            self._commit_backoff.failed(exc)
-            return False
-        self._commit_backoff.succeeded()
-        self._committed.update(changed)
-        self._stats.commits += 1
-        return True
-
-    def run(
-        self,
-        idle_timeout_s: float = 5.0,
-        until: Callable[[], bool] | None = None,
-        max_seconds: float | None = None,
-    ) -> None:
-        """Consume until ``until()`` holds and the bus is idle, or ``idle_timeout_s`` passes
-        with nothing new, or ``max_seconds`` elapse, or :meth:`request_stop` is called."""
-        started = idle_since = time.monotonic()
-        while not self.stopping:
-            now = time.monotonic()
-            if self.poll_once():
-                idle_since = now
-            elif until() if until is not None else now - idle_since >= idle_timeout_s:
-                return
-            if max_seconds is not None and now - started >= max_seconds:
-                return
-
-    def finish(self) -> bool:
-        """Close and write every window, then commit; True if everything was committed.
-
-        Bounded by the deadline of :meth:`request_stop` (30 s if it was not called)."""
-        self.request_stop()
-        super().finish()
-        self._commit_backoff.reset()
-        while not self.commit():
-            deadline = self._stop_deadline or 0.0
-            if self.write_failed or time.monotonic() >= deadline:
-                return False
-            time.sleep(0.2)
-            self._commit_backoff.reset()  # the stop deadline bounds the tries
-        return not self.write_failed
-
-    def close(self) -> None:
-        self.consumer.close()
 
 
 def _events_as_batches(records: list[Record]) -> list[Record]:
