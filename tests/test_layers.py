@@ -33,9 +33,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # quantile sketch and summary builders, call-path ids, the op-type vocabulary and op-trace
     # format: everything that defines what a record contains.
     "schemas": ("trainscope.schemas", "trainscope.schemas.*"),
-    # Documented environment variable names and the defaults they override, and the one place
-    # that keeps secrets out of URLs, errors and logs.
-    "env": ("trainscope.env", "trainscope._secrets"),
+    # Documented environment variable names and the defaults they override, the one place
+    # that keeps secrets out of URLs, errors and logs, and the frozen settings resolved from
+    # them once per command.
+    "env": ("trainscope.env", "trainscope._secrets", "trainscope.settings"),
     # Opening a ClickHouse store (chDB directory or server): shared by the sinks and the what-if
     # store, so neither has to reach into the other.
     "store": ("trainscope.store", "trainscope.store_access"),
@@ -95,14 +96,19 @@ LAYERS: dict[str, tuple[str, ...]] = {
 
 # -- the allowed dependencies (a DAG; a layer may always import itself) ----------------------
 # layer -> {lower layer: why}. The top layer is not listed: it may import every layer.
-ENV = "settings are documented environment-variable names (trainscope.env), read where used"
+ENV = (
+    "settings are documented environment-variable names (trainscope.env), resolved once into "
+    "a frozen Settings (trainscope.settings)"
+)
 PUBLISH = (
     "publishing on the bus is what this producer is for; it goes through the bus protocol and "
     "the open_bus factory, never through the window engine"
 )
 ALLOWED: dict[str, dict[str, str]] = {
     "schemas": {},
-    "env": {},
+    "env": {
+        "schemas": "SettingsError derives from the common TrainscopeError",
+    },
     "store": {
         "schemas": "StoreError derives from the common TrainscopeError",
         "env": ENV,

@@ -63,11 +63,19 @@ class _LazyGroup(click.Group):
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="trainscope")
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
-def cli(verbose: int) -> None:
+@click.pass_context
+def cli(ctx: click.Context, verbose: int) -> None:
     """Online performance troubleshooting for large-model training.
 
     Finds the slow rank, the slow function and the cause; keeps the history in ClickHouse.
     """
+    from trainscope.settings import Settings, SettingsError
+
+    # Resolved once, here; every subcommand reads this object (trainscope.settings).
+    try:
+        ctx.obj = Settings.from_environ()
+    except SettingsError as exc:
+        raise click.ClickException(str(exc)) from None
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -85,10 +93,12 @@ def cli(verbose: int) -> None:
 @cli.command()
 @click.argument("query")
 @click.option("--store", type=click.Path(path_type=Path), help="chDB store directory "
-              "(default: the demo's store under the user's data directory). It must exist.")
+              "(default: $TRAINSCOPE_STORE_DIR, else the demo's store under the user's data "
+              "directory). It must exist.")
 @click.option("--create", is_flag=True, help="Start an empty store if --store does not exist.")
 @click.option("--url", help="ClickHouse server URL instead of a store, e.g. http://host:8123 "
-              "(credentials from TRAINSCOPE_CLICKHOUSE_USER / _PASSWORD, never in the URL).")
+              "(default: $TRAINSCOPE_CLICKHOUSE_URL; credentials from "
+              "TRAINSCOPE_CLICKHOUSE_USER / _PASSWORD, never in the URL).")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table",
               show_default=True)
 def sql(query: str, store: Path | None, create: bool, url: str | None, fmt: str) -> None:
@@ -101,16 +111,19 @@ def sql(query: str, store: Path | None, create: bool, url: str | None, fmt: str)
     read files, URLs or other servers. A store that a running pipeline owns cannot be opened
     by another process: query it through a ClickHouse server with --url.
     """
+    from trainscope.settings import from_context
     from trainscope.sinks.clickhouse import ClickHouseSink, run_query
-    from trainscope.store import StoreError, check_read_only_sql, connect, default_store_dir
+    from trainscope.store import StoreError, check_read_only_sql, connect
 
     if store is not None and url is not None:
         raise click.UsageError("give either --store DIR or --url URL, not both")
+    settings = from_context()
+    store, url = settings.store(store, url)
     try:
         check_read_only_sql(query)
-        if create and url is None and not Path(store or default_store_dir()).expanduser().exists():
+        if create and store is not None and not store.expanduser().exists():
             ClickHouseSink.open(store).close()  # an empty store with trainscope's tables
-        client = connect(store, url, readonly=True, create=create)
+        client = connect(store, url, readonly=True, create=create, settings=settings)
         columns, rows = run_query(client, query)
     except StoreError as exc:
         text = str(exc)

@@ -36,6 +36,32 @@ def resolve_layout(
     return dp, pp, tp
 
 
+def load_detectors(names: str | None) -> list | None:
+    """The detectors named in a ``--detectors a,b`` option, loaded from the registry (None: the
+    option was not given, every registered detector runs). An unknown name, or a named one
+    that cannot be loaded, is a one-line error."""
+    if names is None:
+        return None
+    from trainscope.detectors.registry import UnknownDetector, load
+
+    wanted = list(dict.fromkeys(n.strip() for n in names.split(",") if n.strip()))
+    if not wanted:
+        raise click.ClickException("--detectors names no detector")
+    try:
+        loaded = load(wanted)
+    except UnknownDetector as exc:
+        raise click.ClickException(f"--detectors: {exc}") from None
+    for name, error in loaded.errors.items():
+        raise click.ClickException(f"--detectors: {name} could not be loaded: {error}")
+    return loaded.detectors
+
+
+WINDOW_HELP = ("Window length in seconds; producers must cut the same windows. Default: "
+               "$TRAINSCOPE_WINDOW_S, else 15.")
+DETECTORS_HELP = ("Run only these detectors (comma-separated names, as `trainscope detectors` "
+                  "lists them). Default: every registered one.")
+
+
 @click.command()
 @click.option("--ranks", type=int, help="World size. Default: 16 (dp 4 × pp 2 × tp 2).")
 @click.option("--dp", type=int, help="Data-parallel degree.")
@@ -52,11 +78,12 @@ def resolve_layout(
                    "about now). Fix it, with --seed, for byte-identical reruns.")
 @click.option("--job-id", default="demo-job", show_default=True)
 @click.option("--store", type=click.Path(path_type=Path),
-              help="chDB store directory. Default: under the user's data directory.")
+              help="chDB store directory. Default: $TRAINSCOPE_STORE_DIR, else under the "
+                   "user's data directory.")
 @click.option("--no-store", is_flag=True, help="Do not write to ClickHouse.")
 @click.option("--bus", "bus_url", default="memory", show_default=True,
               help="memory, or kafka://HOST:PORT for a real broker.")
-@click.option("--window-s", type=click.FloatRange(min=0.1), default=15.0, show_default=True)
+@click.option("--window-s", type=click.FloatRange(min=0.1), default=None, help=WINDOW_HELP)
 @click.option("--threshold", type=click.FloatRange(0, 1), default=ALERT_THRESHOLD,
               show_default=True, help="Alert threshold on finding scores.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
@@ -66,12 +93,13 @@ def resolve_layout(
 @click.option("--optrace", type=click.Path(file_okay=False, path_type=Path),
               help="Also write the job's op trace (optrace.parquet + optrace.yaml) into this "
                    "directory, for trainscope whatif.")
+@click.option("--detectors", "detector_names", metavar="NAME[,NAME…]", help=DETECTORS_HELP)
 def demo(
     ranks: int | None, dp: int | None, pp: int | None, tp: int | None, steps: int,
     faults: tuple[str, ...], seed: int, start_s: int | None, job_id: str, store: Path | None,
     no_store: bool,
-    bus_url: str, window_s: float, threshold: float, as_json: bool, spans: bool,
-    optrace: Path | None,
+    bus_url: str, window_s: float | None, threshold: float, as_json: bool, spans: bool,
+    optrace: Path | None, detector_names: str | None,
 ) -> None:
     """Run a simulated training job through the whole pipeline and diagnose it."""
     from rich.console import Console
@@ -79,11 +107,15 @@ def demo(
 
     from trainscope.demo import run_demo
     from trainscope.producers.simulate import ClusterSpec, FaultSpecError, parse_faults
+    from trainscope.settings import from_context
     from trainscope.sinks.clickhouse import ClickHouseSink
-    from trainscope.store import StoreError, default_store_dir
+    from trainscope.store import StoreError
     from trainscope.streams.bus import BusError
 
+    settings = from_context()
+    window_s = window_s if window_s is not None else settings.window_s
     dp, pp, tp = resolve_layout(ranks, dp, pp, tp)
+    detectors = load_detectors(detector_names)
     try:
         parsed = parse_faults(list(faults))
     except FaultSpecError as exc:
@@ -96,9 +128,9 @@ def demo(
     out = Console(stderr=as_json)
     sink = None
     if not no_store:
-        store = store or default_store_dir()
+        store = store or settings.store_dir
         try:
-            sink = ClickHouseSink.open(store)
+            sink = ClickHouseSink.open(store, settings=settings)
         except StoreError as exc:
             raise click.ClickException(str(exc)) from None
 
@@ -126,7 +158,7 @@ def demo(
                 threshold=threshold, on_window=on_window,
                 on_step=lambda s: progress.update(task, completed=s + 1),
                 ops_sink=op_frames.append if optrace is not None else None,
-                send="spans" if spans else "summaries",
+                send="spans" if spans else "summaries", detectors=detectors,
             )
     except (ValueError, BusError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -195,10 +227,13 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
 
 @click.command()
 @click.option("--bus", "bus_url", required=True, help="kafka://HOST:PORT of the broker.")
-@click.option("--store", type=click.Path(path_type=Path), help="chDB store directory.")
-@click.option("--url", help="ClickHouse server URL instead of a store.")
+@click.option("--store", type=click.Path(path_type=Path),
+              help="chDB store directory. Default: $TRAINSCOPE_STORE_DIR, else under the "
+                   "user's data directory.")
+@click.option("--url", help="ClickHouse server URL instead of a store. Default: "
+                            "$TRAINSCOPE_CLICKHOUSE_URL.")
 @click.option("--group", default="trainscope-pipeline", show_default=True)
-@click.option("--window-s", type=click.FloatRange(min=0.1), default=15.0, show_default=True)
+@click.option("--window-s", type=click.FloatRange(min=0.1), default=None, help=WINDOW_HELP)
 @click.option("--lateness-s", type=click.FloatRange(min=0), default=5.0, show_default=True)
 @click.option("--commit-interval-s", type=click.FloatRange(min=0), default=5.0,
               show_default=True, help="How often written windows are committed.")
@@ -237,12 +272,15 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
               help="Serve the pipeline's counters at http://BIND:PORT/metrics (Prometheus).")
 @click.option("--metrics-bind", default="127.0.0.1", show_default=True,
               help="Address the /metrics server binds to.")
-def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, window_s: float,
+@click.option("--detectors", "detector_names", metavar="NAME[,NAME…]", help=DETECTORS_HELP)
+def pipeline(bus_url: str, store: Path | None, url: str | None, group: str,
+             window_s: float | None,
              lateness_s: float, commit_interval_s: float, close_idle_s: float,
              source_idle_s: float, stop_timeout_s: float, idle_exit_s: float | None,
              stats_every_s: float | None, max_jobs: int, drain_on_stop: bool,
              max_open_bytes: int, alertmanager_url: str | None, alert_resend_s: float,
-             dashboard_url: str | None, metrics_port: int | None, metrics_bind: str) -> None:
+             dashboard_url: str | None, metrics_port: int | None, metrics_bind: str,
+             detector_names: str | None) -> None:
     """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job).
 
     At-least-once from the bus, exactly-once in the store: with every commit the open windows,
@@ -253,6 +291,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
     """
     import signal
 
+    from trainscope.settings import from_context
     from trainscope.sinks.clickhouse import ClickHouseSink
     from trainscope.store import StoreError
     from trainscope.streams.bus import BusError, open_bus
@@ -265,6 +304,12 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
     signal.signal(signal.SIGTERM, stopper)
     signal.signal(signal.SIGINT, stopper)
     quiet_repeats()
+    if store is not None and url is not None:
+        raise click.UsageError("give either --store DIR or --url URL, not both")
+    settings = from_context()
+    store, url = settings.store(store, url)
+    window_s = window_s if window_s is not None else settings.window_s
+    detectors = load_detectors(detector_names)  # before anything is opened: a typo fails fast
     notifier = None
     if alertmanager_url is not None:
         from trainscope.sinks.alert_book import AlertBook
@@ -279,7 +324,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
         except ValueError as exc:
             raise click.ClickException(f"--alertmanager: {exc}") from None
     try:
-        sink = ClickHouseSink.open(store, url)
+        sink = ClickHouseSink.open(store, url, settings=settings)
         bus = open_bus(bus_url)
     except (StoreError, BusError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -296,7 +341,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
                      on_window=on_window, commit_interval_s=commit_interval_s,
                      job_idle_s=close_idle_s, source_idle_s=source_idle_s,
                      stats_every_s=stats_every_s, max_jobs=max_jobs,
-                     max_open_bytes=max_open_bytes,
+                     max_open_bytes=max_open_bytes, detectors=detectors,
                      on_stats=lambda stats: click.echo(json.dumps(stats.as_dict()), err=True))
     except BusError as exc:  # e.g. the broker is down, or a TLS handshake or login failed
         bus.close()

@@ -14,6 +14,7 @@ from typing import Any
 from trainscope import env
 from trainscope._secrets import redact_url, scrub, url_has_password
 from trainscope.schemas.errors import TrainscopeError
+from trainscope.settings import Settings, store_dir_from
 from trainscope.store_access import other_owner, writes_a_file
 
 
@@ -22,11 +23,8 @@ class StoreError(RuntimeError, TrainscopeError):
 
 
 def default_store_dir() -> Path:
-    configured = os.environ.get(env.TRAINSCOPE_STORE_DIR)
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "trainscope" / "store"
+    """The embedded store directory the environment configures (see trainscope.settings)."""
+    return store_dir_from(os.environ)
 
 
 def connect(
@@ -35,6 +33,7 @@ def connect(
     *,
     readonly: bool = False,
     create: bool = True,
+    settings: Settings | None = None,
 ) -> Any:
     """A clickhouse-connect client for a chDB store directory or a server URL.
 
@@ -42,19 +41,20 @@ def connect(
     setting changes, and no table functions that reach files, URLs, object stores or other
     servers (``file()``, ``url()``, ``s3()``, ``remote()``, …). Without ``create`` the store
     directory must already hold a store, so a mistyped path is an error instead of a new, empty
-    store. Server credentials come from the environment, never from the URL or the code.
+    store. Server credentials come from ``settings`` (resolved from the environment when not
+    given), never from the URL or the code.
     """
     import clickhouse_connect
 
-    settings = {"readonly": 1} if readonly else None
+    session = {"readonly": 1} if readonly else None
     if url:
-        return _connect_server(clickhouse_connect, url, settings)
+        return _connect_server(clickhouse_connect, url, session, settings)
     path = store_path(store, create=create)
     owner = other_owner(path)
     if owner is not None:
         raise StoreError(_in_use(path, owner))
     try:
-        return clickhouse_connect.get_client(dsn=f"chdb://{path}", settings=settings)
+        return clickhouse_connect.get_client(dsn=f"chdb://{path}", settings=session)
     except Exception as exc:
         raise StoreError(f"cannot open store {path}: {_first_line(exc)}") from None
 
@@ -78,8 +78,11 @@ def store_path(store: Path | str | None, *, create: bool) -> Path:
     return path
 
 
-def _connect_server(clickhouse_connect: Any, url: str, settings: dict[str, int] | None) -> Any:
+def _connect_server(
+    clickhouse_connect: Any, url: str, session: dict[str, int] | None, settings: Settings | None
+) -> Any:
     shown = redact_url(url)
+    user, password = _credentials(settings)
     if url_has_password(url):
         raise StoreError(
             f"the ClickHouse URL {shown} contains a password; remove it and set "
@@ -88,16 +91,24 @@ def _connect_server(clickhouse_connect: Any, url: str, settings: dict[str, int] 
     try:
         return clickhouse_connect.get_client(
             dsn=url,
-            username=os.environ.get(env.TRAINSCOPE_CLICKHOUSE_USER, "default"),
-            password=_server_password(),
-            settings=settings,
+            username=user,
+            password=password,
+            settings=session,
         )
     except Exception as exc:
-        raise StoreError(f"cannot connect to ClickHouse at {shown}: {_first_line(exc)}") from None
+        raise StoreError(
+            f"cannot connect to ClickHouse at {shown}: {_first_line(exc, [password])}"
+        ) from None
 
 
-def _server_password() -> str:
-    return os.environ.get(env.TRAINSCOPE_CLICKHOUSE_PASSWORD, "")
+def _credentials(settings: Settings | None) -> tuple[str, str]:
+    """(user, password) of the ClickHouse server: from the settings resolved once per command,
+    or from the environment for a library caller that has none."""
+    if settings is not None:
+        return settings.clickhouse_user, settings.clickhouse_password
+    e = os.environ
+    return e.get(env.TRAINSCOPE_CLICKHOUSE_USER) or "default", e.get(
+        env.TRAINSCOPE_CLICKHOUSE_PASSWORD, "")
 
 
 def _in_use(path: Path, pid: int) -> str:
@@ -109,14 +120,16 @@ def _in_use(path: Path, pid: int) -> str:
     )
 
 
-def _first_line(exc: BaseException) -> str:
+def _first_line(exc: BaseException, secrets: list[str] | None = None) -> str:
     text = str(exc).strip() or type(exc).__name__
     # The HTTP stack nests the reason deep in a retry report; the operator needs the reason.
     reason = _OS_ERROR.search(text)
     if reason and "Max retries exceeded" in text:
         text = reason.group(1)
     # Client libraries quote the server address (user info included) and sometimes the request.
-    return scrub(text.splitlines()[0], [_server_password()])
+    if secrets is None:
+        secrets = [_credentials(None)[1]]
+    return scrub(text.splitlines()[0], secrets)
 
 
 _OS_ERROR = re.compile(r"\[Errno -?\d+\] ([^\"')]+)")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import textwrap
 
 import pytest
 
+from trainscope.detectors.contract import contract_windows
 from trainscope.detectors.registry import DetectorRunner, UnknownDetector, available, load
 from trainscope.schemas.window import WindowView
 
@@ -19,12 +21,53 @@ def plugin_dist(tmp_path, monkeypatch):
         class Good:
             name = "acme-good"
             def detect(self, window):
+                if window.summaries.empty:
+                    return []
                 return [window.finding(self.name, category="hang", score=0.9, message="acme")]
 
         class Exploding:
+            # Passes the contract, then raises on the windows of one job (a plugin's bug).
             name = "acme-exploding"
             def detect(self, window):
-                raise RuntimeError("boom")
+                if window.job_id == "explodes":
+                    raise RuntimeError("boom")
+                return []
+
+        class Unpicklable:
+            name = "acme-unpicklable"
+            def __init__(self):
+                import threading
+                self.lock = threading.Lock()
+            def detect(self, window):
+                return []
+
+        class HoldsLambda:
+            name = "acme-holds-lambda"
+            def __init__(self):
+                self.key = lambda window: window.job_id
+            def detect(self, window):
+                return []
+
+        class Mutating:
+            name = "acme-mutating"
+            def detect(self, window):
+                if not window.steps.empty:
+                    window.steps.loc[window.steps.index[0], "duration_ns"] = 0
+                return []
+
+        class Random:
+            name = "acme-random"
+            def detect(self, window):
+                import os
+                if window.summaries.empty:
+                    return []
+                score = os.urandom(1)[0] / 255
+                return [window.finding(self.name, category="hang", score=score, message="?")]
+
+        class RaisesOnEmpty:
+            name = "acme-raises-on-empty"
+            def detect(self, window):
+                return [window.summaries["rank"].iloc[0]]
 
         raise_on_import = False
     """))
@@ -37,10 +80,20 @@ def plugin_dist(tmp_path, monkeypatch):
         "acme-good = acme_detectors:Good\n"
         "acme-exploding = acme_detectors:Exploding\n"
         "acme-broken = broken_plugin:Detector\n"
+        "acme-unpicklable = acme_detectors:Unpicklable\n"
+        "acme-mutating = acme_detectors:Mutating\n"
+        "acme-holds-lambda = acme_detectors:HoldsLambda\n"
+        "acme-random = acme_detectors:Random\n"
+        "acme-raises-on-empty = acme_detectors:RaisesOnEmpty\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
     sys.modules.pop("acme_detectors", None)
+
+
+def job_window(job_id: str) -> WindowView:
+    """A small window with data (the contract's synthetic job) of the job ``job_id``."""
+    return dataclasses.replace(contract_windows(count=1)[0], job_id=job_id)
 
 
 def test_builtins_are_registered() -> None:
@@ -58,9 +111,32 @@ def test_unknown_detector_name_is_a_loud_error() -> None:
         load(["no-such"])
 
 
+def test_a_plugin_that_breaks_the_contract_is_not_loaded_and_says_why(plugin_dist) -> None:
+    names = ["acme-good", "acme-unpicklable", "acme-holds-lambda", "acme-mutating",
+             "acme-random", "acme-raises-on-empty", "acme-exploding"]
+    result = load(names)
+    assert [d.name for d in result.detectors] == ["acme-good", "acme-exploding"]
+    assert result.errors == {
+        "acme-unpicklable": "fails the detector contract: must deep-copy (one copy per job): "
+                            "TypeError: cannot pickle '_thread.lock' object",
+        "acme-holds-lambda": "fails the detector contract: must pickle (checkpoints): "
+                             "AttributeError: Can't pickle local object "
+                             "'HoldsLambda.__init__.<locals>.<lambda>'",
+        "acme-mutating": "fails the detector contract: detect must not mutate the window's "
+                         "frames",
+        "acme-random": "fails the detector contract: deterministic: two fresh instances gave "
+                       "different findings",
+        "acme-raises-on-empty": "fails the detector contract: IndexError: single positional "
+                                "indexer is out-of-bounds",
+    }
+    # Without the check they load (and would fail later, far from their cause).
+    unchecked = load(names, check_plugins=False)
+    assert [d.name for d in unchecked.detectors] == names and not unchecked.errors
+
+
 def test_a_raising_detector_is_isolated(plugin_dist) -> None:
     runner = DetectorRunner(load(["acme-exploding", "acme-good"]).detectors)
-    window = WindowView("job", 0, 10**9)
+    window = job_window("explodes")
     findings = runner.run(window) + runner.run(window)
     assert [f.detector for f in findings] == ["acme-good", "acme-good"]
     assert runner.errors == {"acme-exploding": 2}
@@ -102,7 +178,7 @@ def test_jobs_beyond_the_bound_are_forgotten_least_recently_seen_first(caplog) -
 
 def test_plugins_are_cloned_per_job_too(plugin_dist) -> None:
     runner = DetectorRunner(load(["acme-good"]).detectors)
-    findings = runner.run(WindowView("a", 0, 10**9)) + runner.run(WindowView("b", 0, 10**9))
+    findings = runner.run(job_window("a")) + runner.run(job_window("b"))
     assert [(f.job_id, f.detector) for f in findings] == [("a", "acme-good"), ("b", "acme-good")]
     assert runner.jobs() == ["a", "b"]
 

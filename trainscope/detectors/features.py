@@ -10,7 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from trainscope.schemas.metrics import THROTTLE_REASONS, THROTTLED_FRAC, THROTTLING_REASONS_MASK
+from trainscope.schemas.metrics import (
+    THROTTLE_REASON_NAMES,
+    THROTTLE_REASONS,
+    THROTTLED_FRAC,
+    THROTTLING_REASONS_MASK,
+)
 from trainscope.schemas.window import WindowView
 
 # Layers whose time a rank spends on its own account; collective time can be waiting for peers.
@@ -25,7 +30,13 @@ OWN_WORK_CATEGORY = {
     "sched": "cpu-contention",
 }
 WAIT_LAYERS = frozenset({"collective"})
+# MAD × 1.4826 estimates the standard deviation of normally distributed values.
 MAD_TO_SIGMA = 1.4826
+# Column of :func:`throttling_shares` with the share of readings carrying any throttling reason.
+ANY_THROTTLING = "any"
+_THROTTLING_BITS = {
+    bit: name for bit, name in THROTTLE_REASON_NAMES.items() if bit & THROTTLING_REASONS_MASK
+}
 
 
 def steps_per_rank(view: WindowView) -> pd.Series:
@@ -81,23 +92,36 @@ def metric_means(view: WindowView) -> pd.DataFrame:
     return m.pivot_table(index="rank", columns="name", values="value", aggfunc="mean")
 
 
-def throttled_fraction(view: WindowView) -> pd.Series:
-    """Per rank, the share (0..1) of GPU readings in the window with a throttling reason.
+def throttling_shares(view: WindowView) -> pd.DataFrame:
+    """Per rank (index), the share (0..1) of GPU readings in the window with each throttling
+    reason (one column per reason name) and with any of them (column ``any``).
 
     Each ``throttle_reasons`` sample is one reading, judged on its own through the throttling
-    mask (idle and clock settings are reasons, not throttling); a producer that condensed its
-    readings already sends that share as ``throttled_frac``, which is used where present.
+    mask (idle and clock settings are reasons, not throttling). A producer that condensed its
+    readings already sends the ``any`` share as ``throttled_frac``, which is used where present;
+    its reason sample is then an OR over the window, so that rank's per-reason shares are unknown
+    (NaN) rather than taken from the OR.
     """
     metrics = view.metrics
     if metrics.empty:
-        return pd.Series(dtype=float)
+        return pd.DataFrame(columns=[*_THROTTLING_BITS.values(), ANY_THROTTLING], dtype=float)
     metrics = metrics[metrics["rank"] >= 0]
     reasons = metrics[metrics["name"] == THROTTLE_REASONS]
-    throttled = (reasons["value"].astype(np.int64) & THROTTLING_REASONS_MASK) != 0
-    per_reading = throttled.groupby(reasons["rank"]).mean()
-    condensed = metrics[metrics["name"] == THROTTLED_FRAC]
-    shares = condensed.groupby("rank")["value"].mean()
-    return shares.combine_first(per_reading).astype(float)
+    bits = reasons["value"].astype(np.int64)
+    columns = {name: (bits & bit) != 0 for bit, name in _THROTTLING_BITS.items()}
+    columns[ANY_THROTTLING] = (bits & THROTTLING_REASONS_MASK) != 0
+    per_reading = pd.DataFrame(columns).groupby(reasons["rank"]).mean().astype(float)
+    condensed = metrics[metrics["name"] == THROTTLED_FRAC].groupby("rank")["value"].mean()
+    shares = per_reading.reindex(per_reading.index.union(condensed.index))
+    shares.loc[condensed.index] = np.nan
+    shares.loc[condensed.index, ANY_THROTTLING] = condensed.astype(float)
+    shares.index.name = "rank"
+    return shares
+
+
+def throttled_fraction(view: WindowView) -> pd.Series:
+    """Per rank, the share (0..1) of GPU readings in the window with any throttling reason."""
+    return throttling_shares(view)[ANY_THROTTLING].dropna()
 
 
 def robust_z(

@@ -30,7 +30,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trainscope.detectors.features import metric_means, per_step_times, robust_z
+from trainscope.detectors.features import (
+    MAD_TO_SIGMA,
+    metric_means,
+    per_step_times,
+    robust_z,
+    throttling_shares,
+)
+from trainscope.detectors.params import check_number
+from trainscope.detectors.throttle import ThrottleRule
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
@@ -73,7 +81,29 @@ CATEGORY_PRIORITY: list[tuple[str, int]] = [
     ("collective_share", +1),
 ]
 METRIC_FEATURES = tuple(k for k in CATEGORY_OF_MOVE if not k.endswith(("_share", "_ns")))
+# A model per set of features present; a job whose windows alternate between a few sets (with
+# and without NIC metrics, say) keeps them all, a bounded number of them.
 MAX_FEATURE_SETS = 8
+DETECTOR = "mixture"
+# Fewer ranks than this give no peer median worth comparing with.
+MIN_RANKS = 4
+# A stage is its ranks' peer group when every stage has at least this many ranks (a median of
+# fewer is one rank's value); otherwise the whole job is.
+MIN_STAGE_PEERS = 3
+# A feature whose z under the best component reaches this moved: only such moves name a
+# category.
+MOVED_Z = 3.0
+# A mixture of k components is fitted only on at least this many training vectors per
+# component (a rule of thumb against fitting noise with a diagonal Gaussian of a dozen
+# features).
+VECTORS_PER_COMPONENT = 10
+# The spread of healthy log-likelihoods is never taken below 1 nat: a model whose training
+# vectors score nearly alike would otherwise flag a tiny drop as many spreads.
+MIN_LL_SCALE = 1.0
+# A finding names this many of the features that moved most (evidence and message).
+FEATURES_NAMED = 3
+# Relative deviations divide by the peers' median, never by less than this (a zero median).
+MEDIAN_FLOOR = 1e-9
 SHARE_LAYERS = {
     "collective_share": ("collective", None),
     "off_cpu_share": ("sched", "off_cpu"),
@@ -85,21 +115,49 @@ SHARE_LAYERS = {
 class MixtureDetector:
     """Per-rank multivariate anomalies under a Gaussian mixture of healthy peer deviations."""
 
-    name = "mixture"
+    name = DETECTOR
 
     def __init__(
         self,
+        # Up to 3 components (chosen by BIC): healthy ranks of a job fall into a few modes
+        # (pipeline stages, first and last stage), rarely more.
         max_components: int = 3,
+        # No model before 32 healthy vectors: fewer cannot fit even one diagonal component of
+        # a dozen features reliably.
         min_train_vectors: int = 32,
+        # Windows that only train the model (the first windows of a job are warm-up).
         grace_windows: int = 2,
+        # Healthy vectors kept for refitting (a sliding window): bounds memory and the cost of
+        # a refit, and lets the model follow the job.
         history_vectors: int = 2048,
+        # A vector further than 6 robust z from its peers on any feature never trains the
+        # model: the loose gate against a fault that is there from the first window.
         healthy_gate_z: float = 6.0,
+        # The smallest spread that gate uses (2% of the peers' value, or 0.02 of a share).
         gate_floor: float = 0.02,
+        # The low tail of the training vectors' log-likelihoods that anomalies are measured
+        # from: 1%, so the threshold itself is a rare healthy vector.
         tail_quantile: float = 0.01,
+        # An alert needs a log-likelihood 8 robust spreads below that tail (score 0.5 there).
         min_strength: float = 8.0,
+        # Added to each variance (of deviations that are fractions of the peers' median):
+        # 4e-4 is a 2% standard deviation, below which differences are noise.
         variance_floor: float = 4e-4,
+        # Seed of the mixture's initialisation, so findings are reproducible.
         seed: int = 0,
     ) -> None:
+        check_number(DETECTOR, "max_components", max_components, ge=1, integer=True)
+        check_number(DETECTOR, "min_train_vectors", min_train_vectors,
+                     ge=VECTORS_PER_COMPONENT, integer=True)
+        check_number(DETECTOR, "grace_windows", grace_windows, ge=0, integer=True)
+        check_number(DETECTOR, "history_vectors", history_vectors, ge=min_train_vectors,
+                     integer=True)
+        check_number(DETECTOR, "healthy_gate_z", healthy_gate_z, gt=0)
+        check_number(DETECTOR, "gate_floor", gate_floor, ge=0)
+        check_number(DETECTOR, "tail_quantile", tail_quantile, gt=0, lt=1)
+        check_number(DETECTOR, "min_strength", min_strength, gt=0)
+        check_number(DETECTOR, "variance_floor", variance_floor, gt=0)
+        check_number(DETECTOR, "seed", seed, ge=0, integer=True)
         self.max_components = max_components
         self.min_train_vectors = min_train_vectors
         self.grace_windows = grace_windows
@@ -161,20 +219,22 @@ class MixtureDetector:
 
     def deviations(self, window: WindowView, raw: pd.DataFrame) -> pd.DataFrame:
         """Each feature relative to the peers' median: shares as differences, the rest as
-        fractions of the median. Peers are the rank's pipeline stage when it has 3+ ranks."""
+        fractions of the median. Peers are the rank's pipeline stage when every stage has at
+        least MIN_STAGE_PEERS ranks, else the whole job."""
         layout = window.rank_layout().reindex(raw.index)
         stage = layout["pp_stage"].fillna(0).astype(int)
-        groups = stage if stage.value_counts().min() >= 3 else pd.Series(0, index=raw.index)
+        by_stage = stage.value_counts().min() >= MIN_STAGE_PEERS
+        groups = stage if by_stage else pd.Series(0, index=raw.index)
         median = raw.groupby(groups).transform("median")
         out = raw - median
         relative = [c for c in raw.columns if not c.endswith("_share")]
-        out[relative] = out[relative] / median[relative].abs().clip(lower=1e-9)
+        out[relative] = out[relative] / median[relative].abs().clip(lower=MEDIAN_FLOOR)
         return out
 
     # -- detection ----------------------------------------------------------------------------
     def detect(self, window: WindowView) -> list[Finding]:
         raw = self.features(window)
-        if len(raw) < 4 or raw.shape[1] == 0:
+        if len(raw) < MIN_RANKS or raw.shape[1] == 0:
             return []
         self._windows += 1
         dev = self.deviations(window, raw)
@@ -234,7 +294,7 @@ class MixtureDetector:
         # whose only surviving feature is identical on every rank, e.g. a deviation of 0.
         distinct = len(np.unique(train, axis=0))
         for k in range(1, min(self.max_components, distinct) + 1):
-            if len(train) < 10 * k:
+            if len(train) < VECTORS_PER_COMPONENT * k:
                 break
             gmm = GaussianMixture(
                 n_components=k,
@@ -246,10 +306,10 @@ class MixtureDetector:
             bic = gmm.bic(train)
             if bic < best_bic:
                 best, best_bic = gmm, bic
-        assert best is not None  # len(train) >= min_train_vectors >= 10
+        assert best is not None  # len(train) >= min_train_vectors >= VECTORS_PER_COMPONENT
         ll = best.score_samples(train)
         threshold = float(np.quantile(ll, self.tail_quantile))
-        scale = float(max(np.median(np.abs(ll - np.median(ll))) * 1.4826, 1.0))
+        scale = float(max(np.median(np.abs(ll - np.median(ll))) * MAD_TO_SIGMA, MIN_LL_SCALE))
         return {"gmm": best, "threshold": threshold, "scale": scale, "n_train": len(train)}
 
     def _finding(
@@ -268,15 +328,25 @@ class MixtureDetector:
         z = (x - gmm.means_[component]) / np.sqrt(gmm.covariances_[component])
         order = np.argsort(-np.abs(z))
         rank = int(raw.index[i])
-        moved = [str(dev.columns[j]) for j in order[:3]]
+        moved = [str(dev.columns[j]) for j in order[:FEATURES_NAMED]]
         # The category comes from the most specific cause among the features that moved
-        # (|z| >= 3), not simply the largest move: a throttled GPU is also busier for longer
+        # (|z| >= MOVED_Z), not simply the largest move: a throttled GPU is also busier for longer
         # (utilisation up) and waits less in collectives, but its SM clock drop is the cause.
+        # A clock or power drop names gpu-throttle only when the GPU is held back more than
+        # its peers: under a power cap a straggler's clock is lower because it computes while
+        # its peers wait (trainscope/detectors/throttle.py), which is not throttling.
         category, best = "slowdown", len(CATEGORY_PRIORITY)
+        throttled: bool | None = None
         for j in order:
-            if abs(z[j]) < 3.0:
+            if abs(z[j]) < MOVED_Z:
                 break
             move = (str(dev.columns[j]), int(np.sign(z[j])))
+            if CATEGORY_OF_MOVE.get(move[0], {}).get(move[1]) == "gpu-throttle":
+                if throttled is None:
+                    throttled, _ = ThrottleRule().judge(
+                        throttling_shares(window), metric_means(window), rank)
+                if not throttled:
+                    continue
             if move in CATEGORY_PRIORITY and CATEGORY_PRIORITY.index(move) < best:
                 best = CATEGORY_PRIORITY.index(move)
                 category = CATEGORY_OF_MOVE[move[0]][move[1]]

@@ -24,7 +24,10 @@ from trainscope.detectors.features import (
     per_step_times,
     robust_z,
     step_time_ns,
+    throttling_shares,
 )
+from trainscope.detectors.params import check_number
+from trainscope.detectors.throttle import ThrottleRule
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
@@ -53,20 +56,41 @@ SHARE_SCALE_FLOOR = 0.01
 # Other features (times, metrics) are judged against at least this tiny absolute spread and
 # robust_z's relative floor.
 FEATURE_SCALE_FLOOR = 1e-9
+DETECTOR = "multivariate"
+# Fewer ranks than this give no median of scores worth standing apart from.
+MIN_RANKS = 4
+# HST scores of a window's ranks are compared with at least this absolute spread: ranks that all
+# score alike must not turn a 0.01 difference into an outlier.
+SCORE_SCALE_FLOOR = 0.02
+# The score's confidence factor reaches 1 at this robust z of the anomaly score.
+FULL_Z = 20.0
 
 
 class RankAnomalyDetector:
-    name = "multivariate"
+    name = DETECTOR
 
     def __init__(
         self,
+        # Half-Space Trees' ensemble: 25 trees of height 8 (river's defaults are 10 and 8);
+        # more trees steady the score at a proportional cost per point.
         n_trees: int = 25,
         height: int = 8,
+        # Points per reference window of the trees: 256 is several windows of a mid-size job.
         window_size: int = 256,
+        # A rank whose anomaly score stands 8 robust z above its peers' is reported: HST scores
+        # are not calibrated, so only a clear outlier among the window's ranks counts.
         z_min: float = 8.0,
+        # Windows that only train the trees (their first scores are meaningless).
         grace_windows: int = 2,
+        # Seed of the trees' random splits, so findings are reproducible.
         seed: int = 42,
     ) -> None:
+        check_number(DETECTOR, "n_trees", n_trees, ge=1, integer=True)
+        check_number(DETECTOR, "height", height, ge=1, integer=True)
+        check_number(DETECTOR, "window_size", window_size, ge=1, integer=True)
+        check_number(DETECTOR, "z_min", z_min, gt=0)
+        check_number(DETECTOR, "grace_windows", grace_windows, ge=0, integer=True)
+        check_number(DETECTOR, "seed", seed, ge=0, integer=True)
         self.n_trees = n_trees
         self.height = height
         self.window_size = window_size
@@ -122,16 +146,23 @@ class RankAnomalyDetector:
         for x in rows.values():
             self._model.learn_one(x)
         self._seen += 1
-        if self._seen <= self.grace_windows or len(frame) < 4:
+        if self._seen <= self.grace_windows or len(frame) < MIN_RANKS:
             return []
-        z, reference = robust_z(scores, None, floor=0.02, rel_floor=0.0)
+        z, reference = robust_z(scores, None, floor=SCORE_SCALE_FLOOR, rel_floor=0.0)
         findings = []
         for rank in scores.index[(z >= self.z_min).to_numpy()]:
             feature, feature_z = _most_deviant(frame, rank)
             category = FEATURES.get(feature)
+            if category == "gpu-throttle" and not ThrottleRule().judge(
+                throttling_shares(window), metric_means(window), int(rank)
+            )[0]:
+                # A clock below the peers' that the throttle rule does not confirm is the
+                # straggler working while its peers wait (trainscope/detectors/throttle.py):
+                # a symptom, like the step time.
+                category = None
             if category is None:
                 continue
-            score = round(float(min(1.0, scores[rank])) * min(1.0, float(z[rank]) / 20.0), 4)
+            score = round(float(min(1.0, scores[rank])) * min(1.0, float(z[rank]) / FULL_Z), 4)
             findings.append(
                 window.finding(
                     self.name,

@@ -37,15 +37,39 @@ from trainscope.detectors.features import (
     per_step_times,
     robust_z,
     step_time_ns,
-    throttled_fraction,
+    throttling_shares,
 )
+from trainscope.detectors.params import check_number, check_order
+from trainscope.detectors.throttle import ThrottleRule
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
 
+# At most this many victims are listed per finding (a finding is one row in the store).
 MAX_VICTIMS = 64
 # Score cap for a suspect that has not persisted yet: visible in the store, not an alert.
 UNCONFIRMED_SCORE_CAP = 0.45
+# The smallest spread a per-step time is judged against, as a share of the step: a function of
+# a few microseconds whose peers agree to the nanosecond must not become a 50-sigma outlier.
+NOISE_FLOOR_STEP_FRAC = 0.002
+# Likewise against the rank's own history: a 2% wobble from window to window is noise (the same
+# relative floor robust_z applies to peers).
+HISTORY_REL_FLOOR = 0.02
+# A median over fewer past windows is not robust: history is used from this many windows on.
+MIN_HISTORY_WINDOWS = 3
+# When at least this share of a stage's ranks are flagged against their history alone, the
+# stage moved together (a job-wide change), not one rank.
+CROWD_FRAC = 0.5
+# Confidence of a suspect exactly at z_min; it grows linearly to 1 at z_full.
+MIN_CONFIDENCE = 0.5
+# The healthy collective wait that network suspects and victims are measured from: the lower
+# quartile of the job's, below the waits of a straggler's victims.
+HEALTHY_QUANTILE = 0.25
+# A rank related to a culprit is its victim when its wait grew by at least this share of the
+# culprit's excess: it spends a material part of the delay waiting.
+VICTIM_WAIT_FRAC = 0.25
+
+DETECTOR = "peer-diff"
 
 
 @dataclass
@@ -65,34 +89,74 @@ class _Suspect:
 
 
 class PeerDiffDetector:
-    name = "peer-diff"
+    name = DETECTOR
 
     def __init__(
         self,
+        # Robust z (MAD-scaled) at which a rank becomes a suspect. Ranks of one stage run the
+        # same code and agree closely, so 6 keeps chance out: at 6 sigma a job of 10,240 ranks
+        # and 60 functions per window expects no false suspect.
         z_min: float = 6.0,
+        # Robust z at which the confidence reaches 1 (it is MIN_CONFIDENCE at z_min).
         z_full: float = 12.0,
+        # An excess under 1% of the step, or under 1 ms per step, is not worth anyone's time.
         min_excess_frac: float = 0.01,
         min_excess_ns: float = 1e6,
+        # Windows in a row before a suspect can alert: a straggler persists, a hiccup does not.
         confirm_windows: int = 2,
+        # The job's step-time excess that a suspect's share is taken of is at least 3% of the
+        # step, so a small suspect in a healthy job cannot claim all of a near-zero excess.
         excess_floor_frac: float = 0.03,
+        # A stage whose median compute is 10% above the other stages' is imbalanced.
         stage_imbalance_frac: float = 0.10,
+        # Throughput 20% below the peers' makes a network suspect (with z_min).
         throughput_drop_frac: float = 0.2,
+        # Windows of the rank's own history (2 minutes at 15 s windows): long enough for a
+        # robust median, short enough to follow a job that changes phase.
         history_windows: int = 8,
-        throttled_frac_min: float = 0.25,
+        # When a compute suspect is gpu-throttle, all relative to its peers: the fields of
+        # ThrottleRule (trainscope/detectors/throttle.py), whose defaults say why.
+        throttled_excess_frac: float = ThrottleRule.excess_frac,
+        power_cap_excess_frac: float = ThrottleRule.power_cap_excess_frac,
+        peers_capped_frac: float = ThrottleRule.peers_capped_frac,
+        clock_ratio_max: float = ThrottleRule.clock_ratio_max,
+        power_limit_ratio_max: float = ThrottleRule.power_limit_ratio_max,
     ) -> None:
+        check_number(DETECTOR, "z_min", z_min, gt=0)
+        check_number(DETECTOR, "z_full", z_full, gt=0)
+        check_order(DETECTOR, "z_min", z_min, "z_full", z_full)
+        check_number(DETECTOR, "min_excess_frac", min_excess_frac, ge=0, lt=1)
+        check_number(DETECTOR, "min_excess_ns", min_excess_ns, ge=0)
+        check_number(DETECTOR, "confirm_windows", confirm_windows, ge=1, integer=True)
+        check_number(DETECTOR, "excess_floor_frac", excess_floor_frac, gt=0, le=1)
+        check_number(DETECTOR, "stage_imbalance_frac", stage_imbalance_frac, gt=0)
+        check_number(DETECTOR, "throughput_drop_frac", throughput_drop_frac, gt=0, lt=1)
+        check_number(DETECTOR, "history_windows", history_windows, ge=MIN_HISTORY_WINDOWS,
+                     integer=True)
+        ThrottleRule(throttled_excess_frac, power_cap_excess_frac, peers_capped_frac,
+                     clock_ratio_max, power_limit_ratio_max).check(DETECTOR)
         self.z_min = z_min
         self.z_full = z_full
         self.min_excess_frac = min_excess_frac
         self.min_excess_ns = min_excess_ns
         self.confirm_windows = confirm_windows
-        self._streaks: dict[tuple[int, str], int] = {}
         self.excess_floor_frac = excess_floor_frac
         self.stage_imbalance_frac = stage_imbalance_frac
         self.throughput_drop_frac = throughput_drop_frac
         self.history_windows = history_windows
-        self.throttled_frac_min = throttled_frac_min
+        self.throttled_excess_frac = throttled_excess_frac
+        self.power_cap_excess_frac = power_cap_excess_frac
+        self.peers_capped_frac = peers_capped_frac
+        self.clock_ratio_max = clock_ratio_max
+        self.power_limit_ratio_max = power_limit_ratio_max
+        self._streaks: dict[tuple[int, str], int] = {}
         self._history: list[pd.DataFrame] = []
         self._step_history: list[float] = []
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        # A checkpoint written before a setting existed restores with that setting's default,
+        # so an upgraded pipeline carries on instead of isolating the detector.
+        self.__dict__.update({**PeerDiffDetector().__dict__, **state})
 
     # -- entry point ------------------------------------------------------------------------
 
@@ -136,7 +200,7 @@ class PeerDiffDetector:
         return per_rank if per_rank.notna().all() and (per_rank > 0).all() else None
 
     def _history_reference(self, table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame] | None:
-        if len(self._history) < 3:
+        if len(self._history) < MIN_HISTORY_WINDOWS:
             return None
         stack = np.stack(
             [h.reindex(index=table.index, columns=table.columns).to_numpy(float)
@@ -154,7 +218,7 @@ class PeerDiffDetector:
     def _own_work_suspects(
         self, table: pd.DataFrame, stage: pd.Series, tokens: pd.Series | None, step_ns: float
     ) -> list[_Suspect]:
-        floor = 0.002 * step_ns
+        floor = NOISE_FLOOR_STEP_FRAC * step_ns
         history = self._history_reference(table)
         suspects: list[_Suspect] = []
         for layer, name in table.columns:
@@ -172,7 +236,8 @@ class PeerDiffDetector:
             excess_hist = pd.Series(np.nan, index=x.index)
             if history is not None:
                 h_med, h_mad = history[0][(layer, name)], history[1][(layer, name)]
-                spread = np.maximum(np.maximum(MAD_TO_SIGMA * h_mad, 0.02 * h_med.abs()), floor)
+                relative = HISTORY_REL_FLOOR * h_med.abs()
+                spread = np.maximum(np.maximum(MAD_TO_SIGMA * h_mad, relative), floor)
                 z_hist = (x - h_med) / spread
                 excess_hist = x - h_med
             use_hist = z_hist.fillna(-np.inf) > z_peer.fillna(-np.inf)
@@ -182,7 +247,7 @@ class PeerDiffDetector:
             # History alone cannot tell a straggler from a job-wide change: if most of a
             # stage moved together, it is not one rank's problem.
             hist_only = flagged & use_hist
-            crowd = hist_only.groupby(stage).transform("mean") >= 0.5
+            crowd = hist_only.groupby(stage).transform("mean") >= CROWD_FRAC
             flagged &= ~(hist_only & crowd)
             for rank in x.index[flagged.fillna(False)]:
                 hist = bool(use_hist[rank])
@@ -268,7 +333,7 @@ class PeerDiffDetector:
         if not signals:
             return []
         wait_cols = [c for c in table.columns if c[0] in WAIT_LAYERS]
-        healthy = table[wait_cols].groupby(stage).transform(lambda c: c.quantile(0.25))
+        healthy = table[wait_cols].groupby(stage).transform(lambda c: c.quantile(HEALTHY_QUANTILE))
         wait_excess = (table[wait_cols] - healthy).clip(lower=0).sum(axis=1)
         suspects = []
         for rank, (z, drop, signal) in signals.items():
@@ -293,28 +358,21 @@ class PeerDiffDetector:
         return suspects
 
     def _categorise_compute(self, window: WindowView, suspects: list[_Suspect]) -> None:
-        """A compute suspect whose SM clock dropped, or whose GPU reported a throttling reason
-        in at least ``throttled_frac_min`` of its readings, is throttled."""
+        """A compute suspect whose GPU is held back more than its peers' is throttled
+        (:mod:`trainscope.detectors.throttle` says how, and why relative to the peers)."""
         if not any(s.category == "gpu-compute" for s in suspects):
             return
+        rule = ThrottleRule(self.throttled_excess_frac, self.power_cap_excess_frac,
+                            self.peers_capped_frac, self.clock_ratio_max,
+                            self.power_limit_ratio_max)
         means = metric_means(window)
-        clock = means[m.SM_CLOCK_MHZ] if m.SM_CLOCK_MHZ in means.columns else None
-        reference = float(clock.median()) if clock is not None else 0.0
-        throttled = throttled_fraction(window)
+        shares = throttling_shares(window)
         for s in suspects:
             if s.category != "gpu-compute":
                 continue
-            evidence = dict(s.evidence or {})
-            if clock is not None and s.rank in clock.index:
-                ratio = float(clock[s.rank]) / reference if reference > 0 else 1.0
-                evidence["sm_clock_ratio"] = ratio
-            else:
-                ratio = 1.0
-            frac = throttled.get(s.rank)
-            if frac is not None:
-                evidence["throttled_frac"] = float(frac)
-            s.evidence = evidence or None
-            if ratio <= 0.9 or (frac is not None and frac >= self.throttled_frac_min):
+            throttled, evidence = rule.judge(shares, means, s.rank)
+            s.evidence = {**(s.evidence or {}), **evidence} or None
+            if throttled:
                 s.category = "gpu-throttle"
 
     # -- findings ---------------------------------------------------------------------------
@@ -350,7 +408,10 @@ class PeerDiffDetector:
             excess = totals[key]
             share = min(1.0, excess / step_excess)
             confidence = float(np.clip(
-                0.5 + 0.5 * (s.z - self.z_min) / (self.z_full - self.z_min), 0.5, 1.0
+                MIN_CONFIDENCE
+                + (1.0 - MIN_CONFIDENCE) * (s.z - self.z_min) / (self.z_full - self.z_min),
+                MIN_CONFIDENCE,
+                1.0,
             ))
             score = confidence * share
             if self._streaks[key] < self.confirm_windows:
@@ -386,7 +447,7 @@ class PeerDiffDetector:
         return findings
 
     def _step_excess(self, step_ns: float) -> float:
-        if len(self._step_history) < 3:
+        if len(self._step_history) < MIN_HISTORY_WINDOWS:
             return 0.0
         return max(0.0, step_ns - float(np.median(self._step_history)))
 
@@ -413,7 +474,7 @@ def _victims(
     if present and not culprit_waits_too:
         baseline = float(waits[present].min())
     else:
-        baseline = float(waits.quantile(0.25))
+        baseline = float(waits.quantile(HEALTHY_QUANTILE))
     culprit_rows = layout.loc[[r for r in culprits if r in layout.index]]
     related = pd.Series(False, index=layout.index)
     for _, c in culprit_rows.iterrows():
@@ -422,7 +483,7 @@ def _victims(
         related |= same_stage & (layout["tp_rank"] == c["tp_rank"])  # DP group
         related |= (layout["dp_rank"] == c["dp_rank"]) & (layout["tp_rank"] == c["tp_rank"])  # PP
     related[[r for r in culprits if r in related.index]] = False
-    inflated = waits.reindex(layout.index).fillna(0.0) >= baseline + 0.25 * excess
+    inflated = waits.reindex(layout.index).fillna(0.0) >= baseline + VICTIM_WAIT_FRAC * excess
     return [int(r) for r in layout.index[related & inflated]][:MAX_VICTIMS]
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 
 from trainscope.detectors.base import Detector
+from trainscope.detectors.contract import ContractViolation, check_contract, contract_windows
 from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
@@ -37,17 +38,28 @@ def available(group: str = GROUP) -> dict[str, EntryPoint]:
     return {ep.name: ep for ep in entry_points(group=group)}
 
 
+def is_builtin(entry_point: EntryPoint) -> bool:
+    """Whether the entry point names one of trainscope's own detectors."""
+    return entry_point.value.split(":")[0].split(".")[0] == "trainscope"
+
+
 @dataclass
 class LoadResult:
     detectors: list[Detector] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
 
 
-def load(names: Iterable[str] | None = None, group: str = GROUP) -> LoadResult:
+def load(
+    names: Iterable[str] | None = None, group: str = GROUP, check_plugins: bool = True
+) -> LoadResult:
     """Instantiate the named detectors (all registered ones when ``names`` is None).
 
     An unknown name is a loud error (a typo must not silently disable detection); a plugin
-    that is registered but broken is recorded in ``errors`` and skipped.
+    that is registered but broken is recorded in ``errors`` and skipped. With ``check_plugins``
+    every plugin (a detector from outside trainscope) must also pass the detector contract on
+    a few small synthetic windows first (:mod:`trainscope.detectors.contract`): one that does
+    not pickle, is not deterministic or mutates its input would break checkpoints or other
+    detectors' findings later, far from its cause. The built-ins pass it in trainscope's tests.
     """
     registered = available(group)
     wanted = list(registered) if names is None else list(names)
@@ -57,6 +69,7 @@ def load(names: Iterable[str] | None = None, group: str = GROUP) -> LoadResult:
             f"unknown detector(s) {', '.join(unknown)}; registered: {', '.join(sorted(registered))}"
         )
     result = LoadResult()
+    windows: list[WindowView] | None = None
     for name in wanted:
         try:
             factory = registered[name].load()
@@ -69,6 +82,18 @@ def load(names: Iterable[str] | None = None, group: str = GROUP) -> LoadResult:
             result.errors[name] = f"{factory!r} does not implement Detector (name, detect)"
             log.warning("detector plugin %s is not a Detector and is skipped", name)
             continue
+        if check_plugins and not is_builtin(registered[name]):
+            if windows is None:
+                windows = contract_windows()
+            try:
+                check_contract(factory, windows)
+            except Exception as exc:  # a contract violation, or the plugin raising in it
+                reason = str(exc) if isinstance(exc, ContractViolation) \
+                    else f"{type(exc).__name__}: {exc}"
+                result.errors[name] = f"fails the detector contract: {reason}"
+                log.warning("detector plugin %s fails the detector contract and is skipped: %s",
+                            name, reason)
+                continue
         result.detectors.append(detector)
     return result
 

@@ -15,22 +15,63 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainscope.detectors.features import MAD_TO_SIGMA
+from trainscope.detectors.params import check_number, check_order
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
 
+DETECTOR = "step-time"
+# A median over fewer past windows is not a baseline: slowdowns are judged from this many on.
+MIN_HISTORY_WINDOWS = 3
+# A slowdown must exceed this many of the job's own window-to-window standard deviations (the
+# MAD of its past medians, scaled): a job that always wobbles by 15% is not slower at 12%.
+SPREAD_SIGMAS = 3.0
+# Score of a slowdown: SLOWDOWN_BASE_SCORE at the bar, rising by SLOWDOWN_SCORE_RANGE as it
+# grows to full_slowdown_frac — a job-level symptom, so it tops out at 0.75 and never outranks
+# a finding that says who and why.
+SLOWDOWN_BASE_SCORE = 0.25
+SLOWDOWN_SCORE_RANGE = 0.5
+# A window whose ranks ran fewer steps than this (median) cannot tell a hang from a long step.
+MIN_STEPS_FOR_HANG = 2
+# At most this share of the ranks silent is a hang; more is the job stopping or a gap in the
+# data, which no one rank explains.
+MAX_HANG_FRAC = 0.5
+# Sequence imbalance counts fully in the score when the longest batch's excess over the mean is
+# this share of it (0.2: the other replicas idle a fifth of the step) ...
+SEQ_FULL_WASTE_FRAC = 0.2
+# ... and when the spread of tokens is this many times token_cv.
+SEQ_FULL_CV_FACTOR = 2.0
+
 
 class StepTimeDetector:
-    name = "step-time"
+    name = DETECTOR
 
     def __init__(
         self,
+        # The job's median step 10% above its recent baseline is a slowdown (if the job's own
+        # spread allows) ...
         slowdown_frac: float = 0.10,
+        # ... and at 20% above it, the slowdown has its full score.
         full_slowdown_frac: float = 0.20,
+        # Tokens per step varying by 5% (coefficient of variation) across ranks is imbalance:
+        # below that, uneven batches cost less than ordinary noise.
         token_cv: float = 0.05,
+        # Past windows forming the baseline (2 minutes at 15 s windows).
         history_windows: int = 8,
+        # And never less than 5 ms per step slower: below that, not actionable.
         min_slowdown_ns: float = 5e6,
+        # Windows in a row a slowdown must hold before it is reported.
         confirm_windows: int = 2,
     ) -> None:
+        check_number(DETECTOR, "slowdown_frac", slowdown_frac, gt=0)
+        check_number(DETECTOR, "full_slowdown_frac", full_slowdown_frac, gt=0)
+        check_order(DETECTOR, "slowdown_frac", slowdown_frac,
+                    "full_slowdown_frac", full_slowdown_frac)
+        check_number(DETECTOR, "token_cv", token_cv, gt=0)
+        check_number(DETECTOR, "history_windows", history_windows, ge=MIN_HISTORY_WINDOWS,
+                     integer=True)
+        check_number(DETECTOR, "min_slowdown_ns", min_slowdown_ns, ge=0)
+        check_number(DETECTOR, "confirm_windows", confirm_windows, ge=1, integer=True)
         self.slowdown_frac = slowdown_frac
         self.min_slowdown_ns = min_slowdown_ns
         self.confirm_windows = confirm_windows
@@ -46,12 +87,12 @@ class StepTimeDetector:
             return []
         findings = [*self._hangs(window), *self._seq_imbalance(window)]
         median = float(steps["duration_ns"].median())
-        if len(self._medians) >= 3:
+        if len(self._medians) >= MIN_HISTORY_WINDOWS:
             baseline = float(np.median(self._medians))
             spread = float(np.median(np.abs(np.array(self._medians) - baseline))) / baseline
             frac = median / baseline - 1.0
             slow = (
-                frac >= max(self.slowdown_frac, 3 * 1.4826 * spread)
+                frac >= max(self.slowdown_frac, SPREAD_SIGMAS * MAD_TO_SIGMA * spread)
                 and median - baseline >= self.min_slowdown_ns
             )
             self._slow_streak = self._slow_streak + 1 if slow else 0
@@ -60,7 +101,8 @@ class StepTimeDetector:
                     window.finding(
                         self.name,
                         category="slowdown",
-                        score=round(min(1.0, frac / self.full_slowdown_frac) * 0.5 + 0.25, 4),
+                        score=round(SLOWDOWN_BASE_SCORE + SLOWDOWN_SCORE_RANGE
+                                    * min(1.0, frac / self.full_slowdown_frac), 4),
                         evidence={"step_ns": median, "baseline_step_ns": baseline, "frac": frac,
                                   "baseline_spread_frac": spread},
                         message=(
@@ -76,10 +118,10 @@ class StepTimeDetector:
         if window.topology is None or not window.topology.workers:
             return []
         counts = window.steps.groupby("rank").size()
-        if counts.median() < 2:
+        if counts.median() < MIN_STEPS_FOR_HANG:
             return []  # too few steps per window to call a missing one a hang
         silent = sorted({w.rank for w in window.topology.workers} - set(counts.index))
-        if not silent or len(silent) > len(window.topology.workers) // 2:
+        if not silent or len(silent) > MAX_HANG_FRAC * len(window.topology.workers):
             return []
         return [
             window.finding(
@@ -110,8 +152,8 @@ class StepTimeDetector:
             return []
         # The slowest replica sets the pace: its token excess over the mean is the waste.
         waste = float((stats["max"] / stats["mean"] - 1.0).mean())
-        share = min(1.0, waste / (waste + 1.0) / 0.2)
-        score = round(min(1.0, cv / (2 * self.token_cv)) * share, 4)
+        share = min(1.0, waste / (waste + 1.0) / SEQ_FULL_WASTE_FRAC)
+        score = round(min(1.0, cv / (SEQ_FULL_CV_FACTOR * self.token_cv)) * share, 4)
         return [
             window.finding(
                 self.name,

@@ -20,6 +20,7 @@ import pyarrow as pa
 from trainscope.schemas.ddl import TABLES, all_ddl
 from trainscope.schemas.records import SCHEMA_VERSION, Finding, Topology
 from trainscope.schemas.window import WindowView
+from trainscope.settings import Settings
 from trainscope.store import (  # noqa: F401  moved; kept for code written against the old place
     StoreError,
     _first_line,
@@ -53,8 +54,11 @@ class ClickHouseSink:
             self._command(ddl)
 
     @classmethod
-    def open(cls, store: Path | str | None = None, url: str | None = None) -> ClickHouseSink:
-        return cls(connect(store, url))
+    def open(
+        cls, store: Path | str | None = None, url: str | None = None,
+        settings: Settings | None = None,
+    ) -> ClickHouseSink:
+        return cls(connect(store, url, settings=settings))
 
     def _command(self, sql: str) -> None:
         try:

@@ -9,6 +9,8 @@ from typing import Any
 
 import click
 
+from trainscope.settings import Settings, from_context
+
 
 @click.command("whatif")
 @click.option(
@@ -96,14 +98,13 @@ def _run(
 
     client = None
     if job_id is not None:
-        if store_dir is None and url is None:
-            env_dir, env_url = st.default_store()
-            store_dir = Path(env_dir) if env_dir else None
-            url = None if env_dir else env_url
+        settings = from_context()
+        # Only a store someone named: the what-if tables do not go into the demo's default one.
+        store_dir, url = settings.store(store_dir, url, default_dir=False)
         if store_dir is None and url is None:
             raise click.UsageError("--job needs a store: --store DIR or --url URL")
         # Importing a trace may start a store; reading a job needs an existing one.
-        client = _connect(st, store_dir, url, create=trace_path is not None)
+        client = _connect(st, store_dir, url, create=trace_path is not None, settings=settings)
 
     with err.status("loading the trace", spinner="dots") as status:
         if trace_path is not None:
@@ -144,11 +145,13 @@ def _run(
         click.echo(render(result))
 
 
-def _connect(st: Any, store_dir: Path | None, url: str | None, create: bool) -> Any:
+def _connect(
+    st: Any, store_dir: Path | None, url: str | None, create: bool, settings: Settings
+) -> Any:
     from trainscope.store import StoreError
 
     try:
-        return st.connect(store_dir=store_dir, url=url, create=create)
+        return st.connect(store_dir=store_dir, url=url, create=create, settings=settings)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from None
     except Exception as exc:  # the client raises many types; the user needs one line

@@ -7,17 +7,16 @@ same time; open the store once per process and reuse the client.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from trainscope import env
 from trainscope.schemas.optrace import JobMeta, TraceError
 from trainscope.schemas.optypes import OPTYPES
 from trainscope.schemas.whatif import DDL, SCHEMA_VERSION, TABLE_STRUCTS
+from trainscope.settings import Settings
 from trainscope.whatif.analysis import WhatIf
 
 # Rows per insert: big enough to amortise the per-insert cost, small enough to bound memory.
@@ -28,7 +27,11 @@ TRACE_COLUMNS = [
 
 
 def connect(
-    store_dir: str | Path | None = None, url: str | None = None, *, create: bool = True
+    store_dir: str | Path | None = None,
+    url: str | None = None,
+    *,
+    create: bool = True,
+    settings: Settings | None = None,
 ) -> Any:
     """A clickhouse-connect client with the what-if tables created.
 
@@ -39,7 +42,7 @@ def connect(
 
     if (store_dir is None) == (url is None):
         raise ValueError("give exactly one of a store directory or a ClickHouse URL")
-    client = connect_store(store_dir, url, create=create)
+    client = connect_store(store_dir, url, create=create, settings=settings)
     for ddl in DDL.values():
         client.command(ddl)
     # Stores created before the model-fit flag existed get the column (0 = fits).
@@ -125,7 +128,3 @@ def read_results(client: Any, job_id: str) -> list[dict[str, Any]]:
     )
     return [dict(zip(result.column_names, row, strict=True)) for row in result.result_rows]
 
-
-def default_store() -> tuple[str | None, str | None]:
-    """(store dir, URL) from the environment, for when neither option is given."""
-    return os.environ.get(env.TRAINSCOPE_STORE_DIR), os.environ.get(env.TRAINSCOPE_CLICKHOUSE_URL)

@@ -16,6 +16,7 @@ import click
 
 from trainscope.producers.agent.base import Collector
 from trainscope.producers.agent.daemon import Agent, AgentSettings
+from trainscope.settings import from_context
 
 log = logging.getLogger("trainscope.agent")
 
@@ -72,9 +73,9 @@ def build_collectors(
     "--window",
     "window_s",
     type=float,
-    default=15.0,
-    show_default=True,
-    help="Seconds between two publications of condensed records.",
+    default=None,
+    help="Seconds between two publications of condensed records: the summary window, shared "
+    "with the producers and the stream job. Default: $TRAINSCOPE_WINDOW_S, else 15.",
 )
 @click.option("--no-ebpf", is_flag=True, help="Do not trace CUDA/NCCL calls and scheduling.")
 @click.option("--no-nvml", is_flag=True, help="Do not sample GPUs through NVML.")
@@ -113,7 +114,7 @@ def build_collectors(
 def agent(
     bus_url: str,
     interval_s: float,
-    window_s: float,
+    window_s: float | None,
     no_ebpf: bool,
     no_nvml: bool,
     job_id: str,
@@ -129,6 +130,8 @@ def agent(
 
     _configure_logging(verbose)
     try:
+        if window_s is None:
+            window_s = from_context().window_s
         settings = AgentSettings(interval_s=interval_s, window_s=window_s, job_id=job_id)
         bus = open_bus(bus_url)
     except ValueError as exc:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from trainscope.env import DEFAULT_WINDOW_S
 from trainscope.producers.agent.aggregate import WindowAggregator
 from trainscope.producers.agent.base import Collector, CollectorStats, CollectorUnavailable
 from trainscope.schemas.codec import encode_batch
@@ -35,7 +36,7 @@ MAX_RECORDS_PER_MESSAGE = 2_000
 @dataclass(frozen=True)
 class AgentSettings:
     interval_s: float = 1.0  # how often collectors are read
-    window_s: float = 15.0  # how often condensed records are published
+    window_s: float = DEFAULT_WINDOW_S  # how often condensed records are published
     job_id: str = "unknown"  # for processes and devices whose job is not in their environment
     host: str = field(default_factory=socket.gethostname)
     max_series: int = 50_000

@@ -50,6 +50,10 @@ NOMINAL_NIC_BYTES_PER_S = 25e9
 NOMINAL_PCIE_BYTES_PER_S = 14e9
 # NVML clocks-event reasons: SW thermal slowdown | HW thermal slowdown.
 _THERMAL_THROTTLE_BITS = 0x20 | 0x40
+# SW power cap: on an H100 every reading of a GPU that computes at least half of each 400 ms step
+# carries it (benchmarks/gpu_throttle_duty.py; with 5 s steps, 56-60% of the readings at half).
+_POWER_CAP_BIT = 0x04
+_POWER_CAPPED_UTIL_PCT = 50.0
 
 
 @dataclass(frozen=True)
@@ -391,8 +395,12 @@ class SimulatedCluster:
             reasons[int(f["rank"])] = _THERMAL_THROTTLE_BITS
         clock = clock * (1 + noise(0, 0.003, n))
         util = np.clip(100.0 * busy / np.maximum(end - start, 1.0), 0, 100)
+        # A GPU slowed by heat draws less power, so only the others run into the power cap.
+        reasons = np.where((reasons == 0) & (util >= _POWER_CAPPED_UTIL_PCT), _POWER_CAP_BIT,
+                           reasons)
         power = 250 + 450 * util / 100 * clock / NOMINAL_SM_CLOCK_MHZ + noise(0, 8, n)
-        temperature = np.where(reasons > 0, 89.0, 60 + 15 * util / 100) + noise(0, 0.8, n)
+        hot = reasons == _THERMAL_THROTTLE_BITS
+        temperature = np.where(hot, 89.0, 60 + 15 * util / 100) + noise(0, 0.8, n)
         nic = NOMINAL_NIC_BYTES_PER_S / link * (1 + noise(0, 0.02, n))
         pcie = NOMINAL_PCIE_BYTES_PER_S * (1 + noise(0, 0.02, n))
         values = {

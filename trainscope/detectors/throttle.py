@@ -1,0 +1,116 @@
+"""Is a slow GPU throttled? Judged against its peers, never in absolute terms.
+
+On a real cluster the absolute readings say little. Measured on an H100 (figures in
+``benchmarks/README.md``, script ``benchmarks/gpu_throttle_duty.py``): a GPU computing all the
+time reports ``sw_power_cap`` in 98–99% of its NVML readings, and so does one computing half of
+every 400 ms step; with 5 s steps the share follows the load (56–60% at half of each step).
+Under the cap the mean SM clock falls with load — 1366–1401 MHz computing all the time,
+1536–1620 MHz at 70% of the step, 1659–1733 MHz at 50%. A straggler computes while its peers
+wait for it, so it reads a lower clock and a larger power-cap share than they do, with nothing
+wrong with its GPU. A GPU is throttled when it is held back more than its peers are:
+
+- for a thermal, HW-slowdown or power-brake reason, its share of readings exceeds the peers'
+  median share by ``excess_frac``; for the power cap, or for any reason where a producer
+  condensed its readings (mostly the cap), by ``power_cap_excess_frac`` — more than the load of
+  a straggler explains;
+- its enforced power limit is at most ``power_limit_ratio_max`` of the peers' median — a GPU
+  capped lower than the others shows the same ``sw_power_cap`` bit as they do;
+- or its mean SM clock is at most ``clock_ratio_max`` of the peers' median, but only while the
+  peers are not running at their power cap themselves (then nothing but throttling or a clock
+  setting lowers one GPU's clock below the others').
+
+The peer detector applies this to its compute suspects; the mixture detector to a rank whose SM
+clock or power dropped, before it names ``gpu-throttle``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from trainscope.detectors.features import ANY_THROTTLING
+from trainscope.detectors.params import check_number
+from trainscope.schemas import metrics as m
+from trainscope.schemas.metrics import THROTTLE_REASON_NAMES
+
+# NVML's "the GPU is at its power limit" reason: on an H100 every busy GPU reports it.
+POWER_CAP = THROTTLE_REASON_NAMES[0x004]
+
+
+@dataclass(frozen=True)
+class ThrottleRule:
+    """The rule of the module docstring, with its thresholds; ``judge`` applies it."""
+
+    # A thermal, HW-slowdown or power-brake reason in a quarter more of the readings than the
+    # peers' median share: a sustained fault shows in nearly all readings, a blip of one
+    # reading in ten does not.
+    excess_frac: float = 0.25
+    # The power cap (or any reason, condensed) in 0.6 more of the readings: a straggler that
+    # makes its peers wait half of every 5 s step shows it in 0.41 more of them on the H100,
+    # and a window of a few readings adds its sampling noise (3 of 6 for a share of 0.58).
+    power_cap_excess_frac: float = 0.6
+    # The peers run at their power cap, so their clocks follow their load, when a quarter of
+    # their readings carry it (on the H100, peers computing half of each 5 s step: 56-60%).
+    peers_capped_frac: float = 0.25
+    # An SM clock at most 0.9 of the peers' (a healthy GPU's clock varies by a few percent, a
+    # thermal slowdown lowers it far more).
+    clock_ratio_max: float = 0.9
+    # An enforced power limit at most 0.9 of the peers'.
+    power_limit_ratio_max: float = 0.9
+
+    def check(self, detector: str) -> None:
+        """DetectorConfigError, naming ``detector``, for a setting out of range."""
+        check_number(detector, "throttled_excess_frac", self.excess_frac, gt=0, le=1)
+        check_number(detector, "power_cap_excess_frac", self.power_cap_excess_frac, gt=0, le=1)
+        check_number(detector, "peers_capped_frac", self.peers_capped_frac, gt=0, le=1)
+        check_number(detector, "clock_ratio_max", self.clock_ratio_max, gt=0, lt=1)
+        check_number(detector, "power_limit_ratio_max", self.power_limit_ratio_max, gt=0, lt=1)
+
+    def judge(
+        self, shares: pd.DataFrame, means: pd.DataFrame, rank: int
+    ) -> tuple[bool, dict[str, float]]:
+        """(throttled, evidence) of ``rank``, from the window's per-reason throttling shares
+        (:func:`~trainscope.detectors.features.throttling_shares`) and metric means
+        (:func:`~trainscope.detectors.features.metric_means`)."""
+        evidence: dict[str, float] = {}
+        throttled = False
+        peer_shares = shares.drop(index=rank, errors="ignore")
+        peers_capped = False
+        if not peer_shares.empty:
+            capped = peer_shares[POWER_CAP].dropna()
+            if capped.empty:  # condensed readings: any throttling reason, mostly the cap
+                capped = peer_shares[ANY_THROTTLING].dropna()
+            peers_capped = not capped.empty and bool(capped.median() >= self.peers_capped_frac)
+        if rank in shares.index:
+            own = shares.loc[rank]
+            reference = peer_shares.median().reindex(own.index).fillna(0.0)
+            excess = (own - reference).dropna()
+            evidence["throttled_frac"] = float(own[ANY_THROTTLING])
+            evidence["peers_throttled_frac"] = float(reference[ANY_THROTTLING])
+            if not excess.empty:
+                evidence["throttled_excess_frac"] = float(excess.max())
+                load_bound = excess.index.isin([POWER_CAP, ANY_THROTTLING])
+                throttled |= bool((excess[load_bound] >= self.power_cap_excess_frac).any())
+                throttled |= bool((excess[~load_bound] >= self.excess_frac).any())
+        limit = ratio_to_peers(means, m.POWER_LIMIT_W, rank)
+        if limit is not None:
+            evidence["power_limit_ratio"] = limit
+            throttled |= limit <= self.power_limit_ratio_max
+        clock = ratio_to_peers(means, m.SM_CLOCK_MHZ, rank)
+        if clock is not None:
+            evidence["sm_clock_ratio"] = clock
+            throttled |= clock <= self.clock_ratio_max and not peers_capped
+        return throttled, evidence
+
+
+def ratio_to_peers(means: pd.DataFrame, metric: str, rank: int) -> float | None:
+    """A rank's window mean of ``metric`` over the median of the other ranks' (None if unknown)."""
+    if metric not in means.columns or rank not in means.index:
+        return None
+    own = float(means.at[rank, metric])
+    reference = float(means[metric].drop(index=rank).median()) if len(means) > 1 else np.nan
+    if not (np.isfinite(own) and np.isfinite(reference)) or reference <= 0:
+        return None
+    return own / reference
