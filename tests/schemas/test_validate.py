@@ -218,3 +218,26 @@ def test_a_poll_is_checked_together_and_each_message_gets_its_own_verdict() -> N
                      SpanBatch.from_arrays(job_id="k", layers=["l"], names=["n"], rank=[5],
                                            fn=[0], step=[0], start_ns=[T0], duration_ns=[1])]]
     )[1])
+
+
+@pytest.mark.parametrize(
+    ("bad", "expected"),
+    [
+        (summaries(rank=[0, 2**20]), "rank[1]=1048576 not in [0, 131071]"),
+        (summaries(rank=[-1, 0]), "rank[0]=-1 not in"),
+        (summaries(min_ns=[4, 9]), "min_ns[1]=9 is above max_ns[1]=7"),
+        (summaries(max_ns=[6, 10**18]), "max_ns[1]=1000000000000000000 not in"),
+        (summaries(m2_ns2=[math.nan, 1.0]), "m2_ns2[0]=nan is not a finite number"),
+        (summaries(total_ns=[-1, 1]), "total_ns[0]=-1 not in"),
+        (summaries(sketch_counts=[2, -2]), "sketch_counts[1]=-2 not in"),
+    ],
+)
+def test_summary_columns_checked_together_still_name_the_bad_message(bad: SummaryBatch,
+                                                                     expected: str) -> None:
+    """Once a function dictionary has been seen, a poll's summary batches have their columns
+    checked together (the fast path); a bad value still rejects only its own message, named."""
+    v = validator()
+    v.validate([summaries()])  # the dictionary is now known
+    errors = v.validate_many([[summaries()], [step(), bad], [summaries(rank=[1, 0])]])
+    assert [e is None for e in errors] == [True, False, True]
+    assert str(errors[1]).startswith("records[1] (summaries): ") and expected in str(errors[1])

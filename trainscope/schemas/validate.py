@@ -28,6 +28,8 @@ import numpy as np
 
 from trainscope.schemas.records import (
     SCHEMA_VERSION,
+    SUMMARY_COLUMNS,
+    SUMMARY_SKETCH_COLUMNS,
     ControlMessage,
     Finding,
     FunctionSummary,
@@ -91,6 +93,7 @@ class Validator:
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits if limits is not None else Limits()
         self._world_size: dict[str, int] = {}
+        self._dictionaries_ok: set[tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]] = set()
         self._now_ns = self.limits.now_ns()
         self._max_time_ns = self._now_ns + self.limits.max_future_ns
 
@@ -129,7 +132,7 @@ class Validator:
         self._max_time_ns = self._now_ns + self.limits.max_future_ns
         before = dict(self._world_size)
         errors: list[InvalidRecord | None] = []
-        deferred: list[tuple[SpanBatch, int]] = []
+        deferred: list[tuple[_Columnar, int]] = []
         for records in messages:
             error = self._message(records, deferred)
             errors.append(error)
@@ -138,11 +141,12 @@ class Validator:
             errors = [self._message(records, None) for records in messages]
         return errors
 
-    def _message(self, records: Sequence[Record], deferred: list[tuple[SpanBatch, int]] | None
+    def _message(self, records: Sequence[Record], deferred: list[tuple[_Columnar, int]] | None
                  ) -> InvalidRecord | None:
-        """Check one message; with ``deferred``, leave span columns to :meth:`_columns_ok`."""
+        """Check one message; with ``deferred``, leave the numeric columns of span and summary
+        batches to :meth:`_columns_ok`."""
         declared: dict[str, int] = {}
-        batches: list[tuple[SpanBatch, int]] = []
+        batches: list[tuple[_Columnar, int]] = []
         metric_ok, step_ok = self._metric_ok, self._step_ok
         for index, record in enumerate(records):
             try:
@@ -155,8 +159,11 @@ class Validator:
                 elif kind is StepRecord:
                     if step_ok(record, declared):  # type: ignore[arg-type]
                         continue
-                elif (kind is SpanBatch and deferred is not None
-                      and self._batch_ok(record)):  # type: ignore[arg-type]
+                elif deferred is not None and (
+                    (kind is SpanBatch and self._batch_ok(record))  # type: ignore[arg-type]
+                    or (kind is SummaryBatch
+                        and self._summary_header_ok(record))  # type: ignore[arg-type]
+                ):
                     if len(record):  # type: ignore[arg-type]
                         batches.append((record, self._rank_bound(record.job_id, declared)[0]))
                     continue
@@ -172,26 +179,51 @@ class Validator:
             deferred.extend(batches)
         return None
 
-    def _columns_ok(self, batches: list[tuple[SpanBatch, int]]) -> bool:
-        """Every span column of every batch in range, in one pass per column."""
+    def _columns_ok(self, batches: list[tuple[_Columnar, int]]) -> bool:
+        """Every numeric column of every batch in range, in one pass per column."""
+        spans = [(b, bound) for b, bound in batches if type(b) is SpanBatch]
+        summaries = [(b, bound) for b, bound in batches if type(b) is SummaryBatch]
+        return (not spans or self._span_columns_ok(spans)) and (
+            not summaries or self._summary_columns_ok(summaries)
+        )
+
+    def _summary_columns_ok(self, batches: list[tuple[_Columnar, int]]) -> bool:
+        lim = self.limits
+
+        def joined(name: str) -> np.ndarray:
+            dtype = _SUMMARY_DTYPES[name]
+            return np.frombuffer(b"".join(getattr(b, name) for b, _ in batches), dtype=dtype)
+
+        if not _ranks_below(joined("rank"), batches):
+            return False
+        count, low, high = joined("count"), joined("min_ns"), joined("max_ns")
+        m2 = joined("m2_ns2")
+        sketch_counts = joined("sketch_counts")
+        # Joined offsets: between two batches the difference is <= 0, never a bucket count.
+        buckets = np.diff(joined("sketch_offsets"))
+        return bool(
+            joined("total_ns").min() >= 0
+            and low.min() >= 0 and low.max() <= lim.max_duration_ns
+            and high.min() >= 0 and high.max() <= lim.max_duration_ns
+            and joined("bytes_total").min() >= 0
+            and np.isfinite(m2).all() and m2.min() >= 0
+            and not ((count > 0) & (low > high)).any()
+            and (len(buckets) == 0 or buckets.max() <= lim.max_sketch_buckets)
+            and (len(sketch_counts) == 0 or sketch_counts.min() >= 0)
+        )
+
+    def _span_columns_ok(self, batches: list[tuple[_Columnar, int]]) -> bool:
         lim = self.limits
 
         def joined(name: str, dtype: str) -> np.ndarray:
             return np.frombuffer(b"".join(getattr(b, name) for b, _ in batches), dtype=dtype)
 
-        rank = joined("rank", "<i4")
-        bounds = {bound for _, bound in batches}
-        if len(bounds) == 1:
-            rank_ok = bool(rank.max() < bounds.pop())
-        else:
-            limit = np.repeat([bound for _, bound in batches], [len(b) for b, _ in batches])
-            rank_ok = bool((rank < limit).all())
+        rank_ok = _ranks_below(joined("rank", "<i4"), batches)
         start = joined("start_ns", "<i8")
         duration = joined("duration_ns", "<i8")
         moved = joined("bytes_moved", "<i8")  # empty columns (all zero) join as nothing
         return (
             rank_ok
-            and rank.min() >= 0
             and joined("step", "<i4").min() >= -1
             and start.min() >= lim.min_time_ns
             and start.max() <= self._max_time_ns
@@ -214,6 +246,21 @@ class Validator:
                 min(map(len, b.names)) > 0 and max(map(len, b.names)) <= lim.max_name_chars
                 and min(map(len, b.layers)) > 0 and max(map(len, b.layers)) <= lim.max_id_chars
             ))
+        )
+
+    def _summary_header_ok(self, b: SummaryBatch) -> bool:
+        """Everything but the numeric columns (see :meth:`_columns_ok`); the function
+        dictionary is checked in full by :meth:`_summary_batch` the first time it is seen."""
+        lim = self.limits
+        return (
+            1 <= b.v <= SCHEMA_VERSION
+            and 0 < len(b.job_id) <= lim.max_id_chars
+            and len(b.host) <= lim.max_id_chars
+            and lim.min_time_ns <= b.window_start_ns <= self._max_time_ns
+            and lim.min_time_ns <= b.window_end_ns <= self._max_time_ns
+            and 0 <= b.window_end_ns - b.window_start_ns <= lim.max_duration_ns
+            and len(b.names) <= lim.max_functions
+            and (tuple(b.layers), tuple(b.names), tuple(b.callpaths)) in self._dictionaries_ok
         )
 
     def _metric_ok(self, s: MetricSample, declared: dict[str, int]) -> bool:
@@ -379,14 +426,19 @@ class Validator:
         self._duration("window length", batch.window_end_ns - batch.window_start_ns)
         if len(batch.names) > self.limits.max_functions:
             raise _Bad(f"{len(batch.names)} functions, more than {self.limits.max_functions}")
-        for i, (layer, name, path) in enumerate(
-            zip(batch.layers, batch.names, batch.callpaths, strict=True)
-        ):
-            try:
-                self._function(layer, name)
-                _int_in("callpath_id", path, 0, _UINT64_MAX)
-            except _Bad as exc:
-                raise _Bad(f"function {i}: {exc}") from None
+        # Every rank sends the same function dictionary window after window: check each
+        # distinct one once (bounded, like the window engine's cache of them).
+        dictionary = (tuple(batch.layers), tuple(batch.names), tuple(batch.callpaths))
+        if dictionary not in self._dictionaries_ok:
+            for i, (layer, name, path) in enumerate(zip(*dictionary, strict=True)):
+                try:
+                    self._function(layer, name)
+                    _int_in("callpath_id", path, 0, _UINT64_MAX)
+                except _Bad as exc:
+                    raise _Bad(f"function {i}: {exc}") from None
+            if len(self._dictionaries_ok) >= _MAX_DICTIONARIES:
+                self._dictionaries_ok.clear()
+            self._dictionaries_ok.add(dictionary)
         if not len(batch):
             return
         rank_bound, why = self._rank_bound(batch.job_id, declared)
@@ -432,6 +484,23 @@ class Validator:
             except _Bad as exc:
                 raise _Bad(f"workers[{i}]: {exc}") from None
         return world
+
+
+# Function dictionaries of summary batches remembered as valid (cleared when full).
+_MAX_DICTIONARIES = 4096
+_SUMMARY_DTYPES = {**SUMMARY_COLUMNS, **SUMMARY_SKETCH_COLUMNS}
+_Columnar = SpanBatch | SummaryBatch
+
+
+def _ranks_below(rank: np.ndarray, batches: list[tuple[_Columnar, int]]) -> bool:
+    """Every rank >= 0 and below its batch's bound (the job's world size, or the limit)."""
+    if rank.min() < 0:
+        return False
+    bounds = {bound for _, bound in batches}
+    if len(bounds) == 1:
+        return bool(rank.max() < bounds.pop())
+    limit = np.repeat([bound for _, bound in batches], [len(b) for b, _ in batches])
+    return bool((rank < limit).all())
 
 
 def _int_in(name: str, value: int, lo: int, hi: int) -> None:

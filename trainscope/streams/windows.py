@@ -590,7 +590,7 @@ class WindowEngine:
         if not parts:
             return WindowView("", 0, 1).summaries
         group = np.concatenate([p.group for p in parts]) if len(parts) > 1 else parts[0].group
-        if len(group) > 1 and len(np.unique(group)) < len(group):
+        if len(group) > 1 and _has_repeats(group):
             # Some (rank, function) arrived more than once: merge them (spans come in several
             # batches per window; a producer may send a window twice). merge_partials merges in
             # an order fixed by the values, so the result does not depend on arrival order.
@@ -639,6 +639,13 @@ class WindowEngine:
             job.fn_order = np.empty(n, dtype=np.int64)
             job.fn_order[keys] = np.arange(n)
         return job.fn_order
+
+
+def _has_repeats(keys: np.ndarray) -> bool:
+    # A sort and a comparison of neighbours: numpy 2's hash-based unique took 10x longer on
+    # a window of 0.5 M keys.
+    ordered = np.sort(keys)
+    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 def _gather(chunks: list[np.ndarray], order: np.ndarray | None) -> np.ndarray:
