@@ -163,6 +163,37 @@ def schemas_export(directory: Path) -> None:
         click.echo(str(path))
 
 
+@cli.group()
+def store() -> None:
+    """The store's tables."""
+
+
+@store.command("migrate")
+@click.argument("directory", required=False, type=click.Path(path_type=Path))
+@click.option("--url", help="ClickHouse server URL instead of a store directory.")
+def store_migrate(directory: Path | None, url: str | None) -> None:
+    """Rewrite a store's pipeline tables in this trainscope's table layout.
+
+    A store written by an older trainscope (times only as Int64 nanoseconds) is refused by
+    the pipeline and the demo until it is migrated. Each table is copied into the new layout
+    and swapped in; stop writers to the store first. A store already in this layout is left
+    as it is.
+    """
+    from trainscope.schemas.ddl import LAYOUT_VERSION
+    from trainscope.sinks.store_layout import migrate
+    from trainscope.store import StoreError, connect
+
+    if (directory is None) == (url is None):
+        raise click.UsageError("give either a store DIRECTORY or --url URL")
+    try:
+        moved = migrate(connect(directory, url, create=False))
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+    for table, rows in moved.items():
+        click.echo(f"{table}: {rows} row(s) rewritten")
+    click.echo(f"store is in table layout {LAYOUT_VERSION}")
+
+
 @cli.command("detectors")
 def detectors_list() -> None:
     """List the detectors registered under the trainscope.detectors entry points."""

@@ -54,6 +54,9 @@ def resolve_layout(
 @click.option("--store", type=click.Path(path_type=Path),
               help="chDB store directory. Default: under the user's data directory.")
 @click.option("--no-store", is_flag=True, help="Do not write to ClickHouse.")
+@click.option("--retention-days", type=click.IntRange(min=0), default=None,
+              help="Keep the store's time series rows this many days after their time (whole "
+                   "days are dropped); 0 keeps them forever. Default: leave the store's setting.")
 @click.option("--bus", "bus_url", default="memory", show_default=True,
               help="memory, or kafka://HOST:PORT for a real broker.")
 @click.option("--window-s", type=click.FloatRange(min=0.1), default=15.0, show_default=True)
@@ -69,7 +72,7 @@ def resolve_layout(
 def demo(
     ranks: int | None, dp: int | None, pp: int | None, tp: int | None, steps: int,
     faults: tuple[str, ...], seed: int, start_s: int | None, job_id: str, store: Path | None,
-    no_store: bool,
+    no_store: bool, retention_days: int | None,
     bus_url: str, window_s: float, threshold: float, as_json: bool, spans: bool,
     optrace: Path | None,
 ) -> None:
@@ -98,7 +101,7 @@ def demo(
     if not no_store:
         store = store or default_store_dir()
         try:
-            sink = ClickHouseSink.open(store)
+            sink = ClickHouseSink.open(store, retention_days=retention_days)
         except StoreError as exc:
             raise click.ClickException(str(exc)) from None
 
@@ -197,6 +200,9 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
 @click.option("--bus", "bus_url", required=True, help="kafka://HOST:PORT of the broker.")
 @click.option("--store", type=click.Path(path_type=Path), help="chDB store directory.")
 @click.option("--url", help="ClickHouse server URL instead of a store.")
+@click.option("--retention-days", type=click.IntRange(min=0), default=None,
+              help="Keep the store's time series rows this many days after their time (whole "
+                   "days are dropped); 0 keeps them forever. Default: leave the store's setting.")
 @click.option("--group", default="trainscope-pipeline", show_default=True)
 @click.option("--window-s", type=click.FloatRange(min=0.1), default=15.0, show_default=True)
 @click.option("--lateness-s", type=click.FloatRange(min=0), default=5.0, show_default=True)
@@ -237,7 +243,8 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
               help="Serve the pipeline's counters at http://BIND:PORT/metrics (Prometheus).")
 @click.option("--metrics-bind", default="127.0.0.1", show_default=True,
               help="Address the /metrics server binds to.")
-def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, window_s: float,
+def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: int | None,
+             group: str, window_s: float,
              lateness_s: float, commit_interval_s: float, close_idle_s: float,
              source_idle_s: float, stop_timeout_s: float, idle_exit_s: float | None,
              stats_every_s: float | None, max_jobs: int, drain_on_stop: bool,
@@ -279,7 +286,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str, wind
         except ValueError as exc:
             raise click.ClickException(f"--alertmanager: {exc}") from None
     try:
-        sink = ClickHouseSink.open(store, url)
+        sink = ClickHouseSink.open(store, url, retention_days=retention_days)
         bus = open_bus(bus_url)
     except (StoreError, BusError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
