@@ -21,7 +21,7 @@ from trainscope._secrets import redact_url
 from trainscope.schemas.ddl import TABLES, all_ddl
 from trainscope.schemas.records import SCHEMA_VERSION, Finding, Topology
 from trainscope.schemas.window import WindowView
-from trainscope.sinks.store_layout import check_layout, layout_version, record_layout, set_retention
+from trainscope.sinks.store_layout import check_layout, record_layout, set_retention
 from trainscope.store import (  # noqa: F401  moved; kept for code written against the old place
     StoreError,
     _first_line,
@@ -55,8 +55,7 @@ class ClickHouseSink:
         tables are kept (0: forever); ``None`` leaves the store's setting as it is."""
         self.client = client
         self.stats = SinkStats()
-        check_layout(client, where)
-        new_store = layout_version(client) is None
+        new_store = check_layout(client, where) is None
         for ddl in all_ddl():
             self._command(ddl)
         if new_store:

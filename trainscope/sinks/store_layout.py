@@ -70,11 +70,12 @@ def layout_version(client: Any) -> int | None:
     return 1 if existing & set(LAYOUT_TABLES) else None
 
 
-def check_layout(client: Any, where: str) -> None:
-    """``StoreError`` naming the store and the way out if its layout is not this one."""
+def check_layout(client: Any, where: str) -> int | None:
+    """The store's layout (see :func:`layout_version`); ``StoreError`` naming the store and
+    the way out if it is another than this one."""
     version = layout_version(client)
     if version is None or version == LAYOUT_VERSION:
-        return
+        return version
     if version > LAYOUT_VERSION:
         raise StoreError(
             f"store {where} has table layout {version}, newer than this trainscope's "
