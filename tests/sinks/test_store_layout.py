@@ -82,7 +82,9 @@ client.insert("findings",
               column_names=["v", "job_id", "window_start_ns", "window_end_ns", "detector",
                             "rank", "ranks", "victims", "pp_stage", "layer", "function",
                             "category", "score", "evidence", "message"])
-client.insert("dead_letters", [[t0 + 86_400 * 10**9, "spans", 0, 7, "bad", "00"]],
+# Over 100 days: more day partitions than one insert block may make by default.
+client.insert("dead_letters", [[t0 + day * 86_400 * 10**9, "spans", 0, day, "bad", "00"]
+                               for day in range(150)],
               column_names=["received_ns", "topic", "partition", "offset", "error", "payload"])
 """
 
@@ -150,6 +152,7 @@ def test_migrate_keeps_every_row_and_gives_the_new_layout(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     assert "step_records: 24 row(s) rewritten" in done.stdout
     assert "findings: 1 row(s) rewritten" in done.stdout
+    assert "dead_letters: 150 row(s) rewritten" in done.stdout
 
     after = read(store)
     assert after["layout"] == 2

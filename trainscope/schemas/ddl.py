@@ -9,7 +9,7 @@ Layout (``LAYOUT_VERSION`` 2): every ``*_ns`` time keeps its ``Int64`` of nanose
 the code and the wire format use, and gets a ``DateTime64(9, 'UTC')`` twin without the suffix
 (``window_start``, ``start``, ``ts``, ``received``) for Grafana's time macros and
 ``toStartOfMinute``. The twins are ``ALIAS`` columns: computed when read, so they cost no bytes
-(a ``MATERIALIZED`` copy made metric_samples 40% bigger), are left out of ``SELECT *`` (rows
+(stored as ``MATERIALIZED``, one made metric_samples 40% bigger), are left out of ``SELECT *`` (rows
 still map onto the structs), and a filter on them still prunes the day partitions, whose key
 is the same expression. Repeated strings are ``LowCardinality``; time series tables are
 partitioned by day (a retention TTL drops whole days, see :func:`ttl_clause`); time and value

@@ -129,9 +129,10 @@ def migrate(client: Any) -> dict[str, int]:
         have = set(_stored_columns(client, table))
         columns = ", ".join(f"`{c}`" for c in wanted if c in have)
         # Whole old table in one statement; the engine streams it block by block. Without
-        # deduplication: two equal blocks of the copy are both rows of the old table.
+        # deduplication (two equal blocks of the copy are both rows of the old table) and
+        # without the limit of 100 day partitions per block (the old table has no days).
         _command(client, f"INSERT INTO `{staging}` ({columns}) SELECT {columns} FROM `{table}`",
-                 settings={"insert_deduplicate": 0})
+                 settings={"insert_deduplicate": 0, "max_partitions_per_insert_block": 0})
         moved[table] = int(_query(client, f"SELECT count() FROM `{staging}`")[0][0])
         _command(client, f"EXCHANGE TABLES `{staging}` AND `{table}`")
         _command(client, f"DROP TABLE `{staging}`")
