@@ -96,7 +96,9 @@ def sql(query: str, store: Path | None, create: bool, url: str | None, fmt: str)
 
     Tables: function_summaries, step_records, metric_samples, findings, topologies,
     dead_letters, call_paths (after replay kineto --store), and op_traces, whatif_results
-    after a what-if run. Queries run with
+    after a what-if run. Each time is an Int64 of nanoseconds (start_ns, window_start_ns,
+    ts_ns) and a DateTime64 of the same name without _ns (start, window_start, ts), e.g.
+    toStartOfMinute(start). Queries run with
     ClickHouse's readonly=1: no writes, no DDL, no setting changes, no table functions that
     read files, URLs or other servers. A store that a running pipeline owns cannot be opened
     by another process: query it through a ClickHouse server with --url.
@@ -185,6 +187,8 @@ def store_migrate(directory: Path | None, url: str | None) -> None:
 
     if (directory is None) == (url is None):
         raise click.UsageError("give either a store DIRECTORY or --url URL")
+    if directory is not None and not directory.exists():
+        raise click.ClickException(f"no store at {directory}: check the path")
     try:
         moved = migrate(connect(directory, url, create=False))
     except StoreError as exc:
