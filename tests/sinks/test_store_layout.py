@@ -200,3 +200,11 @@ def test_retention_drops_days_older_than_it(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"left": [1], "ttl": True}
+
+
+def test_migrate_names_a_missing_store_and_creates_none(tmp_path) -> None:
+    missing = tmp_path / "no-store"
+    done = run("-m", "trainscope.cli", "store", "migrate", str(missing))
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [f"Error: no store at {missing}: check the path"]
+    assert not missing.exists()
