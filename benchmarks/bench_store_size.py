@@ -60,11 +60,13 @@ def main() -> None:
                 "--dp", str(ranks // 4), "--pp", "2", "--tp", "2", "--steps", str(steps),
                 "--fault", "slow-gpu:rank=5,factor=1.4", "--start-s", str(START_S),
                 "--store", str(store), "--json"]
-        done = subprocess.run(demo, capture_output=True, text=True, check=False)
+        # From the temporary directory: ``python -m`` puts the working directory first on the
+        # path, which would pick a checkout there over the one PYTHONPATH names.
+        done = subprocess.run(demo, capture_output=True, text=True, check=False, cwd=tmp)
         if done.returncode != 0:
             sys.exit(f"Error: demo failed: {done.stderr.strip().splitlines()[-1:]}")
         done = subprocess.run([sys.executable, "-c", MEASURE, str(store)],
-                              capture_output=True, text=True, check=False)
+                              capture_output=True, text=True, check=False, cwd=tmp)
         if done.returncode != 0:
             sys.exit(f"Error: measuring the store failed: {done.stderr.strip()[-500:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
