@@ -208,3 +208,32 @@ def test_migrate_names_a_missing_store_and_creates_none(tmp_path) -> None:
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [f"Error: no store at {missing}: check the path"]
     assert not missing.exists()
+
+
+RESEND = r"""
+import json, sys
+import pandas as pd
+from trainscope.sinks.clickhouse import ClickHouseSink
+sink = ClickHouseSink.open(sys.argv[1])
+midnight_ns = int(sys.argv[2])
+# One batch across midnight: the engine splits it into one part per day.
+steps = pd.DataFrame({"v": 1, "job_id": "j", "rank": 0, "step": range(6),
+                      "start_ns": [midnight_ns + (s - 3) * 10**9 for s in range(6)],
+                      "duration_ns": 10**9, "samples": 0, "tokens": 0, "seq_len_mean": 0.0,
+                      "seq_len_max": 0})
+for _ in range(2):
+    sink._insert("step_records", steps)
+rows = sink.client.query("SELECT toString(toDate(start)), count() FROM step_records "
+                         "GROUP BY 1 ORDER BY 1").result_rows
+parts = sink.client.query("SELECT count() FROM system.parts WHERE active "
+                          "AND table = 'step_records'").result_rows[0][0]
+print(json.dumps({"rows": rows, "parts": parts}))
+"""
+
+
+def test_a_batch_across_midnight_sent_twice_is_stored_once(tmp_path) -> None:
+    midnight_ns = T0_NS + 86_400 * 10**9
+    done = run("-c", RESEND, str(tmp_path / "store"), str(midnight_ns))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"rows": [["2026-01-01", 3], ["2026-01-02", 3]], "parts": 2}
