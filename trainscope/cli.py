@@ -106,7 +106,9 @@ def sql(query: str, store: Path | None, create: bool, url: str | None, fmt: str)
 
     Tables: function_summaries, step_records, metric_samples, findings, topologies,
     dead_letters, call_paths (after replay kineto --store), and op_traces, whatif_results
-    after a what-if run. Queries run with
+    after a what-if run. Each time is an Int64 of nanoseconds (start_ns, window_start_ns,
+    ts_ns) and a DateTime64 of the same name without _ns (start, window_start, ts), e.g.
+    toStartOfMinute(start). Queries run with
     ClickHouse's readonly=1: no writes, no DDL, no setting changes, no table functions that
     read files, URLs or other servers. A store that a running pipeline owns cannot be opened
     by another process: query it through a ClickHouse server with --url.
@@ -174,6 +176,39 @@ def schemas_export(directory: Path) -> None:
         raise click.ClickException(f"cannot write schemas to {directory}: {exc}") from None
     for path in written:
         click.echo(str(path))
+
+
+@cli.group()
+def store() -> None:
+    """The store's tables."""
+
+
+@store.command("migrate")
+@click.argument("directory", required=False, type=click.Path(path_type=Path))
+@click.option("--url", help="ClickHouse server URL instead of a store directory.")
+def store_migrate(directory: Path | None, url: str | None) -> None:
+    """Rewrite a store's pipeline tables in this trainscope's table layout.
+
+    A store written by an older trainscope (times only as Int64 nanoseconds) is refused by
+    the pipeline and the demo until it is migrated. Each table is copied into the new layout
+    and swapped in; stop writers to the store first. A store already in this layout is left
+    as it is.
+    """
+    from trainscope.schemas.ddl import LAYOUT_VERSION
+    from trainscope.sinks.store_layout import migrate
+    from trainscope.store import StoreError, connect
+
+    if (directory is None) == (url is None):
+        raise click.UsageError("give either a store DIRECTORY or --url URL")
+    if directory is not None and not directory.exists():
+        raise click.ClickException(f"no store at {directory}: check the path")
+    try:
+        moved = migrate(connect(directory, url, create=False))
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+    for table, rows in moved.items():
+        click.echo(f"{table}: {rows} row(s) rewritten")
+    click.echo(f"store is in table layout {LAYOUT_VERSION}")
 
 
 @cli.command("detectors")

@@ -81,6 +81,9 @@ DETECTORS_HELP = ("Run only these detectors (comma-separated names, as `trainsco
               help="chDB store directory. Default: $TRAINSCOPE_STORE_DIR, else under the "
                    "user's data directory.")
 @click.option("--no-store", is_flag=True, help="Do not write to ClickHouse.")
+@click.option("--retention-days", type=click.IntRange(min=0), default=None,
+              help="Keep the store's time series rows this many days after their time (whole "
+                   "days are dropped); 0 keeps them forever. Default: leave the store's setting.")
 @click.option("--bus", "bus_url", default="memory", show_default=True,
               help="memory, or kafka://HOST:PORT for a real broker.")
 @click.option("--window-s", type=click.FloatRange(min=0.1), default=None, help=WINDOW_HELP)
@@ -97,7 +100,7 @@ DETECTORS_HELP = ("Run only these detectors (comma-separated names, as `trainsco
 def demo(
     ranks: int | None, dp: int | None, pp: int | None, tp: int | None, steps: int,
     faults: tuple[str, ...], seed: int, start_s: int | None, job_id: str, store: Path | None,
-    no_store: bool,
+    no_store: bool, retention_days: int | None,
     bus_url: str, window_s: float | None, threshold: float, as_json: bool, spans: bool,
     optrace: Path | None, detector_names: str | None,
 ) -> None:
@@ -130,7 +133,7 @@ def demo(
     if not no_store:
         store = store or settings.store_dir
         try:
-            sink = ClickHouseSink.open(store, settings=settings)
+            sink = ClickHouseSink.open(store, settings=settings, retention_days=retention_days)
         except StoreError as exc:
             raise click.ClickException(str(exc)) from None
 
@@ -232,6 +235,9 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
                    "user's data directory.")
 @click.option("--url", help="ClickHouse server URL instead of a store. Default: "
                             "$TRAINSCOPE_CLICKHOUSE_URL.")
+@click.option("--retention-days", type=click.IntRange(min=0), default=None,
+              help="Keep the store's time series rows this many days after their time (whole "
+                   "days are dropped); 0 keeps them forever. Default: leave the store's setting.")
 @click.option("--group", default="trainscope-pipeline", show_default=True)
 @click.option("--window-s", type=click.FloatRange(min=0.1), default=None, help=WINDOW_HELP)
 @click.option("--lateness-s", type=click.FloatRange(min=0), default=5.0, show_default=True)
@@ -273,8 +279,8 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
 @click.option("--metrics-bind", default="127.0.0.1", show_default=True,
               help="Address the /metrics server binds to.")
 @click.option("--detectors", "detector_names", metavar="NAME[,NAME…]", help=DETECTORS_HELP)
-def pipeline(bus_url: str, store: Path | None, url: str | None, group: str,
-             window_s: float | None,
+def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: int | None,
+             group: str, window_s: float | None,
              lateness_s: float, commit_interval_s: float, close_idle_s: float,
              source_idle_s: float, stop_timeout_s: float, idle_exit_s: float | None,
              stats_every_s: float | None, max_jobs: int, drain_on_stop: bool,
@@ -324,7 +330,8 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, group: str,
         except ValueError as exc:
             raise click.ClickException(f"--alertmanager: {exc}") from None
     try:
-        sink = ClickHouseSink.open(store, url, settings=settings)
+        sink = ClickHouseSink.open(store, url, settings=settings,
+                                   retention_days=retention_days)
         bus = open_bus(bus_url)
     except (StoreError, BusError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -33,9 +33,16 @@ print(json.dumps(out))
 
 
 def expand(sql: str, job: str, function: str) -> str:
-    """As Grafana and the plugin would, for the hour around the demo job."""
-    for macro, seconds in (("$__fromTime_ms", START_S - 3600), ("$__toTime_ms", START_S + 3600)):
-        sql = sql.replace(macro, f"fromUnixTimestamp64Milli(toInt64({seconds * 1000}))")
+    """As Grafana and the plugin would, for the hour around the demo job (at a 15 s
+    interval)."""
+    from_ms, to_ms = (START_S - 3600) * 1000, (START_S + 3600) * 1000
+    sql = re.sub(r"\$__timeFilter_ms\((\w+)\)", lambda m: (
+        f"{m[1]} >= fromUnixTimestamp64Milli({from_ms}) AND "
+        f"{m[1]} <= fromUnixTimestamp64Milli({to_ms})"), sql)
+    sql = re.sub(r"\$__timeInterval\((\w+)\)",
+                 lambda m: f"toStartOfInterval(toDateTime({m[1]}), INTERVAL 15 second)", sql)
+    for macro, ms in (("$__fromTime_ms", from_ms), ("$__toTime_ms", to_ms)):
+        sql = sql.replace(macro, f"fromUnixTimestamp64Milli(toInt64({ms}))")
     sql = sql.replace("${job}", job).replace("$job", job)
     sql = sql.replace("${function}", function).replace("$function", function)
     assert "$" not in sql, f"unexpanded macro or variable in: {sql}"

@@ -17,10 +17,12 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 
+from trainscope._secrets import redact_url
 from trainscope.schemas.ddl import TABLES, all_ddl
 from trainscope.schemas.records import SCHEMA_VERSION, Finding, Topology
 from trainscope.schemas.window import WindowView
 from trainscope.settings import Settings
+from trainscope.sinks.store_layout import check_layout, record_layout, set_retention
 from trainscope.store import (  # noqa: F401  moved; kept for code written against the old place
     StoreError,
     _first_line,
@@ -47,18 +49,30 @@ class SinkStats:
 
 
 class ClickHouseSink:
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, *, where: str = "at hand",
+                 retention_days: int | None = None) -> None:
+        """Creates the tables, or checks that the store's are in this layout (``where`` names
+        the store in that error). ``retention_days`` sets how long rows of the time series
+        tables are kept (0: forever); ``None`` leaves the store's setting as it is."""
         self.client = client
         self.stats = SinkStats()
+        new_store = check_layout(client, where) is None
         for ddl in all_ddl():
             self._command(ddl)
+        if new_store:
+            record_layout(client)
+        if retention_days is not None:
+            set_retention(client, retention_days)
 
     @classmethod
     def open(
         cls, store: Path | str | None = None, url: str | None = None,
-        settings: Settings | None = None,
+        settings: Settings | None = None, *, retention_days: int | None = None,
     ) -> ClickHouseSink:
-        return cls(connect(store, url, settings=settings))
+        client = connect(store, url, settings=settings)
+        default_dir = settings.store_dir if settings is not None else default_store_dir()
+        where = redact_url(url) if url else str(Path(store or default_dir).resolve())
+        return cls(client, where=where, retention_days=retention_days)
 
     def _command(self, sql: str) -> None:
         try:
