@@ -140,6 +140,10 @@ def test_a_bus_or_store_that_fails_never_raises_into_the_stream_job() -> None:
     loop.on_profile(tree(1, ids[0], EXTRA))
     loop.on_profile(tree(0, ids[1], COMMON))
     assert loop.counts.write_errors == 1 and loop.results[0].path[-1] == "sleep"
+    # Nor does a policy that raises.
+    broken = ProfilePolicy(clock=clock)
+    broken.decide = refuse  # type: ignore[method-assign]
+    AutoProfiler(bus.publish, refuse, policy=broken).on_window(_view(), [_finding()])
 
 
 def test_equal_trees_give_a_row_without_a_path() -> None:

@@ -103,9 +103,12 @@ class AutoProfiler:
     # -- after every closed window ----------------------------------------------------------
 
     def on_window(self, view: WindowView, findings: list[Finding]) -> None:
-        self._expire()
-        for plan in self.policy.decide(view, findings, self.pending):
-            self._ask(view.job_id, plan)
+        try:
+            self._expire()
+            for plan in self.policy.decide(view, findings, self.pending):
+                self._ask(view.job_id, plan)
+        except Exception:  # the loop is an extra: the stream job goes on without it
+            log.exception("auto-profile: deciding on a window of job %s raised", view.job_id)
 
     def _ask(self, job_id: str, plan: ProfilePlan) -> None:
         base = uuid.uuid4().hex[:12]
@@ -149,6 +152,13 @@ class AutoProfiler:
     # -- when a rank's profile arrives ---------------------------------------------------------
 
     def on_profile(self, parts: list[ProfileCallPaths]) -> None:
+        try:
+            self._on_profile(parts)
+        except Exception:
+            log.exception("auto-profile: a profile of job %s rank %d raised",
+                          parts[0].job_id, parts[0].rank)
+
+    def _on_profile(self, parts: list[ProfileCallPaths]) -> None:
         request_id = parts[0].request_id
         awaited = self._awaited.get(request_id)
         if awaited is None:
