@@ -6,8 +6,9 @@ whichever comes first. Only one session runs per process. Stopping hands the raw
 sender thread, which walks the event tree and condenses it per function:
 
 - ``python`` (Python frames), ``user_annotation`` (``record_function`` blocks), ``torch_op``
-  (ATen ops), ``cuda_kernel``, ``cuda_api`` (runtime calls such as cudaLaunchKernel) and
-  ``memcpy``/memset;
+  (ATen ops), ``cuda_kernel``, ``cuda_api`` (runtime calls such as cudaLaunchKernel),
+  ``memcpy``/memset, and ``collective`` for the ops and kernels of collectives (``c10d::``,
+  ``gloo:``, NCCL), as the trace ingestion names them;
 - ``callpath_id`` identifies the chain Python frame → op → kernel that led to the event: it is a
   hash of the parent's call-path id, the layer and the name, so a kernel's id is derived from
   the op that launched it, and that op's from the Python frame that called it. The table
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainscope.schemas.callpath import (  # moved; kept for code written against the old place
     callpath_id,
+    collective_or,
     normalise_name,
 )
 from trainscope.schemas.records import ControlMessage, ProfileCallPaths, SummaryBatch
@@ -344,8 +346,10 @@ def _flatten(roots: list[Any]) -> tuple[list[HostEvent], list[DeviceEvent]]:
         start = int(event.start_time_ns)
         duration = max(0, int(event.duration_time_ns))
         name = normalise_name(event.name)
+        on_device = layer in _DEVICE_LAYERS
+        layer = collective_or(layer, name)  # as the trace ingestion has it
         correlation = int(getattr(event, "correlation_id", 0) or 0)
-        if layer in _DEVICE_LAYERS:
+        if on_device:
             device.append((start, duration, layer, name, correlation))
         else:
             host.append((int(event.start_tid), start, duration, layer, name, correlation))
