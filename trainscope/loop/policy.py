@@ -21,10 +21,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from trainscope.detectors.base import ALERT_THRESHOLD
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 DEFAULT_EVERY_S = 600.0
 DEFAULT_MAX_PENDING = 4
@@ -101,7 +105,7 @@ class ProfilePolicy:
 
 
 def _peer(suspect: int, ranks: list[int], named: set[int], suspects: set[int],
-          layout) -> int | None:  # type: ignore[no-untyped-def]
+          layout: pd.DataFrame) -> int | None:
     others = [r for r in ranks if r != suspect]
     healthy = [r for r in others if r not in named] or [r for r in others if r not in suspects]
     if not healthy:

@@ -9,7 +9,10 @@ import msgspec
 import pandas as pd
 
 from trainscope.schemas.records import SCHEMA_VERSION, StepRecord, SummaryBatch
-from trainscope.sinks.clickhouse import CALL_PATH_COLUMNS, ClickHouseSink  # noqa: F401
+from trainscope.sinks.clickhouse import (  # noqa: F401  CALL_PATH_COLUMNS moved; kept here
+    CALL_PATH_COLUMNS,
+    ClickHouseSink,
+)
 
 
 def write_summaries(sink: ClickHouseSink, batches: Sequence[SummaryBatch]) -> None:
