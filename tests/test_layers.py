@@ -71,6 +71,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "producers.replay": ("trainscope.producers.replay", "trainscope.producers.replay.*"),
     "producers.simulate": ("trainscope.producers.simulate", "trainscope.producers.simulate.*"),
     "producers.torch": ("trainscope.producers.torch", "trainscope.producers.torch.*"),
+    # The closed loop: which findings get an on-demand profile (policy), asking for it and
+    # diffing the profiles that come back (autoprofile). Beside the engine, composed on top.
+    "loop": ("trainscope.loop", "trainscope.loop.*"),
     # The window engine and the stream jobs built on it.
     "engine": (
         "trainscope.streams.windows",
@@ -163,6 +166,11 @@ ALLOWED: dict[str, dict[str, str]] = {
         "env": ENV,
         "transport": PUBLISH,
     },
+    "loop": {
+        "schemas": "findings and windows in, control messages and call-path records out",
+        "detectors": "a finding triggers a profile at the detectors' alert threshold",
+        "traces": "the suspect's and the peer's call-path trees are diffed by the trace diff",
+    },
     "engine": {
         "schemas": "the engine turns records into WindowViews",
         "env": ENV,
@@ -177,6 +185,7 @@ PUBLIC: dict[tuple[str, str], frozenset[str]] = {
     ("engine", "detectors"): frozenset(
         {"trainscope.detectors.base", "trainscope.detectors.registry"}
     ),
+    ("loop", "detectors"): frozenset({"trainscope.detectors.base"}),
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -278,6 +279,19 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
               help="Serve the pipeline's counters at http://BIND:PORT/metrics (Prometheus).")
 @click.option("--metrics-bind", default="127.0.0.1", show_default=True,
               help="Address the /metrics server binds to.")
+@click.option("--auto-profile/--no-auto-profile", default=True, show_default=True,
+              help="On a finding at or above the alert threshold that names a rank, ask that "
+                   "rank and one healthy peer (over the control topic) to profile themselves, "
+                   "diff their call paths and store the result with the finding "
+                   "(finding_call_paths).")
+@click.option("--auto-profile-steps", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Training steps each automatic profile covers.")
+@click.option("--auto-profile-every-s", type=click.FloatRange(min=0), default=600.0,
+              show_default=True,
+              help="At most one automatic profile per job and suspect rank this often.")
+@click.option("--auto-profile-max-pending", type=click.IntRange(min=1), default=4,
+              show_default=True,
+              help="At most this many automatic profiles awaited at once, over all jobs.")
 @click.option("--detectors", "detector_names", metavar="NAME[,NAME…]", help=DETECTORS_HELP)
 def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: int | None,
              group: str, window_s: float | None,
@@ -286,7 +300,8 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
              stats_every_s: float | None, max_jobs: int, drain_on_stop: bool,
              max_open_bytes: int, alertmanager_url: str | None, alert_resend_s: float,
              dashboard_url: str | None, metrics_port: int | None, metrics_bind: str,
-             detector_names: str | None) -> None:
+             detector_names: str | None, auto_profile: bool, auto_profile_steps: int,
+             auto_profile_every_s: float, auto_profile_max_pending: int) -> None:
     """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job).
 
     At-least-once from the bus, exactly-once in the store: with every commit the open windows,
@@ -336,16 +351,31 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     except (StoreError, BusError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 
+    profiler = None
+    if auto_profile:
+        from trainscope.loop.autoprofile import AutoProfiler
+        from trainscope.loop.policy import ProfilePolicy
+
+        profiler = AutoProfiler(
+            bus.publish, sink.write_finding_call_paths, steps=auto_profile_steps,
+            policy=ProfilePolicy(threshold=ALERT_THRESHOLD, every_s=auto_profile_every_s,
+                                 max_pending=auto_profile_max_pending),
+            announce=click.echo,
+        )
+
     def on_window(view, findings) -> None:
         for f in findings:
             if f.score >= ALERT_THRESHOLD:
                 click.echo(f"ALERT [{f.score:.2f}] {view.job_id}: {f.message}")
         if notifier is not None:
             notifier.on_window(view, findings)
+        if profiler is not None:
+            profiler.on_window(view, findings)
 
     try:
         p = Pipeline(bus, group=group, window_s=window_s, lateness_s=lateness_s, sink=sink,
                      on_window=on_window, commit_interval_s=commit_interval_s,
+                     on_profile=profiler.on_profile if profiler is not None else None,
                      job_idle_s=close_idle_s, source_idle_s=source_idle_s,
                      stats_every_s=stats_every_s, max_jobs=max_jobs,
                      max_open_bytes=max_open_bytes, detectors=detectors,
@@ -381,6 +411,8 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     if notifier is not None:
         notifier.close()
         final["alertmanager"] = notifier.stats().as_dict()
+    if profiler is not None:
+        final["auto_profile"] = {**asdict(profiler.counts), **asdict(profiler.policy.counts)}
     click.echo(json.dumps(final), err=True)
     sys.stderr.flush()
     if not complete:

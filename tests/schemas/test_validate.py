@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import msgspec
 import numpy as np
@@ -241,3 +242,48 @@ def test_summary_columns_checked_together_still_name_the_bad_message(bad: Summar
     errors = v.validate_many([[summaries()], [step(), bad], [summaries(rank=[1, 0])]])
     assert [e is None for e in errors] == [True, False, True]
     assert str(errors[1]).startswith("records[1] (summaries): ") and expected in str(errors[1])
+
+
+def profile_tree(**fields: object):
+    from trainscope.schemas.records import ProfileCallPaths
+
+    return ProfileCallPaths(**({
+        "job_id": "j", "rank": 1, "request_id": "r", "started_ns": T0, "stopped_ns": T0 + 10**9,
+        "steps": 3, "callpaths": [11, 12], "parents": [0, 11], "layers": ["python", "torch_op"],
+        "names": ["main", "aten::mm"], "counts": [3, 6], "total_ns": [100, 60],
+        "self_ns": [40, 60],
+    } | fields))
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"self_ns": [40, 61]}, "call path 1: self_ns=61 not in [0, 60]"),
+    ({"names": ["main", ""]}, "call path 1: name is empty"),
+    ({"callpaths": [0, 12]}, "call path 0: callpath=0"),
+    ({"counts": [-1, 6]}, "call path 0: count=-1"),
+    ({"stopped_ns": T0 - 1}, "session length=-1"),
+    ({"rank": 7}, "rank=7 not in [0, 3]"),
+])
+def test_a_profile_tree_with_an_unusable_value_is_rejected(fields, named) -> None:
+    v = validator()
+    good = Topology(job_id="j", dp_size=4)
+    v.validate([good, profile_tree()])
+    with pytest.raises(InvalidRecord, match=re.escape(named)):
+        v.validate([profile_tree(**fields)])
+
+
+def test_a_profile_tree_whose_columns_disagree_does_not_decode() -> None:
+    tree = msgspec.structs.asdict(profile_tree())
+    tree["parents"] = [0]
+    payload = msgspec.msgpack.encode({"records": [{"type": "profile_callpaths", **tree}]})
+    with pytest.raises(BadMessage, match="one entry per call path"):
+        decode_batch(payload)
+    with pytest.raises(ValueError, match="part 2 not in"):
+        profile_tree(part=2, parts=2)
+
+
+def test_profile_trees_are_weighed_by_their_paths_in_bus_messages() -> None:
+    from trainscope.schemas.summaries import message_chunks
+
+    trees = [profile_tree(), profile_tree(), profile_tree()]
+    assert [len(c) for c in message_chunks(trees, 4)] == [2, 1]
+    assert decode_batch(encode_batch(trees)) == trees

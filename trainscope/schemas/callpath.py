@@ -11,6 +11,11 @@ from __future__ import annotations
 import hashlib
 import re
 
+# Ops, annotations and kernels of collectives: the ``collective`` layer, which detectors and the
+# call-path diff take as waiting time. Shared by the live profiler and the trace ingestion, so
+# both give an event the same layer (and call path).
+_COLLECTIVE_PREFIXES = ("c10d::", "nccl:", "gloo:", "record_param_comms")
+
 _ADDRESS = re.compile(r" (?:object )?at 0x[0-9a-fA-F]+")
 _ID_MASK = (1 << 63) - 1  # ids stay positive in signed 64-bit columns (pandas, ClickHouse)
 
@@ -23,3 +28,12 @@ def callpath_id(parent: int, layer: str, name: str) -> int:
 def normalise_name(name: str) -> str:
     """Drop object addresses (``<built-in method sum of Tensor object at 0x7f..>``)."""
     return _ADDRESS.sub("", name)
+
+
+def collective_or(layer: str, name: str) -> str:
+    """``collective`` for the op, annotation or kernel of a collective, else ``layer``."""
+    if layer in ("torch_op", "user_annotation") and name.startswith(_COLLECTIVE_PREFIXES):
+        return "collective"
+    if layer == "cuda_kernel" and name.lower().startswith("nccl"):
+        return "collective"
+    return layer

@@ -28,8 +28,10 @@ import msgspec
 from trainscope.schemas.records import (
     ControlMessage,
     Finding,
+    FindingCallPath,
     FunctionSummary,
     MetricSample,
+    ProfileCallPaths,
     SpanBatch,
     SpanEvent,
     StepRecord,
@@ -172,6 +174,17 @@ TABLES: dict[str, Table] = {
             extra=WINDOW_TIMES,
             time_column="window_start_ns",
         ),
+        # The call path that explains a finding, from the stream job's automatic profile of the
+        # suspect and a peer (trainscope pipeline --auto-profile). A table beside findings,
+        # not columns of it: a finding is written with its window; its profile arrives later.
+        Table(
+            name="finding_call_paths",
+            struct=FindingCallPath,
+            order_by=("job_id", "window_start_ns", "detector", "rank", "category"),
+            types={"callpath_id": "UInt64", "job_id": LC, "detector": LC, "category": LC},
+            extra=WINDOW_TIMES,
+            time_column="window_start_ns",
+        ),
         Table(
             name="topologies",
             struct=Topology,
@@ -190,8 +203,11 @@ TABLES: dict[str, Table] = {
 }
 
 # Records that travel on the bus but are not stored as such: spans and summary batches become
-# rows of function_summaries once windowed; control messages are addressed to producers.
-BUS_ONLY: tuple[type[msgspec.Struct], ...] = (SpanEvent, SpanBatch, SummaryBatch, ControlMessage)
+# rows of function_summaries once windowed; control messages are addressed to producers; the
+# call-path trees of on-demand profiles become rows of call_paths.
+BUS_ONLY: tuple[type[msgspec.Struct], ...] = (
+    SpanEvent, SpanBatch, SummaryBatch, ControlMessage, ProfileCallPaths,
+)
 
 DEAD_LETTERS_DDL = f"""CREATE TABLE IF NOT EXISTS dead_letters (
     `received_ns` Int64,
@@ -224,7 +240,8 @@ ORDER BY (`group`)"""
 #   SELECT rank, sum(total_ns) FROM call_paths WHERE has(path, 'extra_work') AND
 #   name = 'extra_work' GROUP BY rank
 # ``total_ns`` includes what the path's events call; ``self_ns`` takes away their host-side
-# children; ``steps`` is the number of profiler steps that started in the window.
+# children; ``steps`` is the number of profiler steps that started in the window. A live
+# on-demand profile session is one "window": from the session's start to its stop.
 CALL_PATHS_DDL = f"""CREATE TABLE IF NOT EXISTS call_paths (
     `job_id` LowCardinality(String),
     `rank` Int64,

@@ -584,6 +584,90 @@ class ControlMessage(msgspec.Struct, tag="control", kw_only=True, frozen=True):
     issued_ns: int = 0
 
 
+class ProfileCallPaths(msgspec.Struct, tag="profile_callpaths", kw_only=True, frozen=True):
+    """The calling-context tree of one on-demand profile session of one rank, with its times.
+
+    Row ``i`` is one call path: ``callpaths[i]`` its id (the ``callpath_id`` of the session's
+    function summaries), ``parents[i]`` its parent's id (0 at a root), ``layers[i]``/``names[i]``
+    the node, ``counts[i]`` and ``total_ns[i]`` its executions and their time over the whole
+    session (inclusive of what it calls), ``self_ns[i]`` less its host-side children.
+    ``steps`` training steps were profiled between ``started_ns`` and ``stopped_ns``, at the
+    request ``request_id`` (of the :class:`ControlMessage`). A large tree travels in ``parts``
+    records (``part`` = 0 … parts - 1), each small enough for one bus message; a parent may be in
+    another part.
+    """
+
+    v: int = SCHEMA_VERSION
+    job_id: str
+    rank: int
+    request_id: str = ""
+    started_ns: int
+    stopped_ns: int
+    steps: int
+    part: int = 0
+    parts: int = 1
+    callpaths: list[int]
+    parents: list[int]
+    layers: list[str]
+    names: list[str]
+    counts: list[int]
+    total_ns: list[int]
+    self_ns: list[int]
+
+    def __post_init__(self) -> None:
+        n = len(self.callpaths)
+        lengths = {len(getattr(self, c)) for c in
+                   ("parents", "layers", "names", "counts", "total_ns", "self_ns")}
+        if lengths != {n}:
+            raise ValueError(
+                f"callpaths, parents, layers, names, counts, total_ns and self_ns must have one "
+                f"entry per call path ({n}), got lengths {sorted(lengths)}"
+            )
+        if not 0 <= self.part < self.parts:
+            raise ValueError(f"part {self.part} not in [0, parts={self.parts})")
+
+    def __len__(self) -> int:
+        return len(self.callpaths)
+
+
+class FindingCallPath(msgspec.Struct, tag="finding_callpath", kw_only=True, frozen=True):
+    """The call path that explains a finding: what the stream job's automatic profile of the
+    suspect rank and one healthy peer found (the differential calling-context tree).
+
+    The first fields name the finding (as in ``findings``). ``path``/``path_layers`` run from
+    the root to the deepest path that explains the excess, ``path_delta_ns[i]`` is the excess
+    per step of the path's first ``i + 1`` nodes, so the cost of any block on the way, e.g. a
+    ``record_function`` label, is ``path_delta_ns[indexOf(path, 'label') - 1]``.
+    ``suspect_ns``/``peer_ns``/``delta_ns`` are the deepest path's time per step on each rank
+    and their difference (totals over the session where a session does not know its steps;
+    then ``per_step`` is false). An empty ``path`` means the profiles showed no excess.
+    """
+
+    v: int = SCHEMA_VERSION
+    job_id: str
+    window_start_ns: int
+    window_end_ns: int
+    detector: str
+    rank: int
+    category: str
+    function: str = ""
+    score: float
+    peer_rank: int
+    request_id: str
+    profiled_from_ns: int
+    profiled_to_ns: int
+    steps: int
+    per_step: bool
+    callpath_id: int = 0
+    path: list[str] = []
+    path_layers: list[str] = []
+    path_delta_ns: list[float] = []
+    suspect_ns: float = 0.0
+    peer_ns: float = 0.0
+    delta_ns: float = 0.0
+    message: str
+
+
 Record = (
     Topology
     | SpanEvent
@@ -594,6 +678,8 @@ Record = (
     | SummaryBatch
     | Finding
     | ControlMessage
+    | ProfileCallPaths
+    | FindingCallPath
 )
 
 RECORD_TYPES: tuple[type[msgspec.Struct], ...] = (
@@ -606,4 +692,6 @@ RECORD_TYPES: tuple[type[msgspec.Struct], ...] = (
     SummaryBatch,
     Finding,
     ControlMessage,
+    ProfileCallPaths,
+    FindingCallPath,
 )

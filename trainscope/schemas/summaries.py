@@ -17,7 +17,7 @@ import numpy as np
 
 from trainscope.schemas import sketch
 from trainscope.schemas.grouping import reduce_events
-from trainscope.schemas.records import FunctionSummary, SummaryBatch
+from trainscope.schemas.records import FunctionSummary, ProfileCallPaths, SummaryBatch
 
 FunctionKey = tuple[str, str, int]  # layer, name, callpath_id
 # Rows per batch: a batch of this many summaries with typical sketches stays a few hundred KiB,
@@ -94,12 +94,13 @@ def batches_of(
 
 def message_chunks(records: Sequence[Any], max_rows: int) -> list[list[Any]]:
     """Consecutive records grouped into bus messages of at most ``max_rows`` rows, a summary
-    batch weighing its rows (a larger batch travels alone; :func:`summary_batches` bounds it)."""
+    batch (or a profile's call-path part) weighing its rows (a larger one travels alone;
+    :func:`summary_batches` bounds them)."""
     chunks: list[list[Any]] = []
     chunk: list[Any] = []
     rows = 0
     for record in records:
-        weight = len(record) if isinstance(record, SummaryBatch) else 1
+        weight = len(record) if isinstance(record, SummaryBatch | ProfileCallPaths) else 1
         if chunk and rows + weight > max_rows:
             chunks.append(chunk)
             chunk, rows = [], 0

@@ -32,8 +32,10 @@ from trainscope.schemas.records import (
     SUMMARY_SKETCH_COLUMNS,
     ControlMessage,
     Finding,
+    FindingCallPath,
     FunctionSummary,
     MetricSample,
+    ProfileCallPaths,
     Record,
     SpanBatch,
     SpanEvent,
@@ -316,6 +318,11 @@ class Validator:
             _number_in("score", record.score, 0.0, 1.0)
         elif isinstance(record, ControlMessage):
             _int_in("rank", record.rank, -1, self.limits.max_ranks - 1)
+        elif isinstance(record, ProfileCallPaths):
+            self._profile(record, declared)
+        elif isinstance(record, FindingCallPath):
+            self._rank(record.rank, record.job_id, declared)
+            _number_in("score", record.score, 0.0, 1.0)
 
     def _rank_bound(self, job_id: str, declared: dict[str, int]) -> tuple[int, str]:
         world = declared.get(job_id) or self._world_size.get(job_id)
@@ -463,6 +470,31 @@ class Validator:
                        f"{self.limits.max_sketch_buckets}")
         if len(batch.sketch_counts):
             _column_in(batch, "sketch_counts", 0, _INT64_MAX)
+
+    def _profile(self, p: ProfileCallPaths, declared: dict[str, int]) -> None:
+        """A profile session's call-path tree (rare and small: checked row by row)."""
+        lim = self.limits
+        self._rank(p.rank, p.job_id, declared)
+        self._text("request_id", p.request_id, lim.max_id_chars, empty_ok=True)
+        self._time("started_ns", p.started_ns)
+        self._time("stopped_ns", p.stopped_ns)
+        self._duration("session length", p.stopped_ns - p.started_ns)
+        _int_in("steps", p.steps, 0, 2**31 - 1)
+        _int_in("parts", p.parts, 1, lim.max_functions)
+        if len(p) > lim.max_functions:
+            raise _Bad(f"{len(p)} call paths, more than {lim.max_functions}")
+        rows = zip(p.callpaths, p.parents, p.layers, p.names, p.counts, p.total_ns, p.self_ns,
+                   strict=True)
+        for i, (cp, parent, layer, name, count, total, own) in enumerate(rows):
+            try:
+                self._function(layer, name)
+                _int_in("callpath", cp, 1, _UINT64_MAX)
+                _int_in("parent", parent, 0, _UINT64_MAX)
+                _int_in("count", count, 0, _INT64_MAX)
+                _int_in("total_ns", total, 0, _INT64_MAX)
+                _int_in("self_ns", own, 0, total)
+            except _Bad as exc:
+                raise _Bad(f"call path {i}: {exc}") from None
 
     def _topology(self, topology: Topology) -> int:
         world = topology.world_size

@@ -19,7 +19,13 @@ import pyarrow as pa
 
 from trainscope._secrets import redact_url
 from trainscope.schemas.ddl import TABLES, all_ddl
-from trainscope.schemas.records import SCHEMA_VERSION, Finding, Topology
+from trainscope.schemas.records import (
+    SCHEMA_VERSION,
+    Finding,
+    FindingCallPath,
+    ProfileCallPaths,
+    Topology,
+)
 from trainscope.schemas.window import WindowView
 from trainscope.settings import Settings
 from trainscope.sinks.store_layout import check_layout, record_layout, set_retention
@@ -29,6 +35,12 @@ from trainscope.store import (  # noqa: F401  moved; kept for code written again
     check_read_only_sql,
     connect,
     default_store_dir,
+)
+
+# The columns of call_paths in the order of trainscope.traces.cct.call_path_rows.
+CALL_PATH_COLUMNS = (
+    "job_id", "rank", "window_start_ns", "window_end_ns", "callpath_id", "parent_id", "depth",
+    "layer", "name", "path", "path_layers", "count", "total_ns", "self_ns", "steps",
 )
 
 
@@ -122,6 +134,28 @@ class ClickHouseSink:
                 pd.DataFrame({c: [getattr(f, c) for f in findings] for c in columns}),
             )
 
+    def write_call_path_rows(self, rows: Sequence[tuple[object, ...]]) -> None:
+        """Rows of ``call_paths`` (columns ``CALL_PATH_COLUMNS``), in one insert."""
+        if not rows:
+            return
+        try:
+            self.client.insert("call_paths", list(rows), column_names=list(CALL_PATH_COLUMNS))
+        except Exception as exc:
+            self.stats.errors += 1
+            raise StoreError(f"insert into call_paths failed: {_first_line(exc)}") from None
+        self.stats.rows_written += len(rows)
+
+    def write_profile(self, parts: Sequence[ProfileCallPaths]) -> None:
+        """One on-demand profile session's call-path tree (all its parts) into ``call_paths``;
+        the session, from its start to its stop, is the row's window."""
+        self.write_call_path_rows(profile_rows(parts))
+
+    def write_finding_call_paths(self, rows: Sequence[FindingCallPath]) -> None:
+        if rows:
+            columns = TABLES["finding_call_paths"].insert_columns
+            self._insert("finding_call_paths",
+                         pd.DataFrame({c: [getattr(r, c) for r in rows] for c in columns}))
+
     def write_topology(self, topology: Topology) -> None:
         w = topology.workers
         self._insert(
@@ -199,3 +233,30 @@ class ClickHouseSink:
         close = getattr(self.client, "close", None)
         if close is not None:
             close()
+
+
+def profile_rows(parts: Sequence[ProfileCallPaths]) -> list[tuple[object, ...]]:
+    """``call_paths`` rows of one profile session: each path spelled out from its root."""
+    if not parts:
+        return []
+    nodes: dict[int, tuple[int, str, str]] = {}
+    for part in parts:
+        nodes.update(zip(part.callpaths, zip(part.parents, part.layers, part.names, strict=True),
+                         strict=True))
+    first = parts[0]
+    rows: list[tuple[object, ...]] = []
+    for part in parts:
+        for cp, count, total, own in zip(part.callpaths, part.counts, part.total_ns,
+                                         part.self_ns, strict=True):
+            path: list[tuple[str, str]] = []
+            node = cp
+            while node in nodes and len(path) < 10_000:  # a cycle in bad input ends here
+                parent, layer, name = nodes[node]
+                path.append((layer, name))
+                node = parent
+            path.reverse()
+            parent, layer, name = nodes[cp]
+            rows.append((first.job_id, first.rank, first.started_ns, first.stopped_ns, cp, parent,
+                         len(path) - 1, layer, name, [n for _, n in path],
+                         [la for la, _ in path], count, total, own, first.steps))
+    return rows

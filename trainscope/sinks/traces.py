@@ -9,12 +9,9 @@ import msgspec
 import pandas as pd
 
 from trainscope.schemas.records import SCHEMA_VERSION, StepRecord, SummaryBatch
-from trainscope.sinks.clickhouse import ClickHouseSink
-
-# The columns of call_paths in the order of trainscope.traces.cct.call_path_rows.
-CALL_PATH_COLUMNS = (
-    "job_id", "rank", "window_start_ns", "window_end_ns", "callpath_id", "parent_id", "depth",
-    "layer", "name", "path", "path_layers", "count", "total_ns", "self_ns", "steps",
+from trainscope.sinks.clickhouse import (  # noqa: F401  CALL_PATH_COLUMNS moved; kept here
+    CALL_PATH_COLUMNS,
+    ClickHouseSink,
 )
 
 
@@ -31,12 +28,4 @@ def write_steps(sink: ClickHouseSink, steps: Sequence[StepRecord]) -> None:
 
 
 def write_call_paths(sink: ClickHouseSink, rows: Sequence[tuple[object, ...]]) -> None:
-    if not rows:
-        return
-    try:
-        sink.client.insert("call_paths", list(rows), column_names=list(CALL_PATH_COLUMNS))
-    except Exception as exc:
-        from trainscope.store import StoreError, _first_line
-
-        raise StoreError(f"insert into call_paths failed: {_first_line(exc)}") from None
-    sink.stats.rows_written += len(rows)
+    sink.write_call_path_rows(rows)

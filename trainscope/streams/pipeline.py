@@ -35,8 +35,10 @@ from trainscope.schemas.codec import BadMessage, decode_envelope, encode_batch
 from trainscope.schemas.records import (
     ControlMessage,
     Finding,
+    FindingCallPath,
     FunctionSummary,
     MetricSample,
+    ProfileCallPaths,
     Record,
     SpanBatch,
     SpanEvent,
@@ -84,6 +86,7 @@ class PipelineStats:
     checkpoint_skipped: int = 0  # messages re-read after a restart that its checkpoint held
     commit_failures: int = 0
     poll_failures: int = 0
+    profile_parts: int = 0  # call-path trees of on-demand profiles (parts) received
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,6 +107,7 @@ class EmbeddedPipeline:
         sink: Any | None = None,
         sink_retry_s: float | None = 0.0,
         on_window: Callable[[WindowView, list[Finding]], None] | None = None,
+        on_profile: Callable[[list[ProfileCallPaths]], None] | None = None,
         limits: Limits | None = None,
         max_jobs: int = DEFAULT_MAX_JOBS,
         clock: Callable[[], float] = time.monotonic,
@@ -126,6 +130,8 @@ class EmbeddedPipeline:
         self.sink_retry_s = sink_retry_s
         self.job_idle_s = job_idle_s
         self.on_window = on_window
+        self.on_profile = on_profile
+        self._profile_parts = ProfileParts()
         self.findings: list[Finding] = []
         self.windows = 0
         self.offsets = PendingOffsets()
@@ -264,8 +270,11 @@ class EmbeddedPipeline:
         records made the engine raise, so that only their messages are set aside."""
         by_job: dict[str, list[Record]] = {}
         for record in records:
-            if isinstance(record, ControlMessage | Finding):
+            if isinstance(record, ControlMessage | Finding | FindingCallPath):
                 continue  # addressed to producers / produced by another pipeline
+            if isinstance(record, ProfileCallPaths):
+                self._profile(record)
+                continue
             by_job.setdefault(record.job_id, []).append(record)
         self._touch(by_job)
         failed: dict[str, Exception] = {}
@@ -276,6 +285,25 @@ class EmbeddedPipeline:
                 log.exception("window engine raised on job %s", job_id)
                 failed[job_id] = exc
         return failed
+
+    def _profile(self, record: ProfileCallPaths) -> None:
+        """A part of a rank's on-demand profile (its call-path tree). Once every part of the
+        session is here, the tree is stored (``call_paths``) and handed to ``on_profile`` (the
+        automatic profiling loop). Not windowed: the session's summaries travel as ordinary
+        summaries."""
+        self._stats.profile_parts += 1
+        parts = self._profile_parts.add(record)
+        if parts is None:
+            return
+        write = getattr(self.sink, "write_profile", None)
+        if write is not None:
+            self._write(lambda: write(parts))
+        if self.on_profile is not None:
+            try:
+                self.on_profile(parts)
+            except Exception:  # the loop is an extra; the stream goes on without it
+                log.exception("on_profile raised on a profile of job %s rank %d",
+                              record.job_id, record.rank)
 
     def _ingest_job(self, records: list[Record], source: Hashable) -> None:
         spans: list[SpanBatch] = []
@@ -454,6 +482,34 @@ class EmbeddedPipeline:
         self._stats.window.dropped = engine.late_events
         self._stats.replayed_events = engine.replayed
         return self._stats
+
+
+class ProfileParts:
+    """Parts of profile sessions until each session is whole. A producer sends a session's
+    parts together, so few are ever open; beyond ``max_open`` sessions the oldest is dropped
+    (counted in ``dropped``), and a session cut by a restart is not completed."""
+
+    def __init__(self, max_open: int = 64) -> None:
+        self.max_open = max_open
+        self._open: OrderedDict[tuple[str, int, str, int], dict[int, ProfileCallPaths]] = (
+            OrderedDict()
+        )
+        self.dropped = 0
+
+    def add(self, record: ProfileCallPaths) -> list[ProfileCallPaths] | None:
+        """The whole session once ``record`` completes it, else None."""
+        if record.parts == 1:
+            return [record]
+        key = (record.job_id, record.rank, record.request_id, record.started_ns)
+        got = self._open.setdefault(key, {})
+        got[record.part] = record
+        if len(got) == record.parts:
+            del self._open[key]
+            return [got[i] for i in range(record.parts)]
+        while len(self._open) > self.max_open:
+            self._open.popitem(last=False)
+            self.dropped += 1
+        return None
 
 
 def _events_as_batches(records: list[Record]) -> list[Record]:

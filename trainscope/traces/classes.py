@@ -11,6 +11,8 @@ to the ``collective`` layer instead, which the detectors treat as waiting time.
 
 from __future__ import annotations
 
+from trainscope.schemas.callpath import collective_or
+
 # Canonical class names, in the order reports list them.
 CLASSES = (
     "python_function",
@@ -56,9 +58,6 @@ LAUNCH_FLOW_CATEGORIES = frozenset({"ac2g", "async_gpu"})
 # Complete events the profiler writes about itself rather than about the program.
 PROFILER_CATEGORIES = frozenset({"trace", "overhead"})
 
-_COLLECTIVE_PREFIXES = ("c10d::", "nccl:", "gloo:", "record_param_comms")
-
-
 def event_class(category: str) -> str | None:
     """The canonical class of a complete event's category, ``None`` if it is not one."""
     return _SPELLINGS.get(category.lower())
@@ -66,9 +65,4 @@ def event_class(category: str) -> str | None:
 
 def layer_of(event_class_name: str, name: str) -> str:
     """The summary layer of an event of a known class."""
-    layer = CLASS_LAYER[event_class_name]
-    if layer in ("torch_op", "user_annotation") and name.startswith(_COLLECTIVE_PREFIXES):
-        return "collective"
-    if layer == "cuda_kernel" and name.lower().startswith("nccl"):
-        return "collective"
-    return layer
+    return collective_or(CLASS_LAYER[event_class_name], name)

@@ -126,3 +126,71 @@ def test_the_profile_command_rejects_bad_input() -> None:
     assert result.exit_code != 0 and "--steps" in result.output
     with pytest.raises(ValueError):
         profile_request("J", 0, 0)
+
+
+class BlockModel(TinyModel):
+    """Sleeps 5 ms inside a record_function block in every forward."""
+
+    def forward(self, x):
+        import time
+
+        from torch.profiler import record_function
+
+        with record_function("extra_block"):
+            time.sleep(0.005)
+        return super().forward(x)
+
+
+def test_a_profile_publishes_its_call_path_tree_nested_as_a_trace_would_be(
+    attach, memory_bus
+) -> None:
+    from trainscope.producers.torch.profiling import call_path_parts
+    from trainscope.schemas.records import ProfileCallPaths
+    from trainscope.streams.pipeline import ProfileParts
+
+    att = attach(rank=1, world_size=2)
+    model = BlockModel()
+    train(model, steps=1)
+    request_id = _request(memory_bus, "test-job", rank=1, steps=3)
+    assert wait_until(lambda: att.profiler.counts["requested"] == 1, timeout_s=10)
+    train(model, steps=5)
+    assert wait_until(lambda: bool(att.profiler.reports), timeout_s=30)
+    assert wait_until(lambda: att.stats()["records_queued"] == 0, timeout_s=10)
+    report = att.profiler.reports[0]
+    att.detach()
+    records = read_records(memory_bus)
+    (tree,) = by_type(records, ProfileCallPaths)
+    assert (tree.rank, tree.request_id, tree.steps) == (1, request_id, 3)
+    nodes = dict(zip(tree.callpaths, zip(tree.parents, tree.layers, tree.names, strict=True),
+                     strict=True))
+    # Every summary's call path is in the tree, with the same counts over the session.
+    fine = _fine(records)
+    assert {s.callpath_id for s in fine} <= set(nodes)
+    counts = dict(zip(tree.callpaths, tree.counts, strict=True))
+    for cp in {s.callpath_id for s in fine}:
+        assert counts[cp] == sum(s.count for s in fine if s.callpath_id == cp)
+
+    def path(cp: int) -> list[str]:
+        names = []
+        while cp:
+            parent, _, name = nodes[cp]
+            names.append(name)
+            cp = parent
+        return names[::-1]
+
+    # What runs inside the block hangs under it (not beside it, under __enter__), as the
+    # trace's calling-context tree has it.
+    sleeps = [cp for cp, (_, layer, name) in nodes.items()
+              if layer == "python" and name == "<built-in function sleep>"]
+    assert sleeps and all(path(cp)[-2] == "extra_block" for cp in sleeps)
+    (block,) = [cp for cp, node in nodes.items() if node[1:] == ("user_annotation", "extra_block")]
+    total = dict(zip(tree.callpaths, tree.total_ns, strict=True))
+    assert 3 * 5_000_000 <= total[block] < 3 * 20_000_000
+    # Only the training thread's Python frames: the listener and sender threads only wait.
+    assert not [cp for cp in nodes if "threading.py" in path(cp)[0]]
+    # Split into parts, the tree comes back whole.
+    parts = call_path_parts(report, "test-job", 1, per_part=7)
+    assert len(parts) > 1
+    assembler = ProfileParts()
+    whole = [assembler.add(p) for p in parts][-1]
+    assert whole is not None and sorted(c for p in whole for c in p.callpaths) == sorted(nodes)

@@ -6,12 +6,15 @@ whichever comes first. Only one session runs per process. Stopping hands the raw
 sender thread, which walks the event tree and condenses it per function:
 
 - ``python`` (Python frames), ``user_annotation`` (``record_function`` blocks), ``torch_op``
-  (ATen ops), ``cuda_kernel``, ``cuda_api`` (runtime calls such as cudaLaunchKernel) and
-  ``memcpy``/memset;
+  (ATen ops), ``cuda_kernel``, ``cuda_api`` (runtime calls such as cudaLaunchKernel),
+  ``memcpy``/memset, and ``collective`` for the ops and kernels of collectives (``c10d::``,
+  ``gloo:``, NCCL), as the trace ingestion names them;
 - ``callpath_id`` identifies the chain Python frame → op → kernel that led to the event: it is a
   hash of the parent's call-path id, the layer and the name, so a kernel's id is derived from
   the op that launched it, and that op's from the Python frame that called it. The table
-  ``id → (parent id, layer, name)`` is kept on the session report.
+  ``id → (parent id, layer, name)`` is kept on the session report and published, with each
+  path's count and time over the session, as :class:`ProfileCallPaths` records (the stream job
+  stores them in ``call_paths`` and diffs a suspect rank's tree against a peer's).
 
 The low-level profiler API is used (enable/disable, then the event tree) instead of
 ``torch.profiler.profile.stop()``, which parses the whole trace on the calling thread.
@@ -26,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 from trainscope.schemas.callpath import (  # moved; kept for code written against the old place
     callpath_id,
+    collective_or,
     normalise_name,
 )
-from trainscope.schemas.records import ControlMessage, SummaryBatch
+from trainscope.schemas.records import ControlMessage, ProfileCallPaths, SummaryBatch
 from trainscope.schemas.summaries import FunctionKey, summary_batches
 
 if TYPE_CHECKING:
@@ -37,6 +41,11 @@ if TYPE_CHECKING:
 # Distinct (window, layer, name, call path) entries one session may produce; the rest are
 # folded into their function without a call path (counted in ``folded``).
 MAX_FUNCTIONS = 20_000
+# Call paths per ProfileCallPaths record: with names of a few hundred characters a part stays
+# far below Kafka's 1 MiB message limit.
+CALLPATHS_PER_PART = 1_000
+# Device-side layers: their time overlaps the host's, so it is not taken from a parent's self time.
+_DEVICE_LAYERS = frozenset({"cuda_kernel", "memcpy"})
 
 _RUNTIME_PREFIXES = ("cuda", "cu", "hip", "nccl")
 
@@ -63,6 +72,11 @@ class ProfileReport:
     events: int = 0
     folded: int = 0
     callpaths: dict[int, tuple[int, str, str]] = field(default_factory=dict)
+    # Per call path over the whole session: executions, their time, and their host-side
+    # children's time (for self time).
+    path_counts: dict[int, int] = field(default_factory=dict)
+    path_total_ns: dict[int, int] = field(default_factory=dict)
+    path_child_ns: dict[int, int] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -141,13 +155,14 @@ class ProfileController:
         report.stop_reason = reason
         att = self.att
 
-        def summarise() -> list[SummaryBatch]:
+        def summarise() -> list[SummaryBatch | ProfileCallPaths]:
             try:
                 summaries = summarise_result(result, att, report)
                 report.summaries = sum(len(batch) for batch in summaries)
                 self.counts["completed"] += 1
                 self.reports.append(report)
-                return summaries
+                return [*summaries, *call_path_parts(report, att.options.job_id,
+                                                     att.options.rank)]
             finally:
                 report.done.set()
 
@@ -183,12 +198,19 @@ def _config() -> tuple[Any, set[Any]]:
     return config, activities
 
 
+# A record_function block opened on the training thread as the session starts: it tells the
+# training thread's events from those of other threads (see summarise_result).
+THREAD_MARK = "trainscope#training-thread"
+
+
 def _enable() -> None:
-    from torch.autograd.profiler import _enable_profiler, _prepare_profiler
+    from torch.autograd.profiler import _enable_profiler, _prepare_profiler, record_function
 
     config, activities = _config()
     _prepare_profiler(config, activities)
     _enable_profiler(config, activities)
+    with record_function(THREAD_MARK):
+        pass
 
 
 def _disable() -> Any:
@@ -197,49 +219,38 @@ def _disable() -> Any:
     return _disable_profiler()
 
 
-def summarise_result(result: Any, att: Attachment, report: ProfileReport) -> list[SummaryBatch]:
-    """Condense the profiler's event tree into per-(window, function, call path) summaries."""
-    from torch._C._profiler import RecordScope, _EventType
+def _thread_of_mark(roots: list[Any]) -> int | None:
+    """The profiler's id of the thread that opened ``THREAD_MARK`` (None if it is missing)."""
+    stack = list(reversed(roots))
+    while stack:
+        event = stack.pop()
+        if event.name == THREAD_MARK:
+            return int(event.start_tid)
+        stack.extend(reversed(event.children))
+    return None
 
-    user_scope = RecordScope.USER_SCOPE
-    python_tags = {_EventType.PyCall, _EventType.PyCCall}
+
+# Tie-break for host events with equal start and duration: the outer one first.
+_HOST_ORDER = {"python": 0, "user_annotation": 1, "torch_op": 2, "cuda_api": 3}
+
+
+def summarise_result(result: Any, att: Attachment, report: ProfileReport) -> list[SummaryBatch]:
+    """Condense the profiler's events into per-(window, function, call path) summaries.
+
+    Host events nest by time on their thread, as in :mod:`trainscope.traces.cct`, so live and
+    replayed call paths share their ids: an event hangs under the innermost one that encloses
+    it whole. (The profiler's own tree puts a ``record_function`` block under the
+    ``__enter__`` frame that opened it, and what runs inside the block beside it.) Device
+    events hang under the runtime call with the same correlation id.
+    """
     durations: dict[tuple[int, str, str, int], list[int]] = {}
     window_ns = att.recorder.window_ns
-    roots = result.experimental_event_tree()
-    stack: list[tuple[Any, int]] = [(root, 0) for root in reversed(roots)]
-    # Device events the tree did not attach to their launch: linked afterwards through the
-    # correlation id they share with the runtime call (cudaLaunchKernel) that launched them.
-    unlinked: list[Any] = []
-    launches: dict[int, int] = {}
-    while stack or unlinked:
-        if not stack:
-            event = unlinked.pop()
-            parent = launches.get(int(event.correlation_id), 0)
-            layer = classify_kineto(event.name)
-        else:
-            event, parent = stack.pop()
-            tag = event.tag
-            if tag in python_tags:
-                layer = "python"
-            elif tag == _EventType.TorchOp:
-                # record_function blocks (user scope) are annotations, as in Kineto traces,
-                # so live and replayed call paths share their ids.
-                layer = "user_annotation" if event.extra_fields.scope == user_scope else "torch_op"
-            elif tag == _EventType.Kineto:
-                layer = classify_kineto(event.name)
-                if parent == 0 and layer != "cuda_api":
-                    unlinked.append(event)
-                    continue
-            else:
-                # Allocations and backend events are not functions; walk on below them.
-                stack.extend((child, parent) for child in reversed(event.children))
-                continue
-        name = normalise_name(event.name)
+    host, device = _flatten(result.experimental_event_tree())
+    host.sort(key=lambda e: (e[0], e[1], -e[2], _HOST_ORDER.get(e[3], 9)))
+
+    def add(start: int, duration: int, parent: int, layer: str, name: str) -> int:
         cp = callpath_id(parent, layer, name)
         report.callpaths.setdefault(cp, (parent, layer, name))
-        if layer == "cuda_api" and event.correlation_id:
-            launches[int(event.correlation_id)] = cp
-        start = int(event.start_time_ns)
         window = start // window_ns * window_ns
         key = (window, layer, name, cp)
         bucket = durations.get(key)
@@ -250,9 +261,34 @@ def summarise_result(result: Any, att: Attachment, report: ProfileReport) -> lis
                 bucket = durations.setdefault(key, [])
             else:
                 bucket = durations[key] = []
-        bucket.append(max(0, int(event.duration_time_ns)))
+        bucket.append(duration)
         report.events += 1
-        stack.extend((child, cp) for child in reversed(event.children))
+        report.path_counts[cp] = report.path_counts.get(cp, 0) + 1
+        report.path_total_ns[cp] = report.path_total_ns.get(cp, 0) + duration
+        return cp
+
+    launches: dict[int, int] = {}
+    stack: list[tuple[int, int]] = []  # (end ns, call path) of the enclosing events
+    thread = None
+    for tid, start, duration, layer, name, correlation in host:
+        end = start + duration
+        if tid != thread:
+            stack.clear()
+            thread = tid
+        while stack and stack[-1][0] <= start:
+            stack.pop()
+        depth = len(stack) - 1
+        while depth >= 0 and stack[depth][0] < end:
+            depth -= 1  # ends after the innermost one: hang it under one enclosing it
+        parent = stack[depth][1] if depth >= 0 else 0
+        cp = add(start, duration, parent, layer, name)
+        if parent:
+            report.path_child_ns[parent] = report.path_child_ns.get(parent, 0) + duration
+        stack.append((end, cp))
+        if layer == "cuda_api" and correlation:
+            launches[correlation] = cp
+    for start, duration, layer, name, correlation in device:
+        add(start, duration, launches.get(correlation, 0), layer, name)
     by_window: dict[int, dict[FunctionKey, list[int]]] = {}
     for (window, layer, name, cp), values in durations.items():
         by_window.setdefault(window, {})[(layer, name, cp)] = values
@@ -268,3 +304,84 @@ def summarise_result(result: Any, att: Attachment, report: ProfileReport) -> lis
             window_end_ns=window + window_ns,
         )
     ]
+
+
+HostEvent = tuple[int, int, int, str, str, int]  # thread, start, duration, layer, name, corr.
+DeviceEvent = tuple[int, int, str, str, int]  # start, duration, layer, name, correlation
+
+
+def _flatten(roots: list[Any]) -> tuple[list[HostEvent], list[DeviceEvent]]:
+    """The functions among the profiler's events, host and device apart.
+
+    Python frames of other threads than the training thread are left out (their ops are
+    kept): those threads (our own sender and control listener, loaders' helpers) mostly wait,
+    and their waits grow with the session's length, which is not where a rank's steps spend
+    their time. Allocations and backend events are not functions either.
+    """
+    from torch._C._profiler import RecordScope, _EventType
+
+    user_scope = RecordScope.USER_SCOPE
+    python_tags = {_EventType.PyCall, _EventType.PyCCall}
+    training = _thread_of_mark(roots)
+    host: list[HostEvent] = []
+    device: list[DeviceEvent] = []
+    stack = list(reversed(roots))
+    while stack:
+        event = stack.pop()
+        stack.extend(reversed(event.children))
+        tag = event.tag
+        if tag in python_tags:
+            if training is not None and event.start_tid != training:
+                continue
+            layer = "python"
+        elif tag == _EventType.TorchOp:
+            if event.name == THREAD_MARK:
+                continue
+            # record_function blocks (user scope) are annotations, as in Kineto traces.
+            layer = "user_annotation" if event.extra_fields.scope == user_scope else "torch_op"
+        elif tag == _EventType.Kineto:
+            layer = classify_kineto(event.name)
+        else:
+            continue
+        start = int(event.start_time_ns)
+        duration = max(0, int(event.duration_time_ns))
+        name = normalise_name(event.name)
+        on_device = layer in _DEVICE_LAYERS
+        layer = collective_or(layer, name)  # as the trace ingestion has it
+        correlation = int(getattr(event, "correlation_id", 0) or 0)
+        if on_device:
+            device.append((start, duration, layer, name, correlation))
+        else:
+            host.append((int(event.start_tid), start, duration, layer, name, correlation))
+    return host, device
+
+
+def call_path_parts(report: ProfileReport, job_id: str, rank: int,
+                    per_part: int = CALLPATHS_PER_PART) -> list[ProfileCallPaths]:
+    """The session's calling-context tree with its times, in records of ``per_part`` paths."""
+    ids = sorted(report.path_counts)
+    chunks = [ids[lo:lo + per_part] for lo in range(0, len(ids), per_part)] or [[]]
+    parts = []
+    for index, chunk in enumerate(chunks):
+        nodes = [report.callpaths[cp] for cp in chunk]
+        totals = [report.path_total_ns[cp] for cp in chunk]
+        parts.append(ProfileCallPaths(
+            job_id=job_id,
+            rank=rank,
+            request_id=report.request_id,
+            started_ns=report.started_ns,
+            stopped_ns=max(report.stopped_ns, report.started_ns),
+            steps=report.steps_profiled,
+            part=index,
+            parts=len(chunks),
+            callpaths=chunk,
+            parents=[parent for parent, _, _ in nodes],
+            layers=[layer for _, layer, _ in nodes],
+            names=[name for _, _, name in nodes],
+            counts=[report.path_counts[cp] for cp in chunk],
+            total_ns=totals,
+            # Children may overlap on other threads: self time never goes below 0.
+            self_ns=[max(0, total - report.path_child_ns.get(cp, 0))
+                     for cp, total in zip(chunk, totals, strict=True)],
+        ))
+    return parts

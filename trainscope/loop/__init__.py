@@ -1,0 +1,1 @@
+"""The closed loop: findings → on-demand profiles of the suspect and a peer → call paths."""
