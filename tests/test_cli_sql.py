@@ -128,7 +128,7 @@ def test_into_outfile_is_refused_and_writes_nothing(store: Path, tmp_path: Path)
 def test_a_mistyped_store_is_an_error_and_is_not_created(store: Path) -> None:
     typo = store.parent / "stroe"
     line = error_line(trainscope("sql", "SELECT 1", "--store", str(typo)))
-    assert f"no store at {typo}" in line
+    assert f"no store at {typo}: check the path (--create starts an empty one)" in line
     assert not typo.exists()
 
 

@@ -129,6 +129,8 @@ def sql(query: str, store: Path | None, create: bool, url: str | None, fmt: str)
         columns, rows = run_query(client, query)
     except StoreError as exc:
         text = str(exc)
+        if text.startswith("no store at "):
+            text += " (--create starts an empty one)"
         if "(READONLY)" in text:
             text += (
                 "; trainscope sql only reads: no writes, DDL or setting changes, and no table "

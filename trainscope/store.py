@@ -70,7 +70,7 @@ def store_path(store: Path | str | None, *, create: bool) -> Path:
         except OSError as exc:
             raise StoreError(f"cannot create store directory {path}: {exc.strerror}") from None
     elif not path.exists():
-        raise StoreError(f"no store at {path}: check the path (--create starts an empty one)")
+        raise StoreError(f"no store at {path}: check the path")
     elif not (path / "metadata").is_dir():
         raise StoreError(
             f"{path} is not a trainscope store (no ClickHouse metadata in it): check the path"

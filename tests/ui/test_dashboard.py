@@ -250,6 +250,7 @@ def test_a_mistyped_store_or_a_busy_port_is_one_error_line(tmp_path: Path) -> No
     done = run_ui("--store", str(tmp_path / "nowhere"))
     assert done.returncode == 1
     assert done.stderr.startswith("Error: no store at ") and done.stderr.count("\n") == 1
+    assert "--create" not in done.stderr  # ui has no such option
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
