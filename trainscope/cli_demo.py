@@ -390,8 +390,14 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
         from trainscope.health_metrics import PipelineCollector, serve_metrics
 
         try:
-            serve_metrics(PipelineCollector(p, notifier.stats if notifier else None),
-                          metrics_port, metrics_bind)
+            serve_metrics(
+                PipelineCollector(
+                    p, notifier.stats if notifier else None,
+                    (lambda: {**asdict(profiler.counts), **asdict(profiler.policy.counts)})
+                    if profiler is not None else None,
+                ),
+                metrics_port, metrics_bind,
+            )
         except OSError as exc:
             p.close()
             bus.close()

@@ -36,9 +36,11 @@ class PipelineCollector:
         self,
         pipeline: Pipeline,
         notifier_stats: Callable[[], NotifierStats] | None = None,
+        auto_profile_counts: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.notifier_stats = notifier_stats
+        self.auto_profile_counts = auto_profile_counts
 
     def collect(self) -> Iterator[Metric]:
         stats = self.pipeline.stats()
@@ -90,6 +92,13 @@ class PipelineCollector:
                                     value=open_windows)
         if self.notifier_stats is not None:
             yield from _notifier_metrics(self.notifier_stats())
+        if self.auto_profile_counts is not None:
+            for name, value in sorted(self.auto_profile_counts().items()):
+                yield CounterMetricFamily(
+                    "trainscope_auto_profile_" + name,
+                    f"Automatic profiles of suspects and peers: {name.replace('_', ' ')}.",
+                    value=value,
+                )
 
 
 def _notifier_metrics(stats: NotifierStats) -> Iterator[Metric]:

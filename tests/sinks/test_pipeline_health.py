@@ -65,6 +65,7 @@ def test_metrics_move_and_the_fault_reaches_alertmanager(
         after = scrape_until(
             port, lambda m: value(m, "trainscope_alertmanager_alerts_sent_total") > 0
             and value(m, "trainscope_pipeline_commits_total") > 0
+            and value(m, "trainscope_auto_profile_requested_total") > 0
         )
         notifications = webhook.wait_for(lambda n: len(n) > 0, timeout_s=30)
     finally:
@@ -80,6 +81,9 @@ def test_metrics_move_and_the_fault_reaches_alertmanager(
     assert value(after, "trainscope_pipeline_detector_seconds_total", detector="peer-diff") > 0
     assert value(after, "trainscope_alertmanager_posts_failed_total") == 0
     assert value(after, "trainscope_alertmanager_firing") >= 1
+    # The alert asked the suspect and one peer for a profile (the simulated job never answers).
+    assert value(before, "trainscope_auto_profile_requested_total") == 0
+    assert value(after, "trainscope_auto_profile_requested_total") == 2
 
     [notification] = notifications
     assert notification["status"] == "firing"
