@@ -36,6 +36,23 @@ def trainscope(*args: str, timeout_s: float = 300) -> str:
     return done.stdout
 
 
+CALL_PATH = ["python:train.py(42): step", "torch_op:forward", "user_annotation:extra_work"]
+CALL_PATH_ROW = f"""
+import sys
+from trainscope.schemas.records import FindingCallPath
+from trainscope.sinks.clickhouse import ClickHouseSink
+sink = ClickHouseSink.open(sys.argv[1])
+sink.write_finding_call_paths([FindingCallPath(
+    job_id="demo-job", window_start_ns=1767225615 * 10**9, window_end_ns=1767225630 * 10**9,
+    detector="peer-diff", rank={CULPRIT}, category="gpu-compute", score=1.0, peer_rank=4,
+    request_id="r1", profiled_from_ns=1767225640 * 10**9, profiled_to_ns=1767225645 * 10**9,
+    steps=5, per_step=True, path={[p.split(":", 1)[1] for p in CALL_PATH]!r},
+    path_layers={[p.split(":", 1)[0] for p in CALL_PATH]!r}, path_delta_ns=[3.1e7, 3.0e7, 3.0e7],
+    suspect_ns=3.2e7, peer_ns=2.0e6, delta_ns=3.0e7, message="extra_work +30 ms/step")])
+sink.close()
+"""
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ui")
@@ -45,6 +62,9 @@ def store(tmp_path_factory) -> Path:
                "--store", str(path), "--optrace", str(root / "ops"))
     trainscope("whatif", "--trace", str(root / "ops" / "optrace.parquet"), "--meta",
                str(root / "ops" / "optrace.yaml"), "--job", "demo-job", "--store", str(path))
+    # What the stream job's automatic profile would have added for the culprit's finding
+    # (a stand-in for the closed loop, which needs real training processes: tests/loop).
+    subprocess.run([sys.executable, "-c", CALL_PATH_ROW, str(path)], check=True, timeout=120)
     # A second job that ends about half a minute from now: shown as running (a step within
     # the last 2 minutes) for the whole module, and its page keeps refreshing.
     trainscope("demo", "--ranks", "4", "--dp", "2", "--pp", "2", "--tp", "1", "--steps", "30",
@@ -125,6 +145,13 @@ def test_the_api_answers_from_clickhouse(dashboard: str) -> None:
     overview = get_json(dashboard + "/api/jobs/demo-job/overview")
     assert overview["findings"][0]["rank"] == CULPRIT
     assert overview["findings"][0]["function_name"] == "torch_op/backward"
+    call_path = overview["findings"][0]["call_path"]
+    assert call_path["path"] == [p.split(":", 1)[1] for p in CALL_PATH]
+    assert (call_path["peer_rank"], call_path["delta_ns"]) == (4, 3.0e7)
+    assert all(f["call_path"] is None for f in overview["findings"][1:])
+    live = get_json(dashboard + "/api/jobs/" + urllib.parse.quote(LIVE_JOB, safe="")
+                    + "/overview")
+    assert all(f["call_path"] is None for f in live["findings"])
     assert len(overview["steps"]) == 80
     assert overview["whatif"]["S"] > 1.05
     heat = get_json(dashboard + "/api/jobs/demo-job/heatmap?layer=torch_op&name=backward")
@@ -180,6 +207,8 @@ def test_the_job_page_points_at_the_culprit_and_a_click_opens_its_breakdown(
     assert outlined == [CULPRIT]
     assert f"suspect rank(s): {CULPRIT}" in page.inner_text("#suspects")
     assert "gpu-compute" in page.inner_text("#findings")
+    assert ("call path (vs rank 4): train.py(42): step → forward → extra_work +30.0 ms/step"
+            in page.inner_text("#findings .callpath"))
     assert "Slowdown S" in page.inner_text("#whatif")
     assert page.inner_text("#status") == "ended"
     assert "16 ranks, steps 0–79" in page.inner_text("#summary")

@@ -103,6 +103,23 @@ ORDER BY windows * max_score DESC, rank
 LIMIT 100
 """
 
+# Per (rank, category), the newest call path the stream job's automatic profile found for
+# the finding (trainscope pipeline --auto-profile); none until a profile came back, or when
+# the newest profile showed no excess (an empty path).
+FINDING_CALL_PATHS = """
+SELECT rank, category,
+       argMax(path, profiled_to_ns) AS path,
+       argMax(path_layers, profiled_to_ns) AS path_layers,
+       argMax(delta_ns, profiled_to_ns) AS delta_ns,
+       argMax(per_step, profiled_to_ns) AS per_step,
+       argMax(peer_rank, profiled_to_ns) AS peer_rank,
+       argMax(steps, profiled_to_ns) AS steps
+FROM finding_call_paths
+WHERE job_id = {job:String}
+GROUP BY rank, category
+HAVING length(path) > 0
+"""
+
 # The functions the heatmap can show: every (layer, name) of the job, busiest first.
 FUNCTIONS = """
 SELECT layer, name, sum(total_ns) / 1e9 AS total_s
@@ -247,7 +264,21 @@ class DashboardQueries:
         return self._rows(FINDING_MARKS, job=job_id, threshold=self.threshold)
 
     def findings(self, job_id: str) -> list[dict[str, Any]]:
-        return self._rows(FINDINGS, job=job_id, threshold=self.threshold)
+        """The job's findings at or above the threshold, each with the call path that explains
+        it (``call_path``: None until the automatic profile of its rank came back)."""
+        findings = self._rows(FINDINGS, job=job_id, threshold=self.threshold)
+        paths = {(p.pop("rank"), p.pop("category")): p for p in self._call_paths(job_id)}
+        for f in findings:
+            f["call_path"] = paths.get((f["rank"], f["category"]))
+        return findings
+
+    def _call_paths(self, job_id: str) -> list[dict[str, Any]]:
+        try:
+            return self._rows(FINDING_CALL_PATHS, job=job_id)
+        except Exception as exc:  # a store from before the table existed (read-only: no DDL)
+            if "UNKNOWN_TABLE" in str(exc) or "doesn't exist" in str(exc):
+                return []
+            raise
 
     def functions(self, job_id: str) -> list[dict[str, Any]]:
         return self._rows(FUNCTIONS, job=job_id)
