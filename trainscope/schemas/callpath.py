@@ -37,3 +37,18 @@ def collective_or(layer: str, name: str) -> str:
     if layer == "cuda_kernel" and name.lower().startswith("nccl"):
         return "collective"
     return layer
+
+
+def enclosing_depth(stack: list[tuple[int, ...]], start_ns: int, end_ns: int) -> int:
+    """Where an event [start_ns, end_ns) of one thread hangs in the call tree: ``stack`` holds
+    the open events of that thread, outermost first, each starting with its end ns. Events
+    that ended by ``start_ns`` are popped; the result is the index of the enclosing event, -1
+    at the root. An event that ends after the innermost open one (clocks that disagree by a
+    few ns) hangs under the innermost one that does enclose it. Live profiles and replayed
+    traces nest by this one rule, so their call-path ids agree."""
+    while stack and stack[-1][0] <= start_ns:
+        stack.pop()
+    depth = len(stack) - 1
+    while depth >= 0 and stack[depth][0] < end_ns:
+        depth -= 1
+    return depth

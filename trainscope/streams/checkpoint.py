@@ -20,6 +20,7 @@ short commit interval): that checkpoint falls back to the rule of
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import zlib
@@ -58,7 +59,7 @@ def encode(checkpoint: Checkpoint) -> bytes:
         blob = pickle.dumps(checkpoint, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # a plugin detector that does not pickle
         log.warning("detector state not checkpointed: %s", exc)
-        checkpoint = Checkpoint(**{**checkpoint.__dict__, "runner": None})
+        checkpoint = dataclasses.replace(checkpoint, runner=None)
         blob = pickle.dumps(checkpoint, protocol=pickle.HIGHEST_PROTOCOL)
     return zlib.compress(blob, 1)
 

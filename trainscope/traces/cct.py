@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from trainscope.schemas.callpath import callpath_id
+from trainscope.schemas.callpath import callpath_id, enclosing_depth
 from trainscope.traces.classes import CLASS_INDEX, CLASSES, DEVICE_CLASSES, layer_of
 from trainscope.traces.reader import Trace
 
@@ -122,11 +122,7 @@ def build(trace: Trace) -> CallTree:
             if t != current:
                 stack.clear()
                 current = t
-            while stack and stack[-1][0] <= s:
-                stack.pop()
-            depth = len(stack) - 1
-            while depth >= 0 and stack[depth][0] < end:
-                depth -= 1  # ends after the innermost one: hang it under one enclosing it
+            depth = enclosing_depth(stack, s, end)
             if depth >= 0:
                 parent = stack[depth][1]
                 self_ns[stack[depth][2]] -= d

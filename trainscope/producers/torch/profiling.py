@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from trainscope.schemas.callpath import (  # moved; kept for code written against the old place
     callpath_id,
     collective_or,
+    enclosing_depth,
     normalise_name,
 )
 from trainscope.schemas.records import ControlMessage, ProfileCallPaths, SummaryBatch
@@ -275,11 +276,7 @@ def summarise_result(result: Any, att: Attachment, report: ProfileReport) -> lis
         if tid != thread:
             stack.clear()
             thread = tid
-        while stack and stack[-1][0] <= start:
-            stack.pop()
-        depth = len(stack) - 1
-        while depth >= 0 and stack[depth][0] < end:
-            depth -= 1  # ends after the innermost one: hang it under one enclosing it
+        depth = enclosing_depth(stack, start, end)
         parent = stack[depth][1] if depth >= 0 else 0
         cp = add(start, duration, parent, layer, name)
         if parent:
