@@ -6,42 +6,13 @@ and the fault reaches the real Alertmanager as a notification naming the rank.
 
 from __future__ import annotations
 
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from alertmanager_proc import Alertmanager, WebhookReceiver, free_port
 from kafka_broker import TansuBroker
+from metrics_scrape import scrape_until, value
 from pipeline_procs import PipelineProcess, publish
-from prometheus_client.parser import text_string_to_metric_families
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def value(metrics: dict, name: str, **labels: str) -> float:
-    return metrics[(name, tuple(sorted(labels.items())))]
-
-
-def scrape_until(port: int, condition, timeout_s: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            metrics = scrape(port)
-        except OSError:  # not listening yet
-            metrics = {}
-        if metrics and condition(metrics):
-            return metrics
-        assert time.monotonic() < deadline, f"/metrics never got there: {metrics}"
-        time.sleep(0.2)
 
 
 @pytest.mark.kafka

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
-import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_scrape import scrape_until
 
 
 def free_port() -> int:
@@ -16,26 +14,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def scrape_until(port: int, condition, timeout_s: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            metrics = scrape(port)
-        except OSError:  # not listening yet
-            metrics = {}
-        if metrics and condition(metrics):
-            return metrics
-        assert time.monotonic() < deadline, f"/metrics never got there: {metrics}"
-        time.sleep(0.1)
 
 
 def test_the_agents_counters_move_at_metrics() -> None:
