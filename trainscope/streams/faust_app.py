@@ -24,7 +24,14 @@ it on the job's first message, skips re-read records of windows already written 
 written once, from all of it, with the detectors in the state an uninterrupted run had.
 
 A worker whose partition is taken away (a rebalance, not a crash) forgets the jobs it held
-there without writing their open windows: the new owner rebuilds them.
+there without writing their open windows: the new owner rebuilds them. Partitions a worker
+keeps go on as they were.
+
+Known gap: while a dead worker's partitions wait for a new owner, the producers' partitions
+its rekey agent read forward nothing; a survivor's own job whose records partly travel that
+way can have a window closed without them (they then count as late). The window engine holds
+a job's windows only for partitions that have delivered that job's records, or that were
+just assigned.
 
 Rejected messages go to the dead-letter topic as in the embedded job; their reason names the
 repartition topic's partition and offset.
