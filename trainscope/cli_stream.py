@@ -23,7 +23,8 @@ def stream() -> None:
                             "share). Default: $TRAINSCOPE_CLICKHOUSE_URL.")
 @click.option("--app-id", default="trainscope-faust", show_default=True,
               help="Faust app id: the consumer group, and the prefix of its internal topics. "
-                   "Every worker of one deployment uses the same.")
+                   "Every worker of one deployment uses the same; no `trainscope pipeline` "
+                   "may use it as --group (a shared group never settles).")
 @click.option("--partitions", type=click.IntRange(min=1), default=4, show_default=True,
               help="Partitions of the repartition topic and the jobs table: the most workers "
                    "that can share the work. Fixed once the topics exist.")
@@ -48,8 +49,10 @@ def faust(bus_url: str, store: Path | None, url: str | None, app_id: str, partit
     one worker, which windows them, runs the detectors and writes to the store with the code
     of `trainscope pipeline`. A worker that dies is replaced by the others: they rebuild its
     open windows from the committed positions and take each job's written-up-to mark and
-    detector state from the jobs table (changelog topic APP-ID-jobs-changelog). Prints its
-    counts as one JSON line on stderr when it stops.
+    detector state from the jobs table (changelog topic APP-ID-jobs-changelog). Known gap:
+    records of the survivors' own jobs that the dead worker was forwarding can come late and be
+    dropped (see the README). The app id must differ from every `trainscope pipeline --group`.
+    Prints its counts as one JSON line on stderr when it stops.
     """
     from trainscope.settings import from_context
     from trainscope.sinks.clickhouse import ClickHouseSink
