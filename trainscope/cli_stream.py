@@ -31,7 +31,10 @@ def stream() -> None:
 @click.option("--window-s", type=click.FloatRange(min=0.1), default=None, help=WINDOW_HELP)
 @click.option("--lateness-s", type=click.FloatRange(min=0), default=5.0, show_default=True)
 @click.option("--close-idle-s", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
-              help="Close a job's windows once it sent nothing for this long.")
+              help="Close a job's windows once it sent nothing for this long. Keep it above "
+                   "the time a dead worker's partitions take to get a new owner (session "
+                   "timeout 10 s plus the rebalance): a job whose records came through that "
+                   "worker sends nothing meanwhile.")
 @click.option("--source-idle-s", type=click.FloatRange(min=0.1), default=30.0,
               show_default=True,
               help="A producers' partition that delivered nothing for this long stops holding "
@@ -57,12 +60,24 @@ def faust(bus_url: str, store: Path | None, url: str | None, app_id: str, partit
     from trainscope.settings import from_context
     from trainscope.sinks.clickhouse import ClickHouseSink
     from trainscope.store import StoreError
-    from trainscope.streams.faust_app import FaustOptions, build_app, run_worker
+    from trainscope.streams.faust_app import (
+        REBALANCE_TIMEOUT_S,
+        SESSION_TIMEOUT_S,
+        FaustOptions,
+        build_app,
+        run_worker,
+    )
 
     if not bus_url.startswith("kafka://"):
         raise click.UsageError(f"--bus {bus_url!r}: Faust needs a kafka://HOST:PORT broker")
     if store is not None and url is not None:
         raise click.UsageError("give either --store DIR or --url URL, not both")
+    takeover_s = SESSION_TIMEOUT_S + REBALANCE_TIMEOUT_S
+    for name, value in (("--close-idle-s", close_idle_s), ("--source-idle-s", source_idle_s)):
+        if value < takeover_s:
+            click.echo(f"Warning: {name} {value:g} is below the {takeover_s:g} s a dead worker's "
+                       "partitions may take to get a new owner: records that come through it "
+                       "meanwhile can be counted late", err=True)
     settings = from_context()
     store, url = settings.store(store, url)
     detectors = load_detectors(detector_names)

@@ -104,12 +104,6 @@ def test_two_faust_workers_write_what_the_embedded_engine_writes(
 
 @pytest.mark.kafka
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap: the survivor closes windows of its own jobs while records of theirs that "
-    "travel through the dead worker's rekey agent have not arrived (a producers' partition "
-    "that delivered other jobs' records does not hold this job's windows), so after the "
-    "takeover they come late and are dropped. The victim's own jobs are rebuilt in full. "
-    "Needs per-job expected sources in the window engine."))
 def test_a_worker_killed_mid_job_is_replaced_by_the_other(
     fresh_kafka_broker: TansuBroker, tmp_path: Path
 ) -> None:
@@ -120,8 +114,10 @@ def test_a_worker_killed_mid_job_is_replaced_by_the_other(
     url = fresh_kafka_broker.url
     publishers = [start_publisher(url, *job, "--steps-per-s", "6", out=tmp_path / f"pub{i}")
                   for i, job in enumerate(JOBS)]
-    # Idle exit above the session timeout: the survivor must outwait the takeover.
-    idle = ("--close-idle-s", "3", "--idle-exit-s", "20")
+    # Idle closing and exit above the takeover time (session timeout 10 s, then a rebalance of
+    # up to 10 s): meanwhile a job whose records all came through the victim sends nothing,
+    # and the survivor may have nothing else to do.
+    idle = ("--close-idle-s", "25", "--idle-exit-s", "30")
     victim = FaustWorker(url, tmp_path / "w0", "failover", tmp_path / "w0", idle)
     survivor = FaustWorker(url, tmp_path / "w1", "failover", tmp_path / "w1", idle)
     time.sleep(10)  # both joined and working: publishing takes ~20 s

@@ -91,6 +91,9 @@ class FaustOptions:
     detector_names: tuple[str, ...] | None = None
 
 
+NOT_CLOSED_NS = -(2**63)  # JobState.closed_before_ns of a job with no window written yet
+
+
 @dataclass
 class JobState:
     """A job's settled state, as stored in the jobs table."""
@@ -145,7 +148,7 @@ class FaustWorkerJob:
         self.by_job = by_job
         self._held: dict[TP, deque[Any]] = {}
         self._job_partition: dict[str, int] = {}
-        self._saved_before: dict[str, int] = {}
+        self._saved: dict[str, tuple[int, Topology | None, int | None]] = {}
         self.last_event_s = time.monotonic()
         self.started = False  # assigned partitions once
         self.done = asyncio.Event()
@@ -164,15 +167,19 @@ class FaustWorkerJob:
             return
         state: JobState = pickle.loads(blob)
         p = self.pipeline
-        p.engine.restore_closed(job_id, state.closed_before_ns)
+        if state.closed_before_ns != NOT_CLOSED_NS:
+            p.engine.restore_closed(job_id, state.closed_before_ns)
         if state.topology is not None:
             p.engine.add_topology(state.topology)
         if state.world_size is not None:
             p.validator.remember_world_sizes({job_id: state.world_size})
         p.runner.for_job(job_id)[:] = state.detectors
-        self._saved_before[job_id] = state.closed_before_ns
-        log.info("job %s taken over: windows before %d ns were written by another worker",
-                 job_id, state.closed_before_ns)
+        self._saved[job_id] = (state.closed_before_ns, state.topology, state.world_size)
+        if state.closed_before_ns == NOT_CLOSED_NS:
+            log.info("job %s taken over: its topology, no window written yet", job_id)
+        else:
+            log.info("job %s taken over: windows before %d ns were written by another worker",
+                     job_id, state.closed_before_ns)
 
     async def add(self, event: Any) -> None:
         if not self._batch:
@@ -236,18 +243,25 @@ class FaustWorkerJob:
             return  # a window was dropped: never move past it
         engine = p.engine
         changed = False
-        for job_id, before_ns in engine.closed_before_ns().items():
-            if self._saved_before.get(job_id) == before_ns or job_id not in self._job_partition:
+        closed = engine.closed_before_ns()
+        topologies = engine.topologies()
+        world_sizes = p.validator.world_sizes()
+        for job_id, partition in self._job_partition.items():
+            # Also a topology or world size not yet covered by a written window: the message
+            # that declared it is acknowledged at once (it feeds no window), so a worker taking
+            # the job over would not read it again.
+            state = JobState(closed.get(job_id, NOT_CLOSED_NS), p.runner.for_job(job_id),
+                             topologies.get(job_id), world_sizes.get(job_id))
+            mark = (state.closed_before_ns, state.topology, state.world_size)
+            if self._saved.get(job_id) == mark:
                 continue
-            state = JobState(before_ns, p.runner.for_job(job_id), engine.topologies().get(job_id),
-                             p.validator.world_sizes().get(job_id))
             blob = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
             key = job_id.encode()
             self.table.data[key] = blob
-            self.table.send_changelog(self._job_partition[job_id], key, blob)
-            self._saved_before[job_id] = before_ns
-            log.info("job %s settled before %d ns (windows written: %d)", job_id, before_ns,
-                     p.windows)
+            self.table.send_changelog(partition, key, blob)
+            self._saved[job_id] = mark
+            log.info("job %s settled before %d ns (windows written: %d)", job_id,
+                     state.closed_before_ns, p.windows)
             changed = True
         if changed:
             await self.app.producer.flush()
@@ -279,7 +293,7 @@ class FaustWorkerJob:
             if partition in lost:
                 self.pipeline.forget_job(job_id)
                 del self._job_partition[job_id]
-                self._saved_before.pop(job_id, None)
+                self._saved.pop(job_id, None)
         if gained & self._ever_owned:
             # Producer stamps of what was read there before would drop it as re-sent.
             self.pipeline.seen = SeenBatches()
@@ -334,6 +348,10 @@ def build_app(options: FaustOptions, sink: Any | None,
         consumer_auto_offset_reset="earliest",
         web_enabled=False,
         producer_acks=-1,
+        # Faust would hold a rebalance until every event handed to the agents is acknowledged;
+        # ours are acknowledged only once their windows are written, so it would wait out the
+        # whole rebalance timeout. assigned() settles kept and lost partitions instead.
+        stream_wait_empty=False,
     )
     source = app.topic(*options.topics, key_type=bytes, value_type=bytes)
     by_job = app.topic(f"{options.app_id}-by-job", partitions=options.partitions,
