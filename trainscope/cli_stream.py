@@ -52,9 +52,8 @@ def faust(bus_url: str, store: Path | None, url: str | None, app_id: str, partit
     one worker, which windows them, runs the detectors and writes to the store with the code
     of `trainscope pipeline`. A worker that dies is replaced by the others: they rebuild its
     open windows from the committed positions and take each job's written-up-to mark and
-    detector state from the jobs table (changelog topic APP-ID-jobs-changelog). Known gap:
-    records of the survivors' own jobs that the dead worker was forwarding can come late and be
-    dropped (see the README). The app id must differ from every `trainscope pipeline --group`.
+    detector state, topology and world size from the jobs table (changelog topic
+    APP-ID-jobs-changelog). The app id must differ from every `trainscope pipeline --group`.
     Prints its counts as one JSON line on stderr when it stops.
     """
     from trainscope.settings import from_context

@@ -27,11 +27,10 @@ A worker whose partition is taken away (a rebalance, not a crash) forgets the jo
 there without writing their open windows: the new owner rebuilds them. Partitions a worker
 keeps go on as they were.
 
-Known gap: while a dead worker's partitions wait for a new owner, the producers' partitions
-its rekey agent read forward nothing; a survivor's own job whose records partly travel that
-way can have a window closed without them (they then count as late). The window engine holds
-a job's windows only for partitions that have delivered that job's records, or that were
-just assigned.
+After a worker dies, its partitions get a new owner within the group's session timeout plus a
+rebalance. Until then the producers' partitions its rekey agent read forward nothing, so
+``source_idle_s`` and ``close_idle_s`` must be longer than that, or the survivors would close
+windows of their own jobs without the records still on their way (defaults: 30 s).
 
 Rejected messages go to the dead-letter topic as in the embedded job; their reason names the
 repartition topic's partition and offset.
@@ -352,6 +351,11 @@ def build_app(options: FaustOptions, sink: Any | None,
         # ours are acknowledged only once their windows are written, so it would wait out the
         # whole rebalance timeout. assigned() settles kept and lost partitions instead.
         stream_wait_empty=False,
+        # The rekey agent's forwards are attached to the source message: Faust publishes them,
+        # and waits until the broker has them, before it commits the source offset. Sent at
+        # once instead, a forward still in the producer's buffer when the worker is killed
+        # would be lost with its source offset already committed.
+        stream_publish_on_commit=True,
     )
     source = app.topic(*options.topics, key_type=bytes, value_type=bytes)
     by_job = app.topic(f"{options.app_id}-by-job", partitions=options.partitions,
