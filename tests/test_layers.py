@@ -81,6 +81,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "trainscope.streams.pipeline",
         "trainscope.streams.bus_pipeline",
         "trainscope.streams.checkpoint",
+        # The stream job on Faust: the embedded pipeline driven by Faust agents.
+        "trainscope.streams.faust_app",
     ),
     # Composition: the commands, the demo, the package's own attach()/step(), and the detector
     # contract check (it runs a simulated job through the pipeline). May import anything.
@@ -89,6 +91,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "trainscope.cli",
         "trainscope.cli_demo",
         "trainscope.cli_traces",
+        "trainscope.cli_stream",
         "trainscope.demo",
         "trainscope.publish_simulated",
         "trainscope.testing",
