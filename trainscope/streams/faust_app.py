@@ -4,8 +4,8 @@ Two agents per worker:
 
 * ``rekey`` reads the events and metrics topics, whose messages producers key by
   ``job/rank`` (so one job is spread over partitions), and forwards each message unchanged,
-  keyed by its job, to the repartition topic ``<app>-by-job``. The forward is attached to the
-  source message: Faust commits the source offset only once the forward is delivered.
+  keyed by its job, to the repartition topic ``<app>-by-job``. The source message is
+  acknowledged only once the broker has the forward, so its offset is never committed before.
 * ``window`` reads the repartition topic and hands the messages to an
   :class:`~trainscope.streams.pipeline.EmbeddedPipeline` — the same decode, validate, window,
   detect and sink code the embedded engine runs. Its sources (watermarks) are the repartition
@@ -50,6 +50,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import faust
@@ -330,6 +331,17 @@ class _DeadLetteringPipeline(EmbeddedPipeline):
             log.warning("could not publish dead letter: %s", exc)
 
 
+def _ack_if_delivered(event: Any, delivery: asyncio.Future) -> None:
+    if delivery.cancelled() or delivery.exception() is not None:
+        # Not acknowledged: the source offset stays where it is, and the message is forwarded
+        # again after a restart or rebalance (the window agent drops the copy by its stamp).
+        log.warning("forward of %s[%d]@%d failed: %s", event.message.topic,
+                    event.message.partition, event.message.offset,
+                    "cancelled" if delivery.cancelled() else delivery.exception())
+        return
+    event.ack()
+
+
 def build_app(options: FaustOptions, sink: Any | None,
               detectors: list[Any] | None = None) -> tuple[faust.App, FaustWorkerJob]:
     """The Faust app of one worker process, writing to ``sink``."""
@@ -351,11 +363,6 @@ def build_app(options: FaustOptions, sink: Any | None,
         # ours are acknowledged only once their windows are written, so it would wait out the
         # whole rebalance timeout. assigned() settles kept and lost partitions instead.
         stream_wait_empty=False,
-        # The rekey agent's forwards are attached to the source message: Faust publishes them,
-        # and waits until the broker has them, before it commits the source offset. Sent at
-        # once instead, a forward still in the producer's buffer when the worker is killed
-        # would be lost with its source offset already committed.
-        stream_publish_on_commit=True,
     )
     source = app.topic(*options.topics, key_type=bytes, value_type=bytes)
     by_job = app.topic(f"{options.app_id}-by-job", partitions=options.partitions,
@@ -374,10 +381,16 @@ def build_app(options: FaustOptions, sink: Any | None,
 
     @app.agent(source, name="rekey")
     async def rekey(stream: Any) -> None:
-        async for event in stream.events():
+        # A source message is acknowledged (so its offset may be committed) only once the
+        # broker has its forward: acknowledged when handed over, a forward still in the
+        # producer's buffer when the worker is killed would be lost with its source offset
+        # committed. Faust commits the longest run of acknowledged offsets, so forwards that
+        # complete out of order hold the position back, never past one still in flight.
+        async for event in stream.noack().events():
             origin = f"{event.message.topic}:{event.message.partition}".encode()
-            await by_job.send(key=job_of(event.key), value=event.value,
-                              headers={ORIGIN_HEADER: origin})
+            delivery = await by_job.send(key=job_of(event.key), value=event.value,
+                                         headers={ORIGIN_HEADER: origin})
+            delivery.add_done_callback(partial(_ack_if_delivered, event))
 
     @app.agent(by_job, name="window")
     async def window(stream: Any) -> None:
