@@ -81,8 +81,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "trainscope.streams.pipeline",
         "trainscope.streams.bus_pipeline",
         "trainscope.streams.checkpoint",
-        # The stream job on Faust: the embedded pipeline driven by Faust agents.
+        # The stream job on Faust: the embedded pipeline driven by Faust agents, on Faust's
+        # consumer made not to skip messages across rebalances.
         "trainscope.streams.faust_app",
+        "trainscope.streams.faust_consumer",
     ),
     # Composition: the commands, the demo, the package's own attach()/step(), and the detector
     # contract check (it runs a simulated job through the pipeline). May import anything.

@@ -3,6 +3,7 @@ tables, same findings — with two workers, and with one of them SIGKILLed mid-j
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,8 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+from aiokafka import AIOKafkaConsumer
 from kafka_broker import TansuBroker
 from pipeline_procs import TABLES, PipelineProcess, dump_tables, publish, start_publisher
+
+from trainscope.schemas.codec import decode_envelope
+from trainscope.schemas.topics import EVENTS_TOPIC, METRICS_TOPIC
 
 # Four jobs whose keys hash to the four partitions of the repartition topic (Kafka's murmur2),
 # so that however two workers split them, both get work. A slow GPU in one of them.
@@ -131,4 +136,31 @@ def test_a_worker_killed_mid_job_is_replaced_by_the_other(
     assert stats["sink"]["emitted"] > 0
     got = union([tmp_path / "w0", tmp_path / "w1"])
     expected = embedded(url, tmp_path)
+    # Counted on the broker, so that a loss names its stage: faust-streaming's own consumer
+    # skipped messages around the takeover until trainscope.streams.faust_consumer.
+    lost, sent = asyncio.run(never_forwarded(fresh_kafka_broker.bootstrap_servers, "failover"))
+    assert lost == 0, f"{lost} of {sent} producer messages never reached the repartition topic"
     assert_same_tables(expected, got)
+
+
+async def never_forwarded(servers: str, app_id: str) -> tuple[int, int]:
+    """Producer messages (by their stamp) that no rekey agent forwarded, and all of them."""
+    consumer = AIOKafkaConsumer(EVENTS_TOPIC, METRICS_TOPIC, f"{app_id}-by-job",
+                                bootstrap_servers=servers, auto_offset_reset="earliest",
+                                enable_auto_commit=False, group_id=None)
+    await consumer.start()
+    sent: set[tuple[int, int]] = set()
+    forwarded: set[tuple[int, int]] = set()
+    try:
+        quiet = 0
+        while quiet < 3:
+            polled = await consumer.getmany(timeout_ms=1000)
+            quiet = 0 if polled else quiet + 1
+            for messages in polled.values():
+                for m in messages:
+                    envelope = decode_envelope(m.value)
+                    stamp = (envelope.producer_id, envelope.seq)
+                    (forwarded if m.topic.endswith("-by-job") else sent).add(stamp)
+    finally:
+        await consumer.stop()
+    return len(sent - forwarded), len(sent)

@@ -59,6 +59,7 @@ from faust.types import TP
 from trainscope.schemas.records import Topology
 from trainscope.streams.bus import DEAD_LETTER_TOPIC, EVENTS_TOPIC, METRICS_TOPIC, Message
 from trainscope.streams.delivery import SeenBatches
+from trainscope.streams.faust_consumer import use_rebalance_safe_consumer
 from trainscope.streams.pipeline import EmbeddedPipeline
 
 log = logging.getLogger(__name__)
@@ -364,6 +365,7 @@ def build_app(options: FaustOptions, sink: Any | None,
         # whole rebalance timeout. assigned() settles kept and lost partitions instead.
         stream_wait_empty=False,
     )
+    use_rebalance_safe_consumer(app)
     source = app.topic(*options.topics, key_type=bytes, value_type=bytes)
     by_job = app.topic(f"{options.app_id}-by-job", partitions=options.partitions,
                        key_type=bytes, value_type=bytes, internal=True)
