@@ -1,0 +1,154 @@
+"""Run the windowing tier's Flink SQL (:mod:`trainscope.streams.flink.sql`) on Flink.
+
+Runs inside the Flink environment (``infra/setup-flink-env.sh``), never the main one:
+
+    .venv-flink/bin/python -m trainscope.streams.flink.job --bootstrap-servers HOST:PORT …
+
+which starts PyFlink's local mini-cluster, or unchanged on an existing cluster with
+``flink run -py trainscope/streams/flink/job.py -pyexec .venv-flink/bin/python -- …``
+(``trainscope stream flink --jobmanager HOST:PORT`` does that). No Python runs per record:
+every operator is Flink SQL in the JVM, so the Python workers of PyFlink are never started.
+Prints one JSON line when a bounded job finishes, ``Error: …`` (exit 1) when it cannot run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `flink run -py job.py` runs it as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SUMMARIES_TOPIC
+from trainscope.streams.flink.sql import JobConfig, statements
+
+JARS = ("flink-connector-kafka*.jar", "kafka-clients*.jar")
+
+
+def find_jars(folder: Path) -> list[Path]:
+    """The two Kafka connector jars in ``folder``; raises FileNotFoundError naming the fix."""
+    found = []
+    for pattern in JARS:
+        matches = sorted(glob.glob(str(folder / pattern)))
+        if not matches:
+            raise FileNotFoundError(
+                f"no {pattern} in {folder} (run infra/setup-flink-env.sh, or pass --jars DIR)"
+            )
+        found.append(Path(matches[-1]))
+    return found
+
+
+def default_jars() -> Path:
+    return Path(os.environ.get("TRAINSCOPE_FLINK_JARS") or Path(sys.prefix) / "jars")
+
+
+def table_environment(parallelism: int, jars: list[Path], python: str):  # -> TableEnvironment
+    from pyflink.table import EnvironmentSettings, TableEnvironment
+
+    t_env = TableEnvironment.create(EnvironmentSettings.in_streaming_mode())
+    conf = t_env.get_config()
+    conf.set("pipeline.jars", ";".join(p.resolve().as_uri() for p in jars))
+    conf.set("parallelism.default", str(parallelism))
+    conf.set("python.executable", python)
+    conf.set("pipeline.name", "trainscope windowing tier")
+    return t_env
+
+
+def run(config: JobConfig, parallelism: int, jars: list[Path], wait: bool) -> dict:
+    t_env = table_environment(parallelism, jars, sys.executable)
+    # A partition with nothing to read must not hold the watermark (and every window) back.
+    t_env.get_config().set("table.exec.source.idle-timeout", f"{int(config.source_idle_s * 1000)} ms")
+    started = time.monotonic()
+    statement_set = t_env.create_statement_set()
+    for statement in statements(config):
+        if statement.startswith("INSERT"):
+            statement_set.add_insert_sql(statement)
+        else:
+            t_env.execute_sql(statement)
+    result = statement_set.execute()
+    client = result.get_job_client()
+    job_id = str(client.get_job_id()) if client is not None else ""
+    print(json.dumps({"flink_job_id": job_id, "state": "submitted"}), file=sys.stderr,
+          flush=True)
+    if wait:
+        result.wait()
+    return {"flink_job_id": job_id, "parallelism": parallelism, "bounded": config.bounded,
+            "elapsed_s": round(time.monotonic() - started, 3)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bootstrap-servers", required=True, help="HOST:PORT[,HOST:PORT]")
+    parser.add_argument("--window-s", type=float, default=15.0)
+    parser.add_argument("--lateness-s", type=float, default=5.0)
+    parser.add_argument("--source-idle-s", type=float, default=10.0)
+    parser.add_argument("--events-topic", default=EVENTS_TOPIC)
+    parser.add_argument("--summaries-topic", default=SUMMARIES_TOPIC)
+    parser.add_argument("--dead-letter-topic", default=DEAD_LETTER_TOPIC)
+    parser.add_argument("--group", default="trainscope-flink")
+    parser.add_argument("--parallelism", type=int, default=1)
+    parser.add_argument("--bounded", action="store_true",
+                        help="Read up to the latest offset at start, then finish.")
+    parser.add_argument("--start-from", choices=("earliest-offset", "latest-offset"),
+                        default="earliest-offset")
+    parser.add_argument("--jars", type=Path, default=None)
+    parser.add_argument("--kafka-property", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--print-sql", action="store_true")
+    parser.add_argument("--detach", action="store_true",
+                        help="Return once submitted (on a cluster) instead of waiting.")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    properties = []
+    for item in args.kafka_property:
+        key, sep, value = item.partition("=")
+        if not sep:
+            print(f"Error: --kafka-property {item!r} is not KEY=VALUE", file=sys.stderr)
+            return 2
+        properties.append((f"properties.{key}", value))
+    config = JobConfig(
+        bootstrap_servers=args.bootstrap_servers, window_s=args.window_s,
+        lateness_s=args.lateness_s, events_topic=args.events_topic,
+        summaries_topic=args.summaries_topic, dead_letter_topic=args.dead_letter_topic,
+        group=args.group, bounded=args.bounded, start_from=args.start_from,
+        source_idle_s=args.source_idle_s, kafka_properties=tuple(properties),
+    )
+    try:
+        text = statements(config)
+    except ValueError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_sql:
+        print(";\n\n".join(text) + ";")
+        return 0
+    try:
+        jars = find_jars(args.jars or default_jars())
+    except FileNotFoundError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        summary = run(config, args.parallelism, jars, wait=not args.detach)
+    except Exception as exc:  # Py4J wraps the JVM's exception; its first line says what failed
+        print(f"Error: the Flink job failed: {_first_cause(exc)}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _first_cause(exc: BaseException) -> str:
+    """The innermost 'Caused by:' of a Java stack trace, else the exception's first line."""
+    text = str(exc)
+    causes = [line.strip() for line in text.splitlines() if line.strip().startswith("Caused by:")]
+    line = causes[-1].removeprefix("Caused by:").strip() if causes else text.strip().split("\n")[0]
+    return line[:500]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

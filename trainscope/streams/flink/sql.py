@@ -1,0 +1,273 @@
+"""The Flink SQL of the windowing tier, as text: tables on the bus and the queries between them.
+
+Kept apart from the code that runs it (:mod:`trainscope.streams.flink.job`) so the statements can
+be read, printed (``trainscope stream flink --print-sql``) and checked without a JVM.
+
+Windows. The embedded engine puts a span in window ``start_ns // W`` (epoch-aligned tumbling
+windows). Flink can only window on a time attribute of the *source* table, and a message holds
+many events, so the watermark is defined on the message's ``t_ms`` (its earliest event start,
+stamped by the producer) and every event carries its own window index (``start_ns DIV W``) as a
+grouping key inside the Flink window of its message. A message that straddles a window boundary
+thus contributes to the next window one firing early: that window's rows come out in two
+parts, which the detection tier merges exactly (counts, totals, min/max, sketch buckets add up;
+``m2_ns2`` by Chan's formula), as it merges producers' summaries that arrive in parts.
+
+Sketches: level 1 groups by the event's sketch bucket ``CEIL(LN(GREATEST(d, 1)) / LN(gamma))``
+(:mod:`trainscope.schemas.sketch`), level 2 (a cascaded window on level 1's ``window_time``)
+collects the buckets and their counts with ``ARRAY_AGG``. ``m2_ns2`` is
+``sum(d²) - sum(d)²/n`` in DOUBLE.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainscope.schemas.sketch import GAMMA
+from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SUMMARIES_TOPIC
+
+# What the Flink job writes: JSON records of these types (see trainscope.schemas.json_wire).
+_LN_GAMMA = repr(math.log(GAMMA))
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    bootstrap_servers: str
+    window_s: float = 15.0
+    lateness_s: float = 5.0
+    events_topic: str = EVENTS_TOPIC
+    summaries_topic: str = SUMMARIES_TOPIC
+    dead_letter_topic: str = DEAD_LETTER_TOPIC
+    group: str = "trainscope-flink"
+    bounded: bool = False
+    # Where an unbounded job starts when its group has no committed offsets.
+    start_from: str = "earliest-offset"
+    source_idle_s: float = 10.0
+    kafka_properties: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def window_ms(self) -> int:
+        window_ms = round(self.window_s * 1000)
+        if window_ms <= 0 or abs(window_ms - self.window_s * 1000) > 1e-6:
+            raise ValueError(f"window_s must be a whole number of milliseconds, got {self.window_s}")
+        return window_ms
+
+    @property
+    def window_ns(self) -> int:
+        return self.window_ms * 1_000_000
+
+
+def _interval(ms: int) -> str:
+    return f"INTERVAL '{ms // 1000}.{ms % 1000:03d}' SECOND(3)"
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _kafka_options(config: JobConfig, topic: str, *, source: bool) -> str:
+    options = {
+        "connector": "kafka",
+        "topic": topic,
+        "properties.bootstrap.servers": config.bootstrap_servers,
+        **dict(config.kafka_properties),
+    }
+    if source:
+        options["properties.group.id"] = config.group
+        options["scan.startup.mode"] = "group-offsets"
+        options["properties.auto.offset.reset"] = config.start_from.removesuffix("-offset")
+        if config.bounded:
+            options["scan.bounded.mode"] = "latest-offset"
+    else:
+        options["sink.delivery-guarantee"] = "at-least-once"
+    return ",\n  ".join(f"{_quote(k)} = {_quote(v)}" for k, v in options.items())
+
+
+def source_tables(config: JobConfig) -> list[str]:
+    """The events topic twice: decoded by Flink's JSON format, and as raw bytes (for the
+    dead-letter check, which must see the messages the JSON format cannot read)."""
+    lateness_ms = round(config.lateness_s * 1000)
+    return [
+        f"""CREATE TABLE events (
+  t_ms BIGINT,
+  spans ARRAY<ROW<job_id STRING, host STRING, layers ARRAY<STRING>, names ARRAY<STRING>,
+    `rank` ARRAY<INT>, fn ARRAY<INT>, step ARRAY<INT>, start_ns ARRAY<BIGINT>,
+    duration_ns ARRAY<BIGINT>, bytes_moved ARRAY<BIGINT>, callpath_id ARRAY<DECIMAL(20, 0)>>>,
+  steps ARRAY<ROW<job_id STRING, `rank` INT, step BIGINT, start_ns BIGINT, duration_ns BIGINT,
+    samples BIGINT, tokens BIGINT, seq_len_mean DOUBLE, seq_len_max BIGINT>>,
+  records ARRAY<STRING>,
+  ts AS TO_TIMESTAMP_LTZ(t_ms, 3),
+  WATERMARK FOR ts AS ts - {_interval(lateness_ms)}
+) WITH (
+  {_kafka_options(config, config.events_topic, source=True)},
+  'format' = 'json',
+  'json.ignore-parse-errors' = 'true',
+  'json.fail-on-missing-field' = 'false'
+)""",
+        f"""CREATE TABLE events_raw (
+  payload BYTES,
+  `partition` INT METADATA VIRTUAL,
+  `offset` BIGINT METADATA VIRTUAL
+) WITH (
+  {_kafka_options(config, config.events_topic, source=True)},
+  'format' = 'raw'
+)""",
+    ]
+
+
+def sink_tables(config: JobConfig) -> list[str]:
+    """Summaries and steps as JSON records, other records passed on as they came, dead letters
+    with their reason as the key (as the embedded pipeline writes them). Keyed by job id, so
+    one job's records keep their order in one partition."""
+    keyed = (
+        "'key.format' = 'raw',\n  'key.fields' = 'k',\n  'value.fields-include' = 'EXCEPT_KEY'"
+    )
+    summaries = _kafka_options(config, config.summaries_topic, source=False)
+    return [
+        f"""CREATE TABLE summaries_out (
+  k STRING,
+  `type` STRING,
+  v INT,
+  job_id STRING,
+  `rank` INT,
+  layer STRING,
+  name STRING,
+  callpath_id DECIMAL(20, 0),
+  window_start_ns BIGINT,
+  window_end_ns BIGINT,
+  `count` BIGINT,
+  total_ns BIGINT,
+  m2_ns2 DOUBLE,
+  min_ns BIGINT,
+  max_ns BIGINT,
+  bytes_total BIGINT,
+  sketch_keys ARRAY<INT>,
+  sketch_counts ARRAY<BIGINT>
+) WITH (
+  {summaries},
+  {keyed},
+  'value.format' = 'json',
+  'value.json.encode.decimal-as-plain-number' = 'true'
+)""",
+        f"""CREATE TABLE steps_out (
+  k STRING,
+  `type` STRING,
+  v INT,
+  job_id STRING,
+  `rank` INT,
+  step BIGINT,
+  start_ns BIGINT,
+  duration_ns BIGINT,
+  samples BIGINT,
+  tokens BIGINT,
+  seq_len_mean DOUBLE,
+  seq_len_max BIGINT
+) WITH (
+  {summaries},
+  {keyed},
+  'value.format' = 'json'
+)""",
+        f"""CREATE TABLE records_out (
+  k STRING,
+  record STRING
+) WITH (
+  {summaries},
+  {keyed},
+  'value.format' = 'raw'
+)""",
+        f"""CREATE TABLE dead_letters_out (
+  reason STRING,
+  payload BYTES
+) WITH (
+  {_kafka_options(config, config.dead_letter_topic, source=False)},
+  'key.format' = 'raw',
+  'key.fields' = 'reason',
+  'value.fields-include' = 'EXCEPT_KEY',
+  'value.format' = 'raw'
+)""",
+    ]
+
+
+def views(config: JobConfig) -> list[str]:
+    window = _interval(config.window_ms)
+    window_ns = config.window_ns
+    return [
+        # One row per span event: no Python, the arrays are unnested by the JVM.
+        """CREATE TEMPORARY VIEW span_rows AS
+SELECT e.ts, s.job_id, s.`rank`[o] AS `rank`, s.layers[s.fn[o] + 1] AS layer,
+  s.names[s.fn[o] + 1] AS name,
+  COALESCE(s.callpath_id[o], CAST(0 AS DECIMAL(20, 0))) AS callpath_id,
+  s.start_ns[o] AS start_ns, s.duration_ns[o] AS duration_ns,
+  COALESCE(s.bytes_moved[o], CAST(0 AS BIGINT)) AS bytes_moved
+FROM events AS e
+CROSS JOIN UNNEST(e.spans) AS s(job_id, host, layers, names, `rank`, fn, step, start_ns,
+  duration_ns, bytes_moved, callpath_id)
+CROSS JOIN UNNEST(s.`rank`) WITH ORDINALITY AS r(rank_value, o)""",
+        """CREATE TEMPORARY VIEW step_rows AS
+SELECT e.ts, st.job_id, st.`rank`, st.step, st.start_ns, st.duration_ns, st.samples, st.tokens,
+  st.seq_len_mean, st.seq_len_max
+FROM events AS e
+CROSS JOIN UNNEST(e.steps) AS st(job_id, `rank`, step, start_ns, duration_ns, samples,
+  tokens, seq_len_mean, seq_len_max)""",
+        # Level 1: per event window and sketch bucket.
+        f"""CREATE TEMPORARY VIEW bucket_rows AS
+SELECT window_start AS l1_start, window_end AS l1_end, window_time AS l1_time, job_id, `rank`,
+  layer, name, callpath_id, event_start_ns, bucket,
+  COUNT(*) AS n, SUM(duration_ns) AS total_ns,
+  SUM(CAST(duration_ns AS DOUBLE) * CAST(duration_ns AS DOUBLE)) AS sum_sq,
+  MIN(duration_ns) AS min_ns, MAX(duration_ns) AS max_ns, SUM(bytes_moved) AS bytes_total
+FROM (
+  SELECT *, CAST(CEIL(LN(CAST(GREATEST(duration_ns, 1) AS DOUBLE)) / {_LN_GAMMA}) AS INT)
+    AS bucket, start_ns - MOD(start_ns, {window_ns}) AS event_start_ns
+  FROM TABLE(TUMBLE(TABLE span_rows, DESCRIPTOR(ts), {window}))
+)
+GROUP BY window_start, window_end, window_time, job_id, `rank`, layer, name, callpath_id,
+  event_start_ns, bucket""",
+    ]
+
+
+def inserts(config: JobConfig) -> list[str]:
+    window = _interval(config.window_ms)
+    window_ns = config.window_ns
+    return [
+        # Level 2: the function summaries (cascaded on level 1's window_time).
+        f"""INSERT INTO summaries_out
+SELECT job_id, 'summary', 1, job_id, `rank`, layer, name, callpath_id,
+  event_start_ns, event_start_ns + {window_ns},
+  SUM(n), SUM(total_ns),
+  GREATEST(SUM(sum_sq) - CAST(SUM(total_ns) AS DOUBLE) * CAST(SUM(total_ns) AS DOUBLE)
+    / CAST(SUM(n) AS DOUBLE), 0.0),
+  MIN(min_ns), MAX(max_ns), SUM(bytes_total), ARRAY_AGG(bucket), ARRAY_AGG(n)
+FROM TABLE(TUMBLE(TABLE bucket_rows, DESCRIPTOR(l1_time), {window}))
+GROUP BY window_start, window_end, job_id, `rank`, layer, name, callpath_id, event_start_ns""",
+        # Steps: windowed like spans; a step re-sent within the window is kept once.
+        f"""INSERT INTO steps_out
+SELECT job_id, 'step', 1, job_id, `rank`, step, start_ns, MAX(duration_ns), MAX(samples),
+  MAX(tokens), MAX(seq_len_mean), MAX(seq_len_max)
+FROM TABLE(TUMBLE(TABLE step_rows, DESCRIPTOR(ts), {window}))
+GROUP BY window_start, window_end, job_id, `rank`, step, start_ns""",
+        # Everything else (topology, producers' own summaries, profiles) as it came.
+        """INSERT INTO records_out
+SELECT JSON_VALUE(record, '$.job_id'), record
+FROM events AS e CROSS JOIN UNNEST(e.records) AS x(record)""",
+        # What the JSON format cannot read is dropped by it (json.ignore-parse-errors); the same
+        # messages, read raw, are set aside here with the reason, as the embedded pipeline does.
+        f"""INSERT INTO dead_letters_out
+SELECT '{config.events_topic}[' || CAST(`partition` AS STRING) || ']@'
+    || CAST(`offset` AS STRING) || ': ' || reason, payload
+FROM (
+  SELECT `partition`, `offset`, payload,
+    CASE
+      WHEN NOT (CAST(payload AS STRING) IS JSON OBJECT)
+        THEN 'flink job: not a JSON object (producers must send TRAINSCOPE_WIRE=json)'
+      WHEN JSON_VALUE(CAST(payload AS STRING), '$.type') IS DISTINCT FROM 'batch'
+        THEN 'flink job: not a trainscope JSON batch (no "type": "batch")'
+    END AS reason
+  FROM events_raw
+)
+WHERE reason IS NOT NULL""",
+    ]
+
+
+def statements(config: JobConfig) -> list[str]:
+    return [*source_tables(config), *sink_tables(config), *views(config), *inserts(config)]
