@@ -28,6 +28,7 @@ _LAZY = {
     "replay": "trainscope.cli_traces:replay",
     "analyze": "trainscope.cli_traces:analyze",
     "ui": "trainscope.ui.cli:ui",
+    "stream": "trainscope.cli_stream_flink:stream",
 }
 
 

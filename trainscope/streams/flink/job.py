@@ -62,7 +62,8 @@ def table_environment(parallelism: int, jars: list[Path], python: str):  # -> Ta
 def run(config: JobConfig, parallelism: int, jars: list[Path], wait: bool) -> dict:
     t_env = table_environment(parallelism, jars, sys.executable)
     # A partition with nothing to read must not hold the watermark (and every window) back.
-    t_env.get_config().set("table.exec.source.idle-timeout", f"{int(config.source_idle_s * 1000)} ms")
+    idle_ms = int(config.source_idle_s * 1000)
+    t_env.get_config().set("table.exec.source.idle-timeout", f"{idle_ms} ms")
     started = time.monotonic()
     statement_set = t_env.create_statement_set()
     for statement in statements(config):

@@ -27,7 +27,8 @@ from trainscope.schemas.sketch import GAMMA
 from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SUMMARIES_TOPIC
 
 # What the Flink job writes: JSON records of these types (see trainscope.schemas.json_wire).
-_LN_GAMMA = repr(math.log(GAMMA))
+# Multiplied by the inverse, exactly as trainscope.schemas.sketch.bucket_keys does.
+_INV_LN_GAMMA = repr(1.0 / math.log(GAMMA))
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,9 @@ class JobConfig:
     def window_ms(self) -> int:
         window_ms = round(self.window_s * 1000)
         if window_ms <= 0 or abs(window_ms - self.window_s * 1000) > 1e-6:
-            raise ValueError(f"window_s must be a whole number of milliseconds, got {self.window_s}")
+            raise ValueError(
+                f"window_s must be a whole number of milliseconds, got {self.window_s}"
+            )
         return window_ms
 
     @property
@@ -217,7 +220,7 @@ SELECT window_start AS l1_start, window_end AS l1_end, window_time AS l1_time, j
   SUM(CAST(duration_ns AS DOUBLE) * CAST(duration_ns AS DOUBLE)) AS sum_sq,
   MIN(duration_ns) AS min_ns, MAX(duration_ns) AS max_ns, SUM(bytes_moved) AS bytes_total
 FROM (
-  SELECT *, CAST(CEIL(LN(CAST(GREATEST(duration_ns, 1) AS DOUBLE)) / {_LN_GAMMA}) AS INT)
+  SELECT *, CAST(CEIL(LN(CAST(GREATEST(duration_ns, 1) AS DOUBLE)) * {_INV_LN_GAMMA}) AS INT)
     AS bucket, start_ns - MOD(start_ns, {window_ns}) AS event_start_ns
   FROM TABLE(TUMBLE(TABLE span_rows, DESCRIPTOR(ts), {window}))
 )

@@ -1,0 +1,140 @@
+"""The PyFlink windowing tier against the embedded engine, over the real broker and real Flink.
+
+One recorded job (simulated producers sending raw spans in the JSON wire format, with a slow
+GPU) is read twice from the same events topic: by ``trainscope pipeline`` (the embedded engine
+windows and detects), and by ``trainscope stream flink`` (Flink SQL windows it into the
+summaries topic) followed by ``trainscope pipeline --input summaries`` (the detection tier).
+Both stores must hold the same per-function windows and the same findings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from flink_procs import (
+    flink_python_or_skip,
+    publish_raw,
+    read_store,
+    read_topic,
+    run_flink,
+    seal,
+)
+from pipeline_procs import PipelineProcess, publish
+
+from trainscope.schemas import sketch
+from trainscope.schemas.codec import encode_batch
+from trainscope.schemas.records import MetricSample
+from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SUMMARIES_TOPIC
+
+JOB = ["--job-id", "flink-job", "--dp", "4", "--pp", "2", "--tp", "2", "--steps", "60",
+       "--start-s", "1767225600", "--spans", "--fault", "slow-gpu:rank=5,factor=1.4"]
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+@pytest.fixture(scope="module")
+def flink_python() -> Path:
+    return flink_python_or_skip()
+
+
+def publish_json(url: str, *args: str) -> dict:
+    os.environ["TRAINSCOPE_WIRE"] = "json"
+    try:
+        return publish(url, *args)
+    finally:
+        del os.environ["TRAINSCOPE_WIRE"]
+
+
+def detect(url: str, store: Path, group: str, *args: str, logs: Path) -> dict:
+    pipeline = PipelineProcess(url, store, group, "--close-idle-s", "2", "--idle-exit-s", "4",
+                               "--no-auto-profile", *args, logs=logs)
+    assert pipeline.wait() == 0, pipeline.err_text()
+    assert "Traceback" not in pipeline.err_text()
+    return pipeline.stats()
+
+
+def by_key(rows: list[list]) -> dict[tuple, list]:
+    """Summary rows by (job, rank, layer, name, call path, window)."""
+    keyed = {tuple(r[:6]): r[6:] for r in rows}
+    assert len(keyed) == len(rows), "a function's window is stored twice"
+    return keyed
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_flink_tier_windows_and_detects_like_the_embedded_engine(
+    flink_python, fresh_kafka_broker, tmp_path: Path
+) -> None:
+    url = fresh_kafka_broker.url
+    sent = publish_json(url, *JOB)
+    seal(fresh_kafka_broker.bootstrap_servers, EVENTS_TOPIC)
+
+    embedded = detect(url, tmp_path / "embedded", "embedded", logs=tmp_path / "embedded")
+    flink = run_flink(url, "--parallelism", "2")
+    assert flink.returncode == 0, flink.stderr
+    summary = json.loads(flink.stdout.strip().splitlines()[-1])
+    assert summary["bounded"] and summary["parallelism"] == 2
+    tiered = detect(url, tmp_path / "tiered", "tiered", "--input", "summaries",
+                    logs=tmp_path / "tiered")
+
+    assert embedded["window"]["dropped"] == tiered["window"]["dropped"] == 0  # late
+    assert embedded["decode"]["rejected"] == tiered["decode"]["rejected"] == 0
+    ours, theirs = read_store(tmp_path / "embedded"), read_store(tmp_path / "tiered")
+    assert sum(r[6] for r in ours["summaries"]) == sent["events"]
+    assert ours["steps"] == theirs["steps"] == 16 * 60
+
+    mine, flinks = by_key(ours["summaries"]), by_key(theirs["summaries"])
+    assert mine.keys() == flinks.keys()
+    for key, (count, total, low, high, moved, keys, counts) in mine.items():
+        f_count, f_total, f_low, f_high, f_moved, f_keys, f_counts = flinks[key]
+        assert (count, total, low, high, moved) == (f_count, f_total, f_low, f_high, f_moved), key
+        assert sum(f_counts) == count
+        for q in QUANTILES:
+            expected = sketch.quantile(keys, counts, q)
+            got = sketch.quantile(f_keys, f_counts, q)
+            assert abs(got - expected) <= sketch.RELATIVE_ACCURACY * expected, (key, q)
+
+    def findings(store: dict) -> Counter:
+        return Counter((job, rank, category, function)
+                       for job, rank, category, function, _ in store["findings"])
+
+    assert findings(ours) == findings(theirs)
+    assert any(rank == 5 and category == "gpu-compute"
+               for _, rank, category, _ in findings(theirs)), theirs["findings"]
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_a_message_flink_cannot_read_is_dead_lettered_and_the_job_goes_on(
+    flink_python, fresh_kafka_broker, tmp_path: Path
+) -> None:
+    """Flink's JSON format skips what it cannot parse (``json.ignore-parse-errors``); the job
+    reads the topic raw as well and sets those messages aside on the dead-letter topic, keyed by
+    where they were and why, as the embedded pipeline does."""
+    url, servers = fresh_kafka_broker.url, fresh_kafka_broker.bootstrap_servers
+    short = ["--job-id", "ok-job", "--dp", "2", "--pp", "1", "--tp", "1", "--steps", "20",
+             "--start-s", "1767225600", "--spans"]
+    sent = publish_json(url, *short)
+    msgpack = encode_batch([MetricSample(job_id="ok-job", ts_ns=1, name="x", value=1.0)],
+                           wire="msgpack")
+    bad = [b"\x00\xffnot json at all", msgpack, b'{"type": "summary", "job_id": 3}', b"[1, 2]"]
+    publish_raw(servers, EVENTS_TOPIC, bad)
+    seal(servers, EVENTS_TOPIC)
+
+    flink = run_flink(url)
+    assert flink.returncode == 0, flink.stderr
+
+    letters = read_topic(url, DEAD_LETTER_TOPIC)
+    assert sorted(m.value for m in letters) == sorted(bad)
+    reasons = [m.key.decode() for m in letters]
+    assert all(r.startswith(f"{EVENTS_TOPIC}[") and "flink job: " in r for r in reasons), reasons
+    assert sum("TRAINSCOPE_WIRE=json" in r for r in reasons) == 3  # not JSON objects
+    assert sum('no "type": "batch"' in r for r in reasons) == 1
+
+    # The good messages around them were windowed in full.
+    rows = [json.loads(m.value) for m in read_topic(url, SUMMARIES_TOPIC)]
+    counted = sum(r["count"] for r in rows if r.get("type") == "summary")
+    assert counted == sent["events"] > 0
