@@ -14,7 +14,6 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 venv=${TRAINSCOPE_FLINK_VENV:-$repo/.venv-flink}
 jars=${TRAINSCOPE_FLINK_JARS:-$venv/jars}
 python=${PYTHON:-python3}
-flink_version=2.3.0
 libraries=shigawire-apache-flink-libraries==2.0.0.post1
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 
@@ -22,12 +21,28 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 vpy="$venv/bin/python"
-if ! "$vpy" -c "import importlib.metadata as m, sys; sys.exit(m.version('apache-flink') != '$flink_version')" 2>/dev/null; then
-    "$vpy" -m pip install -q "apache-flink==$flink_version"
+# The `flink` extra of pyproject.toml, read from there so the list lives in one place.
+mapfile -t wanted < <("$vpy" - "$repo/pyproject.toml" <<'PY'
+import sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    print("\n".join(tomllib.load(f)["project"]["optional-dependencies"]["flink"]))
+PY
+)
+if ! "$vpy" - "${wanted[@]}" <<'PY' 2>/dev/null
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from packaging.requirements import Requirement
+for spec in sys.argv[1:]:
+    req = Requirement(spec)
+    try:
+        if not req.specifier.contains(version(req.name), prereleases=True):
+            sys.exit(1)
+    except PackageNotFoundError:
+        sys.exit(1)
+PY
+then
+    "$vpy" -m pip install -q "${wanted[@]}"
 fi
-# The job module imports only these from trainscope's dependencies (see
-# trainscope/streams/flink/__init__.py); numpy stays at what apache-flink pinned.
-"$vpy" -c "import msgspec, click, yaml" 2>/dev/null || "$vpy" -m pip install -q "msgspec>=0.19" "click>=8.1" "pyyaml>=6"
 if ! "$vpy" -c "import trainscope, pathlib, sys; sys.exit(pathlib.Path(trainscope.__file__).resolve().parent != pathlib.Path('$repo/trainscope').resolve())" 2>/dev/null; then
     "$vpy" -m pip install -q --no-deps --no-build-isolation -e "$repo" 2>/dev/null \
         || "$vpy" -m pip install -q --no-deps -e "$repo"

@@ -121,10 +121,10 @@ def decode_json(payload: bytes) -> tuple[list[Record], int, int, int]:
                 raise ValueError(
                     f"spans[{i}].{name} has {len(values)} values, rank has {n}"
                 )
-            info = np.iinfo(dtype)
-            if values and (min(values) < info.min or max(values) > info.max):
-                raise ValueError(f"spans[{i}].{name}: a value is out of range for {dtype}")
-            columns[name] = np.asarray(values, dtype=dtype)
+            try:  # numpy refuses a value outside the column's type
+                columns[name] = np.asarray(values, dtype=dtype)
+            except (OverflowError, TypeError, ValueError) as exc:
+                raise ValueError(f"spans[{i}].{name}: {exc} (column type {dtype})") from None
         records.append(SpanBatch.from_arrays(job_id=span.job_id, host=span.host,
                                              layers=span.layers, names=span.names, **columns))
     records += decoded.steps

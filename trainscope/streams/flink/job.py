@@ -59,11 +59,18 @@ def table_environment(parallelism: int, jars: list[Path], python: str):  # -> Ta
     return t_env
 
 
-def run(config: JobConfig, parallelism: int, jars: list[Path], wait: bool) -> dict:
+def run(
+    config: JobConfig, parallelism: int, jars: list[Path], wait: bool, checkpoint_s: float = 30.0
+) -> dict:
     t_env = table_environment(parallelism, jars, sys.executable)
     # A partition with nothing to read must not hold the watermark (and every window) back.
     idle_ms = int(config.source_idle_s * 1000)
     t_env.get_config().set("table.exec.source.idle-timeout", f"{idle_ms} ms")
+    if not config.bounded:
+        # The Kafka source commits its offsets with checkpoints, and a job that fails is
+        # restarted by Flink from the last one (windows and positions together).
+        t_env.get_config().set("execution.checkpointing.interval",
+                               f"{int(checkpoint_s * 1000)} ms")
     started = time.monotonic()
     statement_set = t_env.create_statement_set()
     for statement in statements(config):
@@ -93,6 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dead-letter-topic", default=DEAD_LETTER_TOPIC)
     parser.add_argument("--group", default="trainscope-flink")
     parser.add_argument("--parallelism", type=int, default=1)
+    parser.add_argument("--checkpoint-interval-s", type=float, default=30.0,
+                        help="Unbounded jobs: how often Flink checkpoints (and commits offsets).")
     parser.add_argument("--bounded", action="store_true",
                         help="Read up to the latest offset at start, then finish.")
     parser.add_argument("--start-from", choices=("earliest-offset", "latest-offset"),
@@ -135,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Error: {exc}", file=sys.stderr)
         return 1
     try:
-        summary = run(config, args.parallelism, jars, wait=not args.detach)
+        summary = run(config, args.parallelism, jars, wait=not args.detach,
+                      checkpoint_s=args.checkpoint_interval_s)
     except Exception as exc:  # Py4J wraps the JVM's exception; its first line says what failed
         print(f"Error: the Flink job failed: {_first_cause(exc)}", file=sys.stderr)
         return 1
