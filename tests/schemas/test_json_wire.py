@@ -58,7 +58,7 @@ def test_every_record_kind_round_trips_through_json() -> None:
     assert batch.producer_id != 0 and batch.seq > 0  # stamped like msgpack batches
 
 
-def test_spans_travel_as_arrays_with_the_earliest_start() -> None:
+def test_span_events_travel_as_arrays_with_the_earliest_start() -> None:
     batch = SpanBatch.from_arrays(
         job_id="j", layers=["torch_op"], names=["mm"], rank=[0, 1], fn=[0, 0], step=[1, 1],
         start_ns=[5_000_000_123, 4_000_000_999], duration_ns=[7, 9],
@@ -66,7 +66,8 @@ def test_spans_travel_as_arrays_with_the_earliest_start() -> None:
     )
     message = json.loads(encode_batch([batch], wire="json"))
     assert message["t_ms"] == 4000
-    assert message["spans"][0]["duration_ns"] == [7, 9]
+    assert message["spans"][0]["events"] == [[0, 0, 1, 5_000_000_123, 7, 0, -1],
+                                             [1, 0, 1, 4_000_000_999, 9, 0, 3]]
     back = decode_envelope(encode_batch([batch], wire="json")).records[0]
     assert back == batch and back.column("callpath_id")[0] == np.uint64(2**64 - 1)
 
@@ -83,11 +84,13 @@ def test_one_record_is_a_message_too() -> None:
 @pytest.mark.parametrize(("payload", "error"), [
     (b"{not json", "not a JSON batch"),
     (b'{"type": "batch", "spans": [{"job_id": "j", "layers": ["a"], "names": ["b"], '
-     b'"rank": [0, 1], "fn": [0], "step": [0, 0], "start_ns": [1, 2], '
-     b'"duration_ns": [1, 1]}]}', r"spans\[0\]\.fn has 1 values, rank has 2"),
+     b'"events": [[0, 0, 0, 1, 1, 0]]}]}', r"spans\[0\]\.events must be arrays of 7"),
     (b'{"type": "batch", "spans": [{"job_id": "j", "layers": ["a"], "names": ["b"], '
-     b'"rank": [4294967296], "fn": [0], "step": [0], "start_ns": [1], '
-     b'"duration_ns": [1]}]}', r"spans\[0\]\.rank: .*out of bounds for int32"),
+     b'"events": [[0, 0, 0, 1, 1, 0, 0], [0, 0]]}]}', r"spans\[0\]\.events must be"),
+    (b'{"type": "batch", "spans": [{"job_id": "j", "layers": ["a"], "names": ["b"], '
+     b'"events": [[4294967296, 0, 0, 1, 1, 0, 0]]}]}', r"a rank is out of range for int32"),
+    (b'{"type": "batch", "spans": [{"job_id": "j", "layers": ["a"], "names": ["b"], '
+     b'"events": [[0, 3, 0, 1, 1, 0, 0]]}]}', r"fn index 3 out of range"),
     (b'{"type": "step", "job_id": "j", "rank": "seven"}', r"\$\.rank"),
     (b'{"type": "nope"}', "nope"),
     (b'{"type": "batch", "v": 99}', "newer"),

@@ -56,6 +56,9 @@ def table_environment(parallelism: int, jars: list[Path], python: str):  # -> Ta
     conf.set("parallelism.default", str(parallelism))
     conf.set("python.executable", python)
     conf.set("pipeline.name", "trainscope windowing tier")
+    # Without it every record is deep-copied between chained operators, arrays included: twice
+    # the CPU per event (measured, benchmarks/README.md).
+    conf.set("pipeline.object-reuse", "true")
     return t_env
 
 

@@ -93,9 +93,8 @@ def source_tables(config: JobConfig) -> list[str]:
     return [
         f"""CREATE TABLE events (
   t_ms BIGINT,
-  spans ARRAY<ROW<job_id STRING, host STRING, layers ARRAY<STRING>, names ARRAY<STRING>,
-    `rank` ARRAY<INT>, fn ARRAY<INT>, step ARRAY<INT>, start_ns ARRAY<BIGINT>,
-    duration_ns ARRAY<BIGINT>, bytes_moved ARRAY<BIGINT>, callpath_id ARRAY<DECIMAL(20, 0)>>>,
+  spans ARRAY<ROW<job_id STRING, layers ARRAY<STRING>, names ARRAY<STRING>,
+    events ARRAY<ARRAY<BIGINT>>>>,
   steps ARRAY<ROW<job_id STRING, `rank` INT, step BIGINT, start_ns BIGINT, duration_ns BIGINT,
     samples BIGINT, tokens BIGINT, seq_len_mean DOUBLE, seq_len_max BIGINT>>,
   records ARRAY<STRING>,
@@ -196,16 +195,16 @@ def views(config: JobConfig) -> list[str]:
     window_ns = config.window_ns
     return [
         # One row per span event: no Python, the arrays are unnested by the JVM.
+        # One row per span event: no Python, the arrays are unnested by the JVM. An event is
+        # [rank, fn, step, start_ns, duration_ns, bytes_moved, callpath_id] (json_wire); the
+        # call path id is the signed integer of its 64 bits until the output.
         """CREATE TEMPORARY VIEW span_rows AS
-SELECT e.ts, s.job_id, s.`rank`[o] AS `rank`, s.layers[s.fn[o] + 1] AS layer,
-  s.names[s.fn[o] + 1] AS name,
-  COALESCE(s.callpath_id[o], CAST(0 AS DECIMAL(20, 0))) AS callpath_id,
-  s.start_ns[o] AS start_ns, s.duration_ns[o] AS duration_ns,
-  COALESCE(s.bytes_moved[o], CAST(0 AS BIGINT)) AS bytes_moved
+SELECT e.ts, s.job_id, CAST(ev[1] AS INT) AS `rank`, s.layers[CAST(ev[2] AS INT) + 1] AS layer,
+  s.names[CAST(ev[2] AS INT) + 1] AS name, ev[7] AS callpath_bits, ev[4] AS start_ns,
+  ev[5] AS duration_ns, ev[6] AS bytes_moved
 FROM events AS e
-CROSS JOIN UNNEST(e.spans) AS s(job_id, host, layers, names, `rank`, fn, step, start_ns,
-  duration_ns, bytes_moved, callpath_id)
-CROSS JOIN UNNEST(s.`rank`) WITH ORDINALITY AS r(rank_value, o)""",
+CROSS JOIN UNNEST(e.spans) AS s(job_id, layers, names, events)
+CROSS JOIN UNNEST(s.events) AS x(ev)""",
         """CREATE TEMPORARY VIEW step_rows AS
 SELECT e.ts, st.job_id, st.`rank`, st.step, st.start_ns, st.duration_ns, st.samples, st.tokens,
   st.seq_len_mean, st.seq_len_max
@@ -215,7 +214,7 @@ CROSS JOIN UNNEST(e.steps) AS st(job_id, `rank`, step, start_ns, duration_ns, sa
         # Level 1: per event window and sketch bucket.
         f"""CREATE TEMPORARY VIEW bucket_rows AS
 SELECT window_start AS l1_start, window_end AS l1_end, window_time AS l1_time, job_id, `rank`,
-  layer, name, callpath_id, event_start_ns, bucket,
+  layer, name, callpath_bits, event_start_ns, bucket,
   COUNT(*) AS n, SUM(duration_ns) AS total_ns,
   SUM(CAST(duration_ns AS DOUBLE) * CAST(duration_ns AS DOUBLE)) AS sum_sq,
   MIN(duration_ns) AS min_ns, MAX(duration_ns) AS max_ns, SUM(bytes_moved) AS bytes_total
@@ -224,7 +223,7 @@ FROM (
     AS bucket, start_ns - MOD(start_ns, {window_ns}) AS event_start_ns
   FROM TABLE(TUMBLE(TABLE span_rows, DESCRIPTOR(ts), {window}))
 )
-GROUP BY window_start, window_end, window_time, job_id, `rank`, layer, name, callpath_id,
+GROUP BY window_start, window_end, window_time, job_id, `rank`, layer, name, callpath_bits,
   event_start_ns, bucket""",
     ]
 
@@ -235,14 +234,17 @@ def inserts(config: JobConfig) -> list[str]:
     return [
         # Level 2: the function summaries (cascaded on level 1's window_time).
         f"""INSERT INTO summaries_out
-SELECT job_id, 'summary', 1, job_id, `rank`, layer, name, callpath_id,
+SELECT job_id, 'summary', 1, job_id, `rank`, layer, name,
+  CAST(CASE WHEN callpath_bits < 0
+    THEN CAST(callpath_bits AS DECIMAL(20, 0)) + CAST('18446744073709551616' AS DECIMAL(20, 0))
+    ELSE CAST(callpath_bits AS DECIMAL(20, 0)) END AS DECIMAL(20, 0)),
   event_start_ns, event_start_ns + {window_ns},
   SUM(n), SUM(total_ns),
   GREATEST(SUM(sum_sq) - CAST(SUM(total_ns) AS DOUBLE) * CAST(SUM(total_ns) AS DOUBLE)
     / CAST(SUM(n) AS DOUBLE), 0.0),
   MIN(min_ns), MAX(max_ns), SUM(bytes_total), ARRAY_AGG(bucket), ARRAY_AGG(n)
 FROM TABLE(TUMBLE(TABLE bucket_rows, DESCRIPTOR(l1_time), {window}))
-GROUP BY window_start, window_end, job_id, `rank`, layer, name, callpath_id, event_start_ns""",
+GROUP BY window_start, window_end, job_id, `rank`, layer, name, callpath_bits, event_start_ns""",
         # Steps: windowed like spans; a step re-sent within the window is kept once.
         f"""INSERT INTO steps_out
 SELECT job_id, 'step', 1, job_id, `rank`, step, start_ns, MAX(duration_ns), MAX(samples),
