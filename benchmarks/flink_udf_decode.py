@@ -60,10 +60,10 @@ def main() -> int:
              "'scan.startup.mode' = 'earliest-offset', 'scan.bounded.mode' = 'latest-offset'")
     if args.wire == "json":
         t_env.execute_sql(f"""CREATE TABLE src (spans ARRAY<ROW<job_id STRING,
-            duration_ns ARRAY<BIGINT>>>) WITH ({kafka}, 'format' = 'json',
+            events ARRAY<ARRAY<BIGINT>>>>) WITH ({kafka}, 'format' = 'json',
             'json.ignore-parse-errors' = 'true')""")
-        rows = """SELECT s.job_id, d FROM src CROSS JOIN UNNEST(src.spans) AS s(job_id,
-            duration_ns) CROSS JOIN UNNEST(s.duration_ns) AS x(d)"""
+        rows = """SELECT s.job_id, ev[5] AS d FROM src CROSS JOIN UNNEST(src.spans)
+            AS s(job_id, events) CROSS JOIN UNNEST(s.events) AS x(ev)"""
     else:
         t_env.execute_sql(f"CREATE TABLE src (payload BYTES) WITH ({kafka}, 'format' = 'raw')")
         t_env.create_temporary_function("decode_spans", decode_spans)

@@ -26,8 +26,8 @@ from flink_procs import (
 from pipeline_procs import PipelineProcess, publish
 
 from trainscope.schemas import sketch
-from trainscope.schemas.codec import encode_batch
-from trainscope.schemas.records import MetricSample
+from trainscope.schemas.codec import decode_envelope, encode_batch
+from trainscope.schemas.records import FunctionSummary, MetricSample
 from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SUMMARIES_TOPIC
 
 JOB = ["--job-id", "flink-job", "--dp", "4", "--pp", "2", "--tp", "2", "--steps", "60",
@@ -135,6 +135,7 @@ def test_a_message_flink_cannot_read_is_dead_lettered_and_the_job_goes_on(
     assert sum('no "type": "batch"' in r for r in reasons) == 1
 
     # The good messages around them were windowed in full.
-    rows = [json.loads(m.value) for m in read_topic(url, SUMMARIES_TOPIC)]
-    counted = sum(r["count"] for r in rows if r.get("type") == "summary")
+    records = [r for m in read_topic(url, SUMMARIES_TOPIC)
+               for r in decode_envelope(m.value).records]
+    counted = sum(r.count for r in records if isinstance(r, FunctionSummary))
     assert counted == sent["events"] > 0

@@ -117,10 +117,25 @@ def source_tables(config: JobConfig) -> list[str]:
     ]
 
 
+# A FunctionSummary and a StepRecord as JSON (trainscope.schemas.records), field for field.
+SUMMARY_ROW = (
+    "ROW<`type` STRING, v INT, job_id STRING, `rank` INT, layer STRING, name STRING, "
+    "callpath_id DECIMAL(20, 0), window_start_ns BIGINT, window_end_ns BIGINT, `count` BIGINT, "
+    "total_ns BIGINT, m2_ns2 DOUBLE, min_ns BIGINT, max_ns BIGINT, bytes_total BIGINT, "
+    "sketch_keys ARRAY<INT>, sketch_counts ARRAY<BIGINT>>"
+)
+STEP_ROW = (
+    "ROW<`type` STRING, v INT, job_id STRING, `rank` INT, step BIGINT, start_ns BIGINT, "
+    "duration_ns BIGINT, samples BIGINT, tokens BIGINT, seq_len_mean DOUBLE, seq_len_max BIGINT>"
+)
+
+
 def sink_tables(config: JobConfig) -> list[str]:
-    """Summaries and steps as JSON records, other records passed on as they came, dead letters
-    with their reason as the key (as the embedded pipeline writes them). Keyed by job id, so
-    one job's records keep their order in one partition."""
+    """Summaries and steps as JSON batches (``{"type": "batch", "records"|"steps": [...]}``,
+    one per job, rank and window: a message per record cost the detection tier more than all
+    of its detectors), other records passed on as they came, dead letters with their reason as
+    the key (as the embedded pipeline writes them). Keyed by job id, so one job's records keep
+    their order in one partition."""
     keyed = (
         "'key.format' = 'raw',\n  'key.fields' = 'k',\n  'value.fields-include' = 'EXCEPT_KEY'"
     )
@@ -129,22 +144,7 @@ def sink_tables(config: JobConfig) -> list[str]:
         f"""CREATE TABLE summaries_out (
   k STRING,
   `type` STRING,
-  v INT,
-  job_id STRING,
-  `rank` INT,
-  layer STRING,
-  name STRING,
-  callpath_id DECIMAL(20, 0),
-  window_start_ns BIGINT,
-  window_end_ns BIGINT,
-  `count` BIGINT,
-  total_ns BIGINT,
-  m2_ns2 DOUBLE,
-  min_ns BIGINT,
-  max_ns BIGINT,
-  bytes_total BIGINT,
-  sketch_keys ARRAY<INT>,
-  sketch_counts ARRAY<BIGINT>
+  records ARRAY<{SUMMARY_ROW}>
 ) WITH (
   {summaries},
   {keyed},
@@ -154,16 +154,7 @@ def sink_tables(config: JobConfig) -> list[str]:
         f"""CREATE TABLE steps_out (
   k STRING,
   `type` STRING,
-  v INT,
-  job_id STRING,
-  `rank` INT,
-  step BIGINT,
-  start_ns BIGINT,
-  duration_ns BIGINT,
-  samples BIGINT,
-  tokens BIGINT,
-  seq_len_mean DOUBLE,
-  seq_len_max BIGINT
+  steps ARRAY<{STEP_ROW}>
 ) WITH (
   {summaries},
   {keyed},
@@ -225,32 +216,44 @@ FROM (
 )
 GROUP BY window_start, window_end, window_time, job_id, `rank`, layer, name, callpath_bits,
   event_start_ns, bucket""",
-    ]
+            # Level 2: the function summaries (cascaded on level 1's window_time).
+        f"""CREATE TEMPORARY VIEW summary_rows AS
+SELECT window_time AS l2_time, job_id, `rank`, event_start_ns,
+  CAST(ROW('summary', 1, job_id, `rank`, layer, name,
+    CASE WHEN callpath_bits < 0
+      THEN CAST(callpath_bits AS DECIMAL(20, 0)) + CAST('18446744073709551616' AS DECIMAL(20, 0))
+      ELSE CAST(callpath_bits AS DECIMAL(20, 0)) END,
+    event_start_ns, event_start_ns + {window_ns},
+    SUM(n), SUM(total_ns),
+    GREATEST(SUM(sum_sq) - CAST(SUM(total_ns) AS DOUBLE) * CAST(SUM(total_ns) AS DOUBLE)
+      / CAST(SUM(n) AS DOUBLE), 0.0),
+    MIN(min_ns), MAX(max_ns), SUM(bytes_total), ARRAY_AGG(bucket), ARRAY_AGG(n))
+    AS {SUMMARY_ROW}) AS summary
+FROM TABLE(TUMBLE(TABLE bucket_rows, DESCRIPTOR(l1_time), {window}))
+GROUP BY window_start, window_end, window_time, job_id, `rank`, layer, name, callpath_bits,
+  event_start_ns""",
+        # Steps: windowed like spans; a step re-sent within the window is kept once.
+        f"""CREATE TEMPORARY VIEW step_records AS
+SELECT window_time AS l2_time, job_id, `rank`,
+  CAST(ROW('step', 1, job_id, `rank`, step, start_ns, MAX(duration_ns), MAX(samples),
+    MAX(tokens), MAX(seq_len_mean), MAX(seq_len_max)) AS {STEP_ROW}) AS step_record
+FROM TABLE(TUMBLE(TABLE step_rows, DESCRIPTOR(ts), {window}))
+GROUP BY window_start, window_end, window_time, job_id, `rank`, step, start_ns""",
+]
 
 
 def inserts(config: JobConfig) -> list[str]:
     window = _interval(config.window_ms)
-    window_ns = config.window_ns
     return [
-        # Level 2: the function summaries (cascaded on level 1's window_time).
+        # Level 3: one message per job, rank and window (cascaded on level 2's window_time).
         f"""INSERT INTO summaries_out
-SELECT job_id, 'summary', 1, job_id, `rank`, layer, name,
-  CAST(CASE WHEN callpath_bits < 0
-    THEN CAST(callpath_bits AS DECIMAL(20, 0)) + CAST('18446744073709551616' AS DECIMAL(20, 0))
-    ELSE CAST(callpath_bits AS DECIMAL(20, 0)) END AS DECIMAL(20, 0)),
-  event_start_ns, event_start_ns + {window_ns},
-  SUM(n), SUM(total_ns),
-  GREATEST(SUM(sum_sq) - CAST(SUM(total_ns) AS DOUBLE) * CAST(SUM(total_ns) AS DOUBLE)
-    / CAST(SUM(n) AS DOUBLE), 0.0),
-  MIN(min_ns), MAX(max_ns), SUM(bytes_total), ARRAY_AGG(bucket), ARRAY_AGG(n)
-FROM TABLE(TUMBLE(TABLE bucket_rows, DESCRIPTOR(l1_time), {window}))
-GROUP BY window_start, window_end, job_id, `rank`, layer, name, callpath_bits, event_start_ns""",
-        # Steps: windowed like spans; a step re-sent within the window is kept once.
+SELECT job_id, 'batch', ARRAY_AGG(summary)
+FROM TABLE(TUMBLE(TABLE summary_rows, DESCRIPTOR(l2_time), {window}))
+GROUP BY window_start, window_end, job_id, `rank`, event_start_ns""",
         f"""INSERT INTO steps_out
-SELECT job_id, 'step', 1, job_id, `rank`, step, start_ns, MAX(duration_ns), MAX(samples),
-  MAX(tokens), MAX(seq_len_mean), MAX(seq_len_max)
-FROM TABLE(TUMBLE(TABLE step_rows, DESCRIPTOR(ts), {window}))
-GROUP BY window_start, window_end, job_id, `rank`, step, start_ns""",
+SELECT job_id, 'batch', ARRAY_AGG(step_record)
+FROM TABLE(TUMBLE(TABLE step_records, DESCRIPTOR(l2_time), {window}))
+GROUP BY window_start, window_end, job_id, `rank`""",
         # Everything else (topology, producers' own summaries, profiles) as it came.
         """INSERT INTO records_out
 SELECT JSON_VALUE(record, '$.job_id'), record
