@@ -10,18 +10,18 @@ Runs in its own environment (``infra/setup-flink-env.sh``): apache-flink pins nu
 apache-beam, river needs numpy>=2.2.5. So this package imports nothing from trainscope but the
 schemas layer (msgspec, numpy), and nothing from PyFlink at import time.
 
-Wire format (measured, see benchmarks/README.md "PyFlink windowing tier"). Flink cannot read
-our msgpack batches. Two ways were weighed:
+Wire format (measured 2026-11-22, benchmarks/README.md "PyFlink windowing tier"). Flink cannot
+read our msgpack batches. Two ways were weighed, each measured on the same 1.5 M span events as
+the decode step of a Flink job, one core's CPU above the same job on an empty topic:
 
-(a) a JSON form of the same batch (:mod:`trainscope.schemas.json_wire`), columnar: Flink's
-    built-in ``json`` format decodes it in the JVM and ``CROSS JOIN UNNEST … WITH ORDINALITY``
-    turns its arrays into rows, so no Python runs per record;
-(b) the ``raw`` format and a Python UDF that decodes msgpack: every message crosses into a
-    Python worker and back (Beam's Fn API), where PyFlink's Python functions run at ~20k rows/s
-    (DESIGN.md §6), against ~760k rows/s for SQL on JVM sources.
+(a) a JSON form of the same batch (:mod:`trainscope.schemas.json_wire`): Flink's built-in
+    ``json`` format decodes it in the JVM and ``CROSS JOIN UNNEST`` turns each span event (one
+    short integer array) into a row, no Python per record: ~1.7 M rows per CPU-second;
+(b) the ``raw`` format and a Python table function decoding msgpack
+    (``benchmarks/flink_udf_decode.py``): ~0.67 M rows per CPU-second, 2.5x the CPU, and a
+    Python worker with trainscope's environment on every TaskManager.
 
-We chose (a): on this machine it sustained the throughput in the benchmark table (events/s per
-CPU-second of the JVM), where (b)'s Python worker alone would cap it at tens of thousands
-of rows/s per core. Producers switch with ``TRAINSCOPE_WIRE=json``; every consumer (embedded
-pipeline, detection tier) reads both forms, so all engines read the same topic.
-"""
+We chose (a): less CPU, and a cluster that runs the job needs no Python at all (the job plans in
+Python on the client; every operator is SQL). Both are small beside the windowing itself
+(~107 k events per CPU-second, p=1). Producers switch with ``TRAINSCOPE_WIRE=json``; every
+consumer (embedded pipeline, detection tier) reads both forms, so all engines read one topic.
