@@ -25,3 +25,4 @@ We chose (a): less CPU, and a cluster that runs the job needs no Python at all (
 Python on the client; every operator is SQL). Both are small beside the windowing itself
 (~107 k events per CPU-second, p=1). Producers switch with ``TRAINSCOPE_WIRE=json``; every
 consumer (embedded pipeline, detection tier) reads both forms, so all engines read one topic.
+"""
