@@ -121,21 +121,35 @@ def test_a_message_flink_cannot_read_is_dead_lettered_and_the_job_goes_on(
     msgpack = encode_batch([MetricSample(job_id="ok-job", ts_ns=1, name="x", value=1.0)],
                            wire="msgpack")
     bad = [b"\x00\xffnot json at all", msgpack, b'{"type": "summary", "job_id": 3}', b"[1, 2]"]
-    publish_raw(servers, EVENTS_TOPIC, bad)
+    # A batch whose JSON parses, with events Flink reads as NULLs or the engine would reject,
+    # and one good event (after the job's last window: not late).
+    at_ns = (1767225600 + 25) * 10**9
+    events = [["x", 0, 0, at_ns, 5, 0, 0], [0, 0, 0, at_ns, 5, 0], [0, 7, 0, at_ns, 5, 0, 0],
+              [0, 0, 0, at_ns, -1, 0, 0], [0, 0, 0, at_ns, 5, 0, 0]]
+    mixed = json.dumps({"type": "batch", "t_ms": at_ns // 10**6, "spans": [
+        {"job_id": "ok-job", "layers": ["torch_op"], "names": ["mm"], "events": events}],
+        "steps": [{"job_id": "ok-job", "rank": 0, "step": "ten", "start_ns": at_ns,
+                   "duration_ns": 5}]})
+    publish_raw(servers, EVENTS_TOPIC, [*bad, mixed.encode()])
     seal(servers, EVENTS_TOPIC)
 
     flink = run_flink(url)
     assert flink.returncode == 0, flink.stderr
 
     letters = read_topic(url, DEAD_LETTER_TOPIC)
-    assert sorted(m.value for m in letters) == sorted(bad)
+    whole = [m for m in letters if b"span event" not in m.key and b"step record" not in m.key]
+    assert sorted(m.value for m in whole) == sorted(bad)
     reasons = [m.key.decode() for m in letters]
     assert all(r.startswith(f"{EVENTS_TOPIC}[") and "flink job: " in r for r in reasons), reasons
     assert sum("TRAINSCOPE_WIRE=json" in r for r in reasons) == 3  # not JSON objects
     assert sum('no "type": "batch"' in r for r in reasons) == 1
+    spoiled = sorted(r.rsplit(": ", 1)[1] for r in reasons if "span event" in r)
+    assert spoiled == ["a field is not an integer", "fn is not one of its batch's functions",
+                       "negative duration_ns", "not an array of 7 integers"], reasons
+    assert sum("step record of job ok-job: job_id, rank, step" in r for r in reasons) == 1
 
     # The good messages around them were windowed in full.
     records = [r for m in read_topic(url, SUMMARIES_TOPIC)
                for r in decode_envelope(m.value).records]
     counted = sum(r.count for r in records if isinstance(r, FunctionSummary))
-    assert counted == sent["events"] > 0
+    assert counted == sent["events"] + 1  # the mixed batch's good event

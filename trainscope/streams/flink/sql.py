@@ -29,6 +29,8 @@ from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SUMMARIES
 # What the Flink job writes: JSON records of these types (see trainscope.schemas.json_wire).
 # Multiplied by the inverse, exactly as trainscope.schemas.sketch.bucket_keys does.
 _INV_LN_GAMMA = repr(1.0 / math.log(GAMMA))
+# The largest rank the embedded window engine takes (trainscope.streams.windows).
+_MAX_RANK = (1 << 20) - 1
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,8 @@ def source_tables(config: JobConfig) -> list[str]:
   steps ARRAY<ROW<job_id STRING, `rank` INT, step BIGINT, start_ns BIGINT, duration_ns BIGINT,
     samples BIGINT, tokens BIGINT, seq_len_mean DOUBLE, seq_len_max BIGINT>>,
   records ARRAY<STRING>,
+  `partition` INT METADATA VIRTUAL,
+  `offset` BIGINT METADATA VIRTUAL,
   ts AS TO_TIMESTAMP_LTZ(t_ms, 3),
   WATERMARK FOR ts AS ts - {_interval(lateness_ms)}
 ) WITH (
@@ -189,16 +193,36 @@ def views(config: JobConfig) -> list[str]:
         # One row per span event: no Python, the arrays are unnested by the JVM. An event is
         # [rank, fn, step, start_ns, duration_ns, bytes_moved, callpath_id] (json_wire); the
         # call path id is the signed integer of its 64 bits until the output.
-        """CREATE TEMPORARY VIEW span_rows AS
-SELECT e.ts, s.job_id, CAST(ev[1] AS INT) AS `rank`, s.layers[CAST(ev[2] AS INT) + 1] AS layer,
-  s.names[CAST(ev[2] AS INT) + 1] AS name, ev[7] AS callpath_bits, ev[4] AS start_ns,
-  ev[5] AS duration_ns, ev[6] AS bytes_moved
+        # A field the JSON format could not read is NULL (json.ignore-parse-errors): such an
+        # event, or one the embedded engine would reject, gets a `problem` and goes to the
+        # dead letters instead of a window.
+        f"""CREATE TEMPORARY VIEW span_rows AS
+SELECT e.ts, e.`partition`, e.`offset`, s.job_id, CAST(ev[1] AS INT) AS `rank`,
+  s.layers[CAST(ev[2] AS INT) + 1] AS layer, s.names[CAST(ev[2] AS INT) + 1] AS name,
+  ev[7] AS callpath_bits, ev[4] AS start_ns, ev[5] AS duration_ns, ev[6] AS bytes_moved,
+  CASE
+    WHEN ev IS NULL OR CARDINALITY(ev) <> 7 THEN 'not an array of 7 integers'
+    WHEN ev[1] IS NULL OR ev[2] IS NULL OR ev[3] IS NULL OR ev[4] IS NULL OR ev[5] IS NULL
+      OR ev[6] IS NULL OR ev[7] IS NULL THEN 'a field is not an integer'
+    WHEN s.job_id IS NULL THEN 'its batch has no job_id'
+    WHEN ev[1] < 0 OR ev[1] > {_MAX_RANK} THEN 'rank out of range'
+    WHEN ev[2] < 0 OR s.layers[CAST(ev[2] AS INT) + 1] IS NULL
+      OR s.names[CAST(ev[2] AS INT) + 1] IS NULL THEN 'fn is not one of its batch''s functions'
+    WHEN ev[5] < 0 THEN 'negative duration_ns'
+  END AS problem,
+  CAST(ev AS STRING) AS event
 FROM events AS e
 CROSS JOIN UNNEST(e.spans) AS s(job_id, layers, names, events)
 CROSS JOIN UNNEST(s.events) AS x(ev)""",
+        # Step records likewise; their optional fields default as in StepRecord.
         """CREATE TEMPORARY VIEW step_rows AS
-SELECT e.ts, st.job_id, st.`rank`, st.step, st.start_ns, st.duration_ns, st.samples, st.tokens,
-  st.seq_len_mean, st.seq_len_max
+SELECT e.ts, e.`partition`, e.`offset`, st.job_id, st.`rank`, st.step, st.start_ns,
+  st.duration_ns, COALESCE(st.samples, 0) AS samples, COALESCE(st.tokens, 0) AS tokens,
+  COALESCE(st.seq_len_mean, 0.0) AS seq_len_mean, COALESCE(st.seq_len_max, 0) AS seq_len_max,
+  CASE WHEN st.job_id IS NULL OR st.`rank` IS NULL OR st.step IS NULL OR st.start_ns IS NULL
+    OR st.duration_ns IS NULL THEN 'job_id, rank, step, start_ns or duration_ns missing or '
+      || 'not of its type'
+  END AS problem
 FROM events AS e
 CROSS JOIN UNNEST(e.steps) AS st(job_id, `rank`, step, start_ns, duration_ns, samples,
   tokens, seq_len_mean, seq_len_max)""",
@@ -213,6 +237,7 @@ FROM (
   SELECT *, CAST(CEIL(LN(CAST(GREATEST(duration_ns, 1) AS DOUBLE)) * {_INV_LN_GAMMA}) AS INT)
     AS bucket, start_ns - MOD(start_ns, {window_ns}) AS event_start_ns
   FROM TABLE(TUMBLE(TABLE span_rows, DESCRIPTOR(ts), {window}))
+  WHERE problem IS NULL
 )
 GROUP BY window_start, window_end, window_time, job_id, `rank`, layer, name, callpath_bits,
   event_start_ns, bucket""",
@@ -238,6 +263,7 @@ SELECT window_time AS l2_time, job_id, `rank`,
   CAST(ROW('step', 1, job_id, `rank`, step, start_ns, MAX(duration_ns), MAX(samples),
     MAX(tokens), MAX(seq_len_mean), MAX(seq_len_max)) AS {STEP_ROW}) AS step_record
 FROM TABLE(TUMBLE(TABLE step_rows, DESCRIPTOR(ts), {window}))
+WHERE problem IS NULL
 GROUP BY window_start, window_end, window_time, job_id, `rank`, step, start_ns""",
 ]
 
@@ -258,6 +284,21 @@ GROUP BY window_start, window_end, job_id, `rank`""",
         """INSERT INTO records_out
 SELECT JSON_VALUE(record, '$.job_id'), record
 FROM events AS e CROSS JOIN UNNEST(e.records) AS x(record)""",
+        f"""INSERT INTO dead_letters_out
+SELECT '{config.events_topic}[' || CAST(`partition` AS STRING) || ']@'
+    || CAST(`offset` AS STRING) || ': flink job: span event ' || COALESCE(event, 'NULL')
+    || ' of job ' || COALESCE(job_id, '?') || ': ' || problem,
+  CAST(COALESCE(event, 'NULL') AS BYTES)
+FROM span_rows
+WHERE problem IS NOT NULL""",
+        f"""INSERT INTO dead_letters_out
+SELECT '{config.events_topic}[' || CAST(`partition` AS STRING) || ']@'
+    || CAST(`offset` AS STRING) || ': flink job: step record of job ' || COALESCE(job_id, '?')
+    || ': ' || problem,
+  CAST('step ' || COALESCE(CAST(step AS STRING), 'NULL') || ' of rank '
+    || COALESCE(CAST(`rank` AS STRING), 'NULL') AS BYTES)
+FROM step_rows
+WHERE problem IS NOT NULL""",
         # What the JSON format cannot read is dropped by it (json.ignore-parse-errors); the same
         # messages, read raw, are set aside here with the reason, as the embedded pipeline does.
         f"""INSERT INTO dead_letters_out
