@@ -188,6 +188,15 @@ def sink_tables(config: JobConfig) -> list[str]:
 def views(config: JobConfig) -> list[str]:
     window = _interval(config.window_ms)
     window_ns = config.window_ns
+    window_ms = config.window_ms
+
+    def _late(alias: str) -> str:
+        """The message's window has fired (the watermark passed its last millisecond): the
+        window operators, whose watermark is never ahead of this one, would drop its events
+        silently, so they go to the dead letters here instead."""
+        return (f"CURRENT_WATERMARK({alias}.ts) IS NOT NULL AND TO_TIMESTAMP_LTZ({alias}.t_ms - "
+                f"MOD({alias}.t_ms, {window_ms}) + {window_ms} - 1, 3) <= "
+                f"CURRENT_WATERMARK({alias}.ts)")
     return [
         # One row per span event: no Python, the arrays are unnested by the JVM.
         # One row per span event: no Python, the arrays are unnested by the JVM. An event is
@@ -201,6 +210,7 @@ SELECT e.ts, e.`partition`, e.`offset`, s.job_id, CAST(ev[1] AS INT) AS `rank`,
   s.layers[CAST(ev[2] AS INT) + 1] AS layer, s.names[CAST(ev[2] AS INT) + 1] AS name,
   ev[7] AS callpath_bits, ev[4] AS start_ns, ev[5] AS duration_ns, ev[6] AS bytes_moved,
   CASE
+    WHEN {_late('e')} THEN 'late: its window had closed'
     WHEN ev IS NULL OR CARDINALITY(ev) <> 7 THEN 'not an array of 7 integers'
     WHEN ev[1] IS NULL OR ev[2] IS NULL OR ev[3] IS NULL OR ev[4] IS NULL OR ev[5] IS NULL
       OR ev[6] IS NULL OR ev[7] IS NULL THEN 'a field is not an integer'
@@ -215,11 +225,12 @@ FROM events AS e
 CROSS JOIN UNNEST(e.spans) AS s(job_id, layers, names, events)
 CROSS JOIN UNNEST(s.events) AS x(ev)""",
         # Step records likewise; their optional fields default as in StepRecord.
-        """CREATE TEMPORARY VIEW step_rows AS
+        f"""CREATE TEMPORARY VIEW step_rows AS
 SELECT e.ts, e.`partition`, e.`offset`, st.job_id, st.`rank`, st.step, st.start_ns,
   st.duration_ns, COALESCE(st.samples, 0) AS samples, COALESCE(st.tokens, 0) AS tokens,
   COALESCE(st.seq_len_mean, 0.0) AS seq_len_mean, COALESCE(st.seq_len_max, 0) AS seq_len_max,
-  CASE WHEN st.job_id IS NULL OR st.`rank` IS NULL OR st.step IS NULL OR st.start_ns IS NULL
+  CASE WHEN {_late('e')} THEN 'late: its window had closed'
+    WHEN st.job_id IS NULL OR st.`rank` IS NULL OR st.step IS NULL OR st.start_ns IS NULL
     OR st.duration_ns IS NULL THEN 'job_id, rank, step, start_ns or duration_ns missing or '
       || 'not of its type'
   END AS problem
