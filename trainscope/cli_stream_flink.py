@@ -130,8 +130,10 @@ def flink_command(bus_url: str, window_s: float | None, lateness_s: float, sourc
         p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     if jobmanager is not None and not print_sql:
         flink = _flink_cli(python)
+        # The job only plans in Python, on this machine (-pyclientexec); -pyexec would run
+        # Python functions on the TaskManagers, and the job has none.
         command = [str(flink), "run", "-m", jobmanager, "-d", "-py", str(JOB_FILE),
-                   "-pyexec", str(python), *job_args, "--detach"]
+                   "-pyclientexec", str(python), "-pyexec", str(python), *job_args, "--detach"]
     else:
         command = [str(python), "-m", "trainscope.streams.flink.job", *job_args]
     click.echo(f"starting the Flink job ({'cluster ' + jobmanager if jobmanager else 'local'}"
