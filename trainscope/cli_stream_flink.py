@@ -73,6 +73,10 @@ def check_reachable(servers: str, timeout_s: float = 3.0) -> None:
 @click.option("--bounded", is_flag=True,
               help="Read the events topic up to its latest offsets at start, emit every window, "
                    "and exit (tests, benchmarks, backfills). Default: run until stopped.")
+@click.option("--checkpoint-interval-s", type=click.FloatRange(min=1), default=30.0,
+              show_default=True,
+              help="Unbounded jobs: how often Flink checkpoints its windows and commits the "
+                   "offsets they cover; a failed job restarts from the last checkpoint.")
 @click.option("--group", default="trainscope-flink", show_default=True,
               help="Consumer group whose committed offsets the job starts from.")
 @click.option("--events-topic", default=EVENTS_TOPIC, show_default=True)
@@ -92,7 +96,8 @@ def check_reachable(servers: str, timeout_s: float = 3.0) -> None:
                    "local mini-cluster; returns once submitted.")
 @click.option("--print-sql", is_flag=True, help="Print the job's SQL statements and exit.")
 def flink_command(bus_url: str, window_s: float | None, lateness_s: float, source_idle_s: float,
-                  parallelism: int, bounded: bool, group: str, events_topic: str,
+                  parallelism: int, bounded: bool, checkpoint_interval_s: float, group: str,
+                  events_topic: str,
                   summaries_topic: str, dead_letter_topic: str, kafka_properties: tuple[str, ...],
                   flink_python: Path | None, jars: Path | None, jobmanager: str | None,
                   print_sql: bool) -> None:
@@ -116,6 +121,7 @@ def flink_command(bus_url: str, window_s: float | None, lateness_s: float, sourc
         "--bootstrap-servers", servers, "--window-s", repr(window_s),
         "--lateness-s", repr(lateness_s), "--source-idle-s", repr(source_idle_s),
         "--parallelism", str(parallelism), "--group", group,
+        "--checkpoint-interval-s", repr(checkpoint_interval_s),
         "--events-topic", events_topic, "--summaries-topic", summaries_topic,
         "--dead-letter-topic", dead_letter_topic,
         *(["--bounded"] if bounded else []),
