@@ -142,8 +142,9 @@ def flink_command(bus_url: str, window_s: float | None, lateness_s: float, sourc
                    "-pyclientexec", str(python), "-pyexec", str(python), *job_args, "--detach"]
     else:
         command = [str(python), "-m", "trainscope.streams.flink.job", *job_args]
-    click.echo(f"starting the Flink job ({'cluster ' + jobmanager if jobmanager else 'local'}"
-               f", parallelism {parallelism}): {events_topic} -> {summaries_topic}", err=True)
+    if not print_sql:
+        click.echo(f"starting the Flink job ({'cluster ' + jobmanager if jobmanager else 'local'}"
+                   f", parallelism {parallelism}): {events_topic} -> {summaries_topic}", err=True)
     done = subprocess.run(command, env=env, check=False)
     if done.returncode != 0:
         sys.exit(done.returncode)  # the job printed its own `Error: …` line
