@@ -12,10 +12,15 @@ thus contributes to the next window one firing early: that window's rows come ou
 parts, which the detection tier merges exactly (counts, totals, min/max, sketch buckets add up;
 ``m2_ns2`` by Chan's formula), as it merges producers' summaries that arrive in parts.
 
-Sketches: level 1 groups by the event's sketch bucket ``CEIL(LN(GREATEST(d, 1)) / LN(gamma))``
-(:mod:`trainscope.schemas.sketch`), level 2 (a cascaded window on level 1's ``window_time``)
-collects the buckets and their counts with ``ARRAY_AGG``. ``m2_ns2`` is
-``sum(d²) - sum(d)²/n`` in DOUBLE.
+Three cascaded windows (each on the previous level's ``window_time``): level 1 groups events by
+function, event window and sketch bucket ``CEIL(LN(GREATEST(d, 1)) * (1 / LN(gamma)))``
+(:mod:`trainscope.schemas.sketch`), level 2 makes each function's summary and collects its
+buckets and their counts with ``ARRAY_AGG``, level 3 gathers a rank's summaries of a window into
+one message. ``m2_ns2`` is ``sum(d²) - sum(d)²/n`` in DOUBLE.
+
+Nothing is dropped silently: a message the JSON format cannot read, a span event or step record
+with a field it read as NULL or that the embedded engine would reject, and an event whose window
+had already fired (``CURRENT_WATERMARK``) go to the dead-letter topic, keyed by their reason.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from dataclasses import dataclass
 from trainscope.schemas.sketch import GAMMA
 from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SUMMARIES_TOPIC
 
-# What the Flink job writes: JSON records of these types (see trainscope.schemas.json_wire).
 # Multiplied by the inverse, exactly as trainscope.schemas.sketch.bucket_keys does.
 _INV_LN_GAMMA = repr(1.0 / math.log(GAMMA))
 # The largest rank the embedded window engine takes (trainscope.streams.windows).
@@ -70,7 +74,7 @@ def _quote(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-def _kafka_options(config: JobConfig, topic: str, *, source: bool) -> str:
+def _kafka_options(config: JobConfig, topic: str, *, source: bool, group_suffix: str = "") -> str:
     options = {
         "connector": "kafka",
         "topic": topic,
@@ -78,7 +82,8 @@ def _kafka_options(config: JobConfig, topic: str, *, source: bool) -> str:
         **dict(config.kafka_properties),
     }
     if source:
-        options["properties.group.id"] = config.group
+        # Each source its own group: both commit offsets of the same partitions.
+        options["properties.group.id"] = config.group + group_suffix
         options["scan.startup.mode"] = "group-offsets"
         options["properties.auto.offset.reset"] = config.start_from.removesuffix("-offset")
         if config.bounded:
@@ -115,7 +120,7 @@ def source_tables(config: JobConfig) -> list[str]:
   `partition` INT METADATA VIRTUAL,
   `offset` BIGINT METADATA VIRTUAL
 ) WITH (
-  {_kafka_options(config, config.events_topic, source=True)},
+  {_kafka_options(config, config.events_topic, source=True, group_suffix="-raw")},
   'format' = 'raw'
 )""",
     ]
