@@ -28,6 +28,7 @@ from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SUMMARIES
 from trainscope.streams.flink.sql import JobConfig, statements
 
 JARS = ("flink-connector-kafka*.jar", "kafka-clients*.jar")
+VIEW = "CREATE TEMPORARY VIEW "
 
 
 def find_jars(folder: Path) -> list[Path]:
@@ -62,6 +63,22 @@ def table_environment(parallelism: int, jars: list[Path], python: str):  # -> Ta
     return t_env
 
 
+def plan(t_env, statement_set, config: JobConfig) -> None:  # PyFlink objects: not imported here
+    """Tables and views into ``t_env``, inserts into ``statement_set``.
+
+    A view is registered as the Table its query makes, not as SQL text: every query that reads
+    it then shares one plan of it (the span events are unnested once for the windows and the
+    dead letters), where SQL views are expanded per query and planned twice."""
+    for statement in statements(config):
+        if statement.startswith("INSERT"):
+            statement_set.add_insert_sql(statement)
+        elif statement.startswith(VIEW):
+            name, _, query = statement.removeprefix(VIEW).partition(" AS\n")
+            t_env.create_temporary_view(name, t_env.sql_query(query))
+        else:
+            t_env.execute_sql(statement)
+
+
 def run(
     config: JobConfig, parallelism: int, jars: list[Path], wait: bool, checkpoint_s: float = 30.0
 ) -> dict:
@@ -76,11 +93,7 @@ def run(
                                f"{int(checkpoint_s * 1000)} ms")
     started = time.monotonic()
     statement_set = t_env.create_statement_set()
-    for statement in statements(config):
-        if statement.startswith("INSERT"):
-            statement_set.add_insert_sql(statement)
-        else:
-            t_env.execute_sql(statement)
+    plan(t_env, statement_set, config)
     result = statement_set.execute()
     client = result.get_job_client()
     job_id = str(client.get_job_id()) if client is not None else ""
