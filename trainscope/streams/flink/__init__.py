@@ -16,13 +16,14 @@ the decode step of a Flink job, one core's CPU above the same job on an empty to
 
 (a) a JSON form of the same batch (:mod:`trainscope.schemas.json_wire`): Flink's built-in
     ``json`` format decodes it in the JVM and ``CROSS JOIN UNNEST`` turns each span event (one
-    short integer array) into a row, no Python per record: ~1.7 M rows per CPU-second;
+    short integer array) into a row, no Python per record: ~1.6 M rows per CPU-second;
 (b) the ``raw`` format and a Python table function decoding msgpack
-    (``benchmarks/flink_udf_decode.py``): ~0.67 M rows per CPU-second, 2.5x the CPU, and a
+    (``benchmarks/flink_udf_decode.py``): ~0.5 M rows per CPU-second, 2-3x the CPU, and a
     Python worker with trainscope's environment on every TaskManager.
 
 We chose (a): less CPU, and a cluster that runs the job needs no Python at all (the job plans in
 Python on the client; every operator is SQL). Both are small beside the windowing itself
-(~107 k events per CPU-second, p=1). Producers switch with ``TRAINSCOPE_WIRE=json``; every
+(~100 k events per CPU-second at parallelism 1, against ~200 k for the whole embedded
+pipeline on one machine). Producers switch with ``TRAINSCOPE_WIRE=json``; every
 consumer (embedded pipeline, detection tier) reads both forms, so all engines read one topic.
 """
