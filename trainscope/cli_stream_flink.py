@@ -9,6 +9,7 @@ itself and ``stream`` a group holding it, for ``trainscope stream …``.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -145,9 +146,21 @@ def flink_command(bus_url: str, window_s: float | None, lateness_s: float, sourc
     if not print_sql:
         click.echo(f"starting the Flink job ({'cluster ' + jobmanager if jobmanager else 'local'}"
                    f", parallelism {parallelism}): {events_topic} -> {summaries_topic}", err=True)
-    done = subprocess.run(command, env=env, check=False)
-    if done.returncode != 0:
-        sys.exit(done.returncode)  # the job printed its own `Error: …` line
+    job = subprocess.Popen(command, env=env)
+    stopped: list[int] = []
+
+    def stop(received: int, _frame: object) -> None:
+        # Stopping this command stops the job (a service manager signals only its main process).
+        stopped.append(received)
+        job.send_signal(received)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop)
+    returncode = job.wait()
+    if stopped:
+        click.echo("Flink job stopped", err=True)
+    elif returncode != 0:
+        sys.exit(returncode)  # the job printed its own `Error: …` line
 
 
 def _flink_cli(python: Path) -> Path:
