@@ -78,6 +78,10 @@ def check_reachable(servers: str, timeout_s: float = 3.0) -> None:
               show_default=True,
               help="Unbounded jobs: how often Flink checkpoints its windows and commits the "
                    "offsets they cover; a failed job restarts from the last checkpoint.")
+@click.option("--checkpoint-dir", type=click.Path(path_type=Path), default=None,
+              help="Unbounded jobs: keep checkpoints in this folder (a path every TaskManager "
+                   "can read, on a cluster) and resume from the newest at start, so stopping "
+                   "and starting the job loses no open window. Default: in memory.")
 @click.option("--group", default="trainscope-flink", show_default=True,
               help="Consumer group whose committed offsets the job starts from.")
 @click.option("--events-topic", default=EVENTS_TOPIC, show_default=True)
@@ -97,7 +101,8 @@ def check_reachable(servers: str, timeout_s: float = 3.0) -> None:
                    "local mini-cluster; returns once submitted.")
 @click.option("--print-sql", is_flag=True, help="Print the job's SQL statements and exit.")
 def flink_command(bus_url: str, window_s: float | None, lateness_s: float, source_idle_s: float,
-                  parallelism: int, bounded: bool, checkpoint_interval_s: float, group: str,
+                  parallelism: int, bounded: bool, checkpoint_interval_s: float,
+                  checkpoint_dir: Path | None, group: str,
                   events_topic: str,
                   summaries_topic: str, dead_letter_topic: str, kafka_properties: tuple[str, ...],
                   flink_python: Path | None, jars: Path | None, jobmanager: str | None,
@@ -127,6 +132,7 @@ def flink_command(bus_url: str, window_s: float | None, lateness_s: float, sourc
         "--dead-letter-topic", dead_letter_topic,
         *(["--bounded"] if bounded else []),
         *(["--jars", str(jars)] if jars is not None else []),
+        *(["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir is not None else []),
         *[arg for prop in kafka_properties for arg in ("--kafka-property", prop)],
     ]
     if print_sql:

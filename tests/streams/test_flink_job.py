@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -163,3 +168,71 @@ def test_a_message_flink_cannot_read_is_dead_lettered_and_the_job_goes_on(
     late_letters = sum("late: its window had closed" in r for r in reasons)
     assert late_letters in (0, 2)
     assert counted + late_letters == sent["events"] + 1 + 2
+
+
+def summarised(url: str, job_id: str) -> int:
+    """Events counted in the summaries on the summaries topic for ``job_id``."""
+    return sum(r.count for m in read_topic(url, SUMMARIES_TOPIC, idle_s=1.0)
+               for r in decode_envelope(m.value).records
+               if isinstance(r, FunctionSummary) and r.job_id == job_id)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(1.0)
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_an_unbounded_job_stopped_and_started_again_loses_and_doubles_nothing(
+    flink_python, fresh_kafka_broker, tmp_path: Path
+) -> None:
+    """With --checkpoint-dir, a stopped job resumes from its newest checkpoint: the windows it
+    had open and the offsets they cover, so every event is summarised exactly once."""
+    url, servers = fresh_kafka_broker.url, fresh_kafka_broker.bootstrap_servers
+    checkpoints = tmp_path / "checkpoints"
+    job = ["--job-id", "again", "--dp", "2", "--pp", "2", "--tp", "2", "--steps", "30", "--spans"]
+    first = publish_json(url, *job, "--start-s", "1767225600")
+
+    def start() -> subprocess.Popen[bytes]:
+        with (tmp_path / "flink.log").open("ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "trainscope.cli", "stream", "flink", "--bus", url,
+                 "--checkpoint-dir", str(checkpoints), "--checkpoint-interval-s", "1",
+                 "--source-idle-s", "1"], stdout=log, stderr=log)
+
+    def newest_checkpoint_s() -> float:
+        done = [p.stat().st_mtime for p in checkpoints.glob("*/chk-*/_metadata")]
+        return max(done, default=0.0)
+
+    flink = start()
+    try:
+        # The first window fires once the events of the second are read; the one after a
+        # checkpoint that follows it, the job stops with that window open.
+        wait_for(lambda: summarised(url, "again") > 0, 120, "the first window")
+        fired_s = time.time()
+        wait_for(lambda: newest_checkpoint_s() > fired_s + 0.5, 60, "a checkpoint after it")
+    finally:
+        flink.send_signal(signal.SIGTERM)
+        assert flink.wait(timeout=60) == 0, (tmp_path / "flink.log").read_text()
+    written = summarised(url, "again")
+    assert 0 < written < first["events"]
+
+    second = publish_json(url, *job, "--start-s", "1767225631", "--seed", "1")
+    # An event far later, on every partition, moves the watermark past the job's windows.
+    far_ns = (1767225600 + 300) * 10**9
+    publish_raw(servers, EVENTS_TOPIC, [json.dumps({
+        "type": "batch", "t_ms": far_ns // 10**6, "spans": [
+            {"job_id": "flush", "layers": ["a"], "names": ["b"],
+             "events": [[0, 0, 0, far_ns, 5, 0, 0]]}]}).encode()] * 8)
+    flink = start()
+    total = first["events"] + second["events"]
+    try:
+        wait_for(lambda: summarised(url, "again") >= total, 120, "every window")
+    finally:
+        flink.send_signal(signal.SIGTERM)
+        assert flink.wait(timeout=60) == 0
+    assert f'"resumed_from": "{checkpoints}/' in (tmp_path / "flink.log").read_text()
+    assert summarised(url, "again") == total

@@ -79,8 +79,15 @@ def plan(t_env, statement_set, config: JobConfig) -> None:  # PyFlink objects: n
             t_env.execute_sql(statement)
 
 
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete checkpoint under ``folder`` (``<job id>/chk-<n>/_metadata``)."""
+    done = sorted(folder.glob("*/chk-*/_metadata"), key=lambda p: p.stat().st_mtime)
+    return done[-1].parent if done else None
+
+
 def run(
-    config: JobConfig, parallelism: int, jars: list[Path], wait: bool, checkpoint_s: float = 30.0
+    config: JobConfig, parallelism: int, jars: list[Path], wait: bool, checkpoint_s: float = 30.0,
+    checkpoint_dir: Path | None = None,
 ) -> dict:
     t_env = table_environment(parallelism, jars, sys.executable)
     # A partition with nothing to read must not hold the watermark (and every window) back.
@@ -91,14 +98,28 @@ def run(
         # restarted by Flink from the last one (windows and positions together).
         t_env.get_config().set("execution.checkpointing.interval",
                                f"{int(checkpoint_s * 1000)} ms")
+    resumed = None
+    if checkpoint_dir is not None and not config.bounded:
+        # Checkpoints on disk, kept when the job stops; the next start resumes from the
+        # newest: its open windows and its offsets together, so a restart loses nothing.
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        conf = t_env.get_config()
+        conf.set("execution.checkpointing.storage", "filesystem")
+        conf.set("execution.checkpointing.dir", checkpoint_dir.resolve().as_uri())
+        conf.set("execution.checkpointing.externalized-checkpoint-retention",
+                 "RETAIN_ON_CANCELLATION")
+        resumed = latest_checkpoint(checkpoint_dir)
+        if resumed is not None:
+            conf.set("execution.state-recovery.path", resumed.as_uri())
     started = time.monotonic()
     statement_set = t_env.create_statement_set()
     plan(t_env, statement_set, config)
     result = statement_set.execute()
     client = result.get_job_client()
     job_id = str(client.get_job_id()) if client is not None else ""
-    print(json.dumps({"flink_job_id": job_id, "state": "submitted"}), file=sys.stderr,
-          flush=True)
+    print(json.dumps({"flink_job_id": job_id, "state": "submitted",
+                      "resumed_from": str(resumed) if resumed else None}),
+          file=sys.stderr, flush=True)
     if wait:
         result.wait()
     return {"flink_job_id": job_id, "parallelism": parallelism, "bounded": config.bounded,
@@ -118,6 +139,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--parallelism", type=int, default=1)
     parser.add_argument("--checkpoint-interval-s", type=float, default=30.0,
                         help="Unbounded jobs: how often Flink checkpoints (and commits offsets).")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="Unbounded jobs: keep checkpoints here and resume from the newest.")
     parser.add_argument("--bounded", action="store_true",
                         help="Read up to the latest offset at start, then finish.")
     parser.add_argument("--start-from", choices=("earliest-offset", "latest-offset"),
@@ -161,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         summary = run(config, args.parallelism, jars, wait=not args.detach,
-                      checkpoint_s=args.checkpoint_interval_s)
+                      checkpoint_s=args.checkpoint_interval_s,
+                      checkpoint_dir=args.checkpoint_dir)
     except Exception as exc:  # Py4J wraps the JVM's exception; its first line says what failed
         print(f"Error: the Flink job failed: {_first_cause(exc)}", file=sys.stderr)
         return 1
