@@ -81,6 +81,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "trainscope.streams.pipeline",
         "trainscope.streams.bus_pipeline",
         "trainscope.streams.checkpoint",
+        # The stream job on Faust: the embedded pipeline driven by Faust agents.
+        "trainscope.streams.faust_app",
     ),
     # The PyFlink windowing tier: Flink SQL and the script that runs it. Runs in the Flink
     # environment (numpy<2.2, no river, no chDB), so it stands on the schemas alone.
@@ -92,6 +94,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "trainscope.cli",
         "trainscope.cli_demo",
         "trainscope.cli_traces",
+        "trainscope.cli_stream",
         # `trainscope stream flink`: starts the Flink job in the Flink environment.
         "trainscope.cli_stream_flink",
         "trainscope.demo",

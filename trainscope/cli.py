@@ -21,6 +21,7 @@ from trainscope import __version__
 _LAZY = {
     "demo": "trainscope.cli_demo:demo",
     "pipeline": "trainscope.cli_demo:pipeline",
+    "stream": "trainscope.cli_stream:stream",
     "whatif": "trainscope.whatif.cli:whatif",
     "plan": "trainscope.plan.cli:plan",
     "agent": "trainscope.producers.agent.cli:agent",
@@ -28,7 +29,6 @@ _LAZY = {
     "replay": "trainscope.cli_traces:replay",
     "analyze": "trainscope.cli_traces:analyze",
     "ui": "trainscope.ui.cli:ui",
-    "stream": "trainscope.cli_stream_flink:stream",
 }
 
 

@@ -3,7 +3,8 @@
 This command runs in the main environment; the job runs in the Flink environment made by
 ``infra/setup-flink-env.sh`` (apache-flink pins numpy<2.2, which the main environment's river
 cannot use), started with that environment's interpreter. ``flink_command`` is the command
-itself and ``stream`` a group holding it, for ``trainscope stream …``.
+itself; :func:`register` attaches it to the ``trainscope stream`` group
+(:mod:`trainscope.cli_stream`).
 """
 
 from __future__ import annotations
@@ -178,14 +179,6 @@ def _flink_cli(python: Path) -> Path:
     if done.returncode != 0:
         raise click.ClickException(f"{python} cannot import pyflink: run infra/setup-flink-env.sh")
     return Path(done.stdout.strip())
-
-
-@click.group("stream")
-def stream() -> None:
-    """Stream jobs on other engines: the PyFlink windowing tier."""
-
-
-stream.add_command(flink_command)
 
 
 def register(group: click.Group) -> None:

@@ -18,10 +18,10 @@ EVENTS = ("events", 0)
 SLOW = ("events", 1)
 
 
-def batch(rank: int, t0_ns: int, n: int = 50, seed: int = 0) -> SpanBatch:
+def batch(rank: int, t0_ns: int, n: int = 50, seed: int = 0, job_id: str = "job") -> SpanBatch:
     rng = np.random.default_rng(seed)
     return SpanBatch.from_arrays(
-        job_id="job", layers=["torch_op", "gc"], names=["forward", "gc.collect"],
+        job_id=job_id, layers=["torch_op", "gc"], names=["forward", "gc.collect"],
         rank=np.full(n, rank), fn=rng.integers(0, 2, n), step=np.zeros(n),
         start_ns=t0_ns + rng.integers(0, S // 2, n),
         duration_ns=rng.integers(1_000, 50_000_000, n), bytes_moved=rng.integers(0, 9, n),
@@ -103,6 +103,35 @@ def test_a_slow_partition_delays_windows_instead_of_making_its_events_late() -> 
     clock.now += 6.0
     engine.add_spans([batch(0, 9 * S)], EVENTS)
     assert [v.window_start_ns for v in engine.close_ready()] == [3 * S, 5 * S]
+
+
+def test_a_new_jobs_windows_wait_for_busy_sources_that_have_not_delivered_it_yet() -> None:
+    """The race the Faust contract test hit: a job's metrics, far ahead, came first through one
+    partition; its spans were still on the way through partitions busy with another job's. Its
+    windows must wait for them, not close and turn them late."""
+    clock = Clock()
+    metrics = ("metrics", 0)
+    engine = WindowEngine(window_s=1.0, allowed_lateness_s=0.0, source_idle_s=5.0, clock=clock)
+    engine.expect_sources([EVENTS, SLOW, metrics])
+    engine.add_spans([batch(0, 0, job_id="other")], EVENTS)
+    engine.add_spans([batch(1, 0, job_id="other")], SLOW)
+    engine.add_spans([batch(0, 9 * S)], metrics)  # stands for the job's first, far-ahead record
+    assert [v.job_id for v in engine.close_ready()] == []
+    clock.now += 1.0
+    engine.add_spans([batch(0, 0), batch(0, 2 * S)], EVENTS)
+    engine.add_spans([batch(1, 0), batch(1, 3 * S)], SLOW)
+    assert engine.stats.late_events == 0
+    closed = [v for v in engine.close_ready() if v.job_id == "job"]
+    assert [v.window_start_ns for v in closed] == [0]  # the slowest source is at 2.5 s
+    assert sorted(closed[0].summaries["rank"].unique()) == [0, 1]
+    # A busy source that never carries the job holds its windows for source_idle_s only.
+    lone = WindowEngine(window_s=1.0, allowed_lateness_s=0.0, source_idle_s=5.0, clock=clock)
+    lone.add_spans([batch(0, 0, job_id="other")], EVENTS)
+    lone.add_spans([batch(0, 0), batch(0, 3 * S)], SLOW)
+    assert lone.close_ready() == []
+    clock.now += 5.0
+    lone.add_spans([batch(0, 4 * S, job_id="other")], EVENTS)  # EVENTS stays busy
+    assert [v.window_start_ns for v in lone.close_ready() if v.job_id == "job"] == [0]
 
 
 def test_a_job_that_stops_sending_has_its_windows_closed() -> None:

@@ -76,6 +76,13 @@ class PendingOffsets:
             out[source] = queue[0][0] if queue else next_offset
         return out
 
+    def forget(self, source: Source) -> None:
+        """A partition this consumer no longer reads (taken over by another)."""
+        self._pending.pop(source, None)
+        self._next.pop(source, None)
+        self._suspect.discard(source)
+        self._restarted.discard(source)
+
     def read_positions(self) -> dict[Source, int]:
         """Per partition, the position after the last message read (partitions suspected of a
         replaced log excepted)."""

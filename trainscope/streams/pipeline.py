@@ -220,7 +220,7 @@ class EmbeddedPipeline:
                 continue
             self._stats.decode.emitted += 1
             handled[i] = (message, _events_as_batches(records))
-        by_source: dict[tuple[str, int], list[tuple[Message, list[Record]]]] = {}
+        by_source: dict[Hashable, list[tuple[Message, list[Record]]]] = {}
         for message, records in handled:
             source = (message.topic, message.partition)
             windows = self._newest_windows(records) if records is not None else {}
@@ -228,7 +228,7 @@ class EmbeddedPipeline:
             if replaced:
                 self.logs_replaced(replaced)
             if records is not None:
-                by_source.setdefault(source, []).append((message, records))
+                by_source.setdefault(self.window_source(message), []).append((message, records))
         for source, accepted in by_source.items():
             failed = self._ingest([r for _, records in accepted for r in records], source)
             if not failed:
@@ -410,6 +410,12 @@ class EmbeddedPipeline:
             return
         rows, self._dead_letters = self._dead_letters, []
         self._write(lambda: self.sink.write_dead_letters(rows))
+
+    def window_source(self, message: Message) -> Hashable:
+        """The source whose progress ``message`` advances in the window engine: the partition
+        it was read from. A job re-keyed through a repartition topic (the Faust app) names the
+        partition the producer wrote to instead, where each rank's records are in order."""
+        return (message.topic, message.partition)
 
     def dead_letter(self, message: Message, error: str) -> None:
         """Where rejected messages go besides the sink; the bus pipeline republishes them."""

@@ -15,7 +15,11 @@ read later than the others delays the job's windows instead of turning its event
 is idle once it has delivered nothing for ``source_idle_s`` of processing time (caught up, or all
 its producers silent); idle sources stop holding windows open, so a hung rank (whose partition
 also carries live ranks, or goes quiet) never stops the job. A job that stops sending altogether
-has its windows closed after ``job_idle_s`` of processing time (:meth:`close_idle`).
+has its windows closed after ``job_idle_s`` of processing time (:meth:`close_idle`). For its
+first ``source_idle_s``, a job's windows are also held by every busy source that has not
+delivered its records yet: which sources carry a job is learnt, not declared, and one whose
+reader lags (a partition fetched late, a worker that forwards it started late) would otherwise
+not count until its first record of the job came, late.
 
 An event for a window that has already closed is late: it is counted in ``stats.late_events``
 and set aside, never silently merged or lost. After a restart, windows the previous run already
@@ -98,6 +102,7 @@ class _Job:
     base: int | None = None
     progress_ns: dict[Hashable, int] = field(default_factory=dict)  # per source
     last_arrival_s: float = 0.0  # processing time
+    first_seen_s: float = 0.0  # processing time this engine started (or restored) the job
     closed_before: int = -(2**62)  # window index: every window below it is closed
     restored_before: int = -(2**62)  # window index: written by a previous run
     reported_late: bool = False
@@ -153,7 +158,7 @@ class WindowEngine:
     def _job(self, job_id: str) -> _Job:
         job = self._jobs.get(job_id)
         if job is None:
-            job = self._jobs[job_id] = _Job()
+            job = self._jobs[job_id] = _Job(first_seen_s=self._clock())
         return job
 
     def _window(self, job: _Job, index: int) -> _Window:
@@ -189,6 +194,16 @@ class WindowEngine:
                 del self._expected_s[source]
             if any(now - since < self.source_idle_s for since in self._expected_s.values()):
                 return -(2**62)
+        if now - job.first_seen_s < self.source_idle_s:
+            # A new job: a source that is busy but has not delivered this job's records yet
+            # may still carry its oldest ones (its reader lags, or they come another way, as
+            # metrics may come before the spans of the same steps), so it holds the job's
+            # windows for a while. A source that never carries the job costs its first
+            # windows at most ``source_idle_s`` of delay, and only when the job is read from
+            # a backlog: live, its first window closes later than that anyway.
+            for source, seen_s in self._source_seen_s.items():
+                if source not in job.progress_ns and now - seen_s < self.source_idle_s:
+                    return -(2**62)
         active = [
             progress
             for source, progress in job.progress_ns.items()
@@ -259,6 +274,7 @@ class WindowEngine:
                 for index, (partials, steps, metrics) in snapshot["windows"][job_id].items()
             }
             job.last_arrival_s = now
+            job.first_seen_s = now
             job.restored_before = max(job.restored_before, job.closed_before)
             self._jobs[job_id] = job
             restored += len(job.windows)
