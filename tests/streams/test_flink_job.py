@@ -35,8 +35,11 @@ from trainscope.schemas.codec import decode_envelope, encode_batch
 from trainscope.schemas.records import FunctionSummary, MetricSample
 from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SUMMARIES_TOPIC
 
+# Every 7th message is sent twice, as a producer re-sending after a timeout does: both engines
+# must read it once.
 JOB = ["--job-id", "flink-job", "--dp", "4", "--pp", "2", "--tp", "2", "--steps", "60",
-       "--start-s", "1767225600", "--spans", "--fault", "slow-gpu:rank=5,factor=1.4"]
+       "--start-s", "1767225600", "--spans", "--fault", "slow-gpu:rank=5,factor=1.4",
+       "--resend-every", "7"]
 QUANTILES = (0.5, 0.9, 0.99)
 
 
@@ -87,6 +90,7 @@ def test_flink_tier_windows_and_detects_like_the_embedded_engine(
 
     assert embedded["window"]["dropped"] == tiered["window"]["dropped"] == 0  # late
     assert embedded["decode"]["rejected"] == tiered["decode"]["rejected"] == 0
+    assert embedded["duplicate_batches"] == sent["resent"] > 0
     ours, theirs = read_store(tmp_path / "embedded"), read_store(tmp_path / "tiered")
     assert sum(r[6] for r in ours["summaries"]) == sent["events"]
     assert ours["steps"] == theirs["steps"] == 16 * 60

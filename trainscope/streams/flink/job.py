@@ -91,6 +91,8 @@ def run(
 ) -> dict:
     t_env = table_environment(parallelism, jars, sys.executable)
     # A partition with nothing to read must not hold the watermark (and every window) back.
+    # How long a batch's stamp is remembered to drop a re-sent copy (events_once).
+    t_env.get_config().set("table.exec.state.ttl", "1 h")
     idle_ms = int(config.source_idle_s * 1000)
     t_env.get_config().set("table.exec.source.idle-timeout", f"{idle_ms} ms")
     if not config.bounded:

@@ -18,9 +18,11 @@ function, event window and sketch bucket ``CEIL(LN(GREATEST(d, 1)) * (1 / LN(gam
 buckets and their counts with ``ARRAY_AGG``, level 3 gathers a rank's summaries of a window into
 one message. ``m2_ns2`` is ``sum(d²) - sum(d)²/n`` in DOUBLE.
 
-Nothing is dropped silently: a message the JSON format cannot read, a span event or step record
-with a field it read as NULL or that the embedded engine would reject, and an event whose window
-had already fired (``CURRENT_WATERMARK``) go to the dead-letter topic, keyed by their reason.
+A batch a producer re-sent is read once (``events_once``: Flink's keep-first-row deduplication
+on the producer stamp). Nothing else is dropped silently: a message the JSON format cannot
+read, a span event or step record with a field it read as NULL or that the embedded engine
+would reject, and an event whose window had already fired (``CURRENT_WATERMARK``) go to the
+dead-letter topic, keyed by their reason.
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ def source_tables(config: JobConfig) -> list[str]:
     lateness_ms = round(config.lateness_s * 1000)
     return [
         f"""CREATE TABLE events (
+  producer_id BIGINT,
+  seq BIGINT,
   t_ms BIGINT,
   spans ARRAY<ROW<job_id STRING, layers ARRAY<STRING>, names ARRAY<STRING>,
     events ARRAY<ARRAY<BIGINT>>>>,
@@ -108,6 +112,7 @@ def source_tables(config: JobConfig) -> list[str]:
   `partition` INT METADATA VIRTUAL,
   `offset` BIGINT METADATA VIRTUAL,
   ts AS TO_TIMESTAMP_LTZ(t_ms, 3),
+  pt AS PROCTIME(),
   WATERMARK FOR ts AS ts - {_interval(lateness_ms)}
 ) WITH (
   {_kafka_options(config, config.events_topic, source=True)},
@@ -203,7 +208,19 @@ def views(config: JobConfig) -> list[str]:
                 f"MOD({alias}.t_ms, {window_ms}) + {window_ms} - 1, 3) <= "
                 f"CURRENT_WATERMARK({alias}.ts)")
     return [
-        # One row per span event: no Python, the arrays are unnested by the JVM.
+        # A batch a producer re-sent (the same producer id and sequence number) is read once,
+        # as the embedded pipeline does; unstamped batches (producer id 0) are never dropped.
+        # The state is one key per batch, kept for table.exec.state.ttl.
+        """CREATE TEMPORARY VIEW events_once AS
+SELECT t_ms, spans, steps, records, `partition`, `offset`, ts FROM (
+  SELECT *, ROW_NUMBER() OVER (PARTITION BY batch_key ORDER BY pt) AS copy_number FROM (
+    SELECT *, CASE WHEN COALESCE(producer_id, 0) = 0
+        THEN 'at ' || CAST(`partition` AS STRING) || '@' || CAST(`offset` AS STRING)
+        ELSE CAST(producer_id AS STRING) || '/' || CAST(seq AS STRING) END AS batch_key
+    FROM events
+  )
+)
+WHERE copy_number = 1""",
         # One row per span event: no Python, the arrays are unnested by the JVM. An event is
         # [rank, fn, step, start_ns, duration_ns, bytes_moved, callpath_id] (json_wire); the
         # call path id is the signed integer of its 64 bits until the output.
@@ -226,7 +243,7 @@ SELECT e.ts, e.`partition`, e.`offset`, s.job_id, CAST(ev[1] AS INT) AS `rank`,
     WHEN ev[5] < 0 THEN 'negative duration_ns'
   END AS problem,
   CAST(ev AS STRING) AS event
-FROM events AS e
+FROM events_once AS e
 CROSS JOIN UNNEST(e.spans) AS s(job_id, layers, names, events)
 CROSS JOIN UNNEST(s.events) AS x(ev)""",
         # Step records likewise; their optional fields default as in StepRecord.
@@ -239,7 +256,7 @@ SELECT e.ts, e.`partition`, e.`offset`, st.job_id, st.`rank`, st.step, st.start_
     OR st.duration_ns IS NULL THEN 'job_id, rank, step, start_ns or duration_ns missing or '
       || 'not of its type'
   END AS problem
-FROM events AS e
+FROM events_once AS e
 CROSS JOIN UNNEST(e.steps) AS st(job_id, `rank`, step, start_ns, duration_ns, samples,
   tokens, seq_len_mean, seq_len_max)""",
         # Level 1: per event window and sketch bucket.
@@ -299,7 +316,7 @@ GROUP BY window_start, window_end, job_id, `rank`""",
         # Everything else (topology, producers' own summaries, profiles) as it came.
         """INSERT INTO records_out
 SELECT JSON_VALUE(record, '$.job_id'), record
-FROM events AS e CROSS JOIN UNNEST(e.records) AS x(record)""",
+FROM events_once AS e CROSS JOIN UNNEST(e.records) AS x(record)""",
         f"""INSERT INTO dead_letters_out
 SELECT '{config.events_topic}[' || CAST(`partition` AS STRING) || ']@'
     || CAST(`offset` AS STRING) || ': flink job: span event ' || COALESCE(event, 'NULL')
