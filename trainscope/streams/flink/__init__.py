@@ -18,12 +18,13 @@ the decode step of a Flink job, one core's CPU above the same job on an empty to
     ``json`` format decodes it in the JVM and ``CROSS JOIN UNNEST`` turns each span event (one
     short integer array) into a row, no Python per record: ~1.6 M rows per CPU-second;
 (b) the ``raw`` format and a Python table function decoding msgpack
-    (``benchmarks/flink_udf_decode.py``): ~0.5 M rows per CPU-second, 2-3x the CPU, and a
+    (``benchmarks/flink_udf_decode.py``): ~0.5 M rows per CPU-second, 1.3-3.3x the CPU over
+    four runs, and a
     Python worker with trainscope's environment on every TaskManager.
 
 We chose (a): less CPU, and a cluster that runs the job needs no Python at all (the job plans in
 Python on the client; every operator is SQL). Both are small beside the windowing itself
-(~100 k events per CPU-second at parallelism 1, against ~200 k for the whole embedded
+(~75-100 k events per CPU-second at parallelism 1, against ~190-200 k for the whole embedded
 pipeline on one machine). Producers switch with ``TRAINSCOPE_WIRE=json``; every
 consumer (embedded pipeline, detection tier) reads both forms, so all engines read one topic.
 """
