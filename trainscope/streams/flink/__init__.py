@@ -19,8 +19,7 @@ the decode step of a Flink job, one core's CPU above the same job on an empty to
     short integer array) into a row, no Python per record: ~1.6 M rows per CPU-second;
 (b) the ``raw`` format and a Python table function decoding msgpack
     (``benchmarks/flink_udf_decode.py``): ~0.5 M rows per CPU-second, 1.3-3.3x the CPU over
-    four runs, and a
-    Python worker with trainscope's environment on every TaskManager.
+    four runs, and a Python worker with trainscope's environment on every TaskManager.
 
 We chose (a): less CPU, and a cluster that runs the job needs no Python at all (the job plans in
 Python on the client; every operator is SQL). Both are small beside the windowing itself
