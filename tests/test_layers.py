@@ -86,6 +86,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "trainscope.streams.faust_app",
         "trainscope.streams.faust_consumer",
     ),
+    # The PyFlink windowing tier: Flink SQL and the script that runs it. Runs in the Flink
+    # environment (numpy<2.2, no river, no chDB), so it stands on the schemas alone.
+    "flink": ("trainscope.streams.flink", "trainscope.streams.flink.*"),
     # Composition: the commands, the demo, the package's own attach()/step(), and the detector
     # contract check (it runs a simulated job through the pipeline). May import anything.
     "top": (
@@ -94,6 +97,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "trainscope.cli_demo",
         "trainscope.cli_traces",
         "trainscope.cli_stream",
+        # `trainscope stream flink`: starts the Flink job in the Flink environment.
+        "trainscope.cli_stream_flink",
         "trainscope.demo",
         "trainscope.publish_simulated",
         "trainscope.testing",
@@ -175,6 +180,10 @@ ALLOWED: dict[str, dict[str, str]] = {
         "schemas": "findings and windows in, control messages and call-path records out",
         "detectors": "a finding triggers a profile at the detectors' alert threshold",
         "traces": "the suspect's and the peer's call-path trees are diffed by the trace diff",
+    },
+    "flink": {
+        "schemas": "topic names, the sketch's bucket mapping and the JSON wire format the SQL "
+        "reads and writes; nothing else, as the Flink environment has nothing else",
     },
     "engine": {
         "schemas": "the engine turns records into WindowViews",

@@ -293,6 +293,13 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
               show_default=True,
               help="At most this many automatic profiles awaited at once, over all jobs.")
 @click.option("--detectors", "detector_names", metavar="NAME[,NAME…]", help=DETECTORS_HELP)
+@click.option("--input", "input_kind", type=click.Choice(["events", "summaries"]),
+              default="events", show_default=True,
+              help="events: read the producers' events and metrics topics and window them here. "
+                   "summaries: read the window summaries and step records of a windowing tier "
+                   "(`trainscope stream flink`) and the metrics topic; windows then wait one "
+                   "window more (--lateness-s is at least --window-s), as the tier may emit a "
+                   "window's rows in two parts.")
 def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: int | None,
              group: str, window_s: float | None,
              lateness_s: float, commit_interval_s: float, close_idle_s: float,
@@ -301,7 +308,8 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
              max_open_bytes: int, alertmanager_url: str | None, alert_resend_s: float,
              dashboard_url: str | None, metrics_port: int | None, metrics_bind: str,
              detector_names: str | None, auto_profile: bool, auto_profile_steps: int,
-             auto_profile_every_s: float, auto_profile_max_pending: int) -> None:
+             auto_profile_every_s: float, auto_profile_max_pending: int,
+             input_kind: str) -> None:
     """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job).
 
     At-least-once from the bus, exactly-once in the store: with every commit the open windows,
@@ -316,7 +324,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     from trainscope.sinks.clickhouse import ClickHouseSink
     from trainscope.store import StoreError
     from trainscope.streams.bus import BusError, open_bus
-    from trainscope.streams.bus_pipeline import Pipeline
+    from trainscope.streams.bus_pipeline import INPUT_TOPICS, Pipeline, summaries_lateness_s
     from trainscope.streams.logonce import quiet_repeats
 
     # Handlers first: a SIGTERM while the store opens, the checkpoint is restored or the group
@@ -330,6 +338,8 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     settings = from_context()
     store, url = settings.store(store, url)
     window_s = window_s if window_s is not None else settings.window_s
+    if input_kind == "summaries":
+        lateness_s = summaries_lateness_s(window_s, lateness_s)
     detectors = load_detectors(detector_names)  # before anything is opened: a typo fails fast
     notifier = None
     if alertmanager_url is not None:
@@ -373,7 +383,8 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
             profiler.on_window(view, findings)
 
     try:
-        p = Pipeline(bus, group=group, window_s=window_s, lateness_s=lateness_s, sink=sink,
+        p = Pipeline(bus, group=group, topics=INPUT_TOPICS[input_kind], window_s=window_s,
+                     lateness_s=lateness_s, sink=sink,
                      on_window=on_window, commit_interval_s=commit_interval_s,
                      on_profile=profiler.on_profile if profiler is not None else None,
                      job_idle_s=close_idle_s, source_idle_s=source_idle_s,

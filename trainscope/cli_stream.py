@@ -95,3 +95,10 @@ def faust(bus_url: str, store: Path | None, url: str | None, app_id: str, partit
         run_worker(app, job)
     finally:
         sink.close()
+
+
+# `trainscope stream flink` lives with the Flink tier's own code (it must not import the
+# Faust app's dependencies, nor they its).
+from trainscope.cli_stream_flink import register  # noqa: E402
+
+register(stream)

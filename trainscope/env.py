@@ -22,6 +22,11 @@ TRAINSCOPE_WINDOW_S = "TRAINSCOPE_WINDOW_S"
 DEFAULT_WINDOW_S = 15.0
 """Its default, here because every producer (live or replayed) must cut the same windows."""
 
+TRAINSCOPE_WIRE = "TRAINSCOPE_WIRE"
+"""How producers encode bus messages: ``msgpack`` (default) or ``json`` (the form the PyFlink
+job reads; see trainscope.schemas.json_wire). Consumers read both. Read by the wire codec
+itself (trainscope.schemas.codec), the one place every producer encodes through."""
+
 TRAINSCOPE_QUEUE_SIZE = "TRAINSCOPE_QUEUE_SIZE"
 """Records the in-process sender holds before it drops (and counts) new ones. Default 10000."""
 

@@ -9,6 +9,10 @@ Decoding validates every field against the structs; a malformed message raises
 entry says exactly what was wrong. No other exception escapes :func:`decode_batch`, whatever the
 bytes. Value checks that types cannot express (ranges, finite numbers, bounded strings) live in
 :mod:`trainscope.schemas.validate`.
+
+Producers may send the JSON form instead (:mod:`trainscope.schemas.json_wire`, which Flink reads
+natively): ``TRAINSCOPE_WIRE=json`` in the producer's environment, or ``wire="json"``.
+:func:`decode_envelope` takes either, by the first byte.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import msgspec
 
 from trainscope.schemas.errors import TrainscopeError
+from trainscope.schemas.json_wire import JSON_WIRE, WIRES, decode_json, encode_json_batch
 from trainscope.schemas.records import SCHEMA_VERSION, Record
 
 
@@ -60,7 +65,25 @@ class _Stamp:
 _stamp = _Stamp()
 
 
-def encode_batch(records: Iterable[Record]) -> bytes:
+# Read here rather than through trainscope.settings (a layer above the schemas): every producer
+# encodes through this function, and the wire must not depend on which one it is.
+_WIRE_VARIABLE = "TRAINSCOPE_WIRE"
+
+
+def default_wire() -> str:
+    """``msgpack`` unless ``TRAINSCOPE_WIRE`` names another wire; an unknown name raises."""
+    wire = os.environ.get(_WIRE_VARIABLE, "").strip().lower() or WIRES[0]
+    if wire not in WIRES:
+        raise ValueError(
+            f"{_WIRE_VARIABLE}={wire!r} is not a wire format; known: {', '.join(WIRES)}"
+        )
+    return wire
+
+
+def encode_batch(records: Iterable[Record], wire: str | None = None) -> bytes:
+    wire = default_wire() if wire is None else wire
+    if wire == JSON_WIRE:
+        return encode_json_batch(list(records), _stamp.producer_id, next(_stamp.seq))
     return _encoder.encode(
         Batch(records=list(records), producer_id=_stamp.producer_id, seq=next(_stamp.seq))
     )
@@ -72,6 +95,8 @@ def decode_batch(payload: bytes) -> list[Record]:
 
 def decode_envelope(payload: bytes) -> Batch:
     """The whole envelope, with the producer stamp, for consumers that deduplicate."""
+    if payload[:1] == b"{":
+        return _decode_json_envelope(payload)
     try:
         batch = _decoder.decode(payload)
     except msgspec.ValidationError as exc:
@@ -85,6 +110,22 @@ def decode_envelope(payload: bytes) -> Batch:
     if batch.v > SCHEMA_VERSION:
         raise BadMessage(f"batch schema version {batch.v} is newer than {SCHEMA_VERSION}")
     return batch
+
+
+def _decode_json_envelope(payload: bytes) -> Batch:
+    try:
+        records, producer_id, seq, version = decode_json(payload)
+    except msgspec.ValidationError as exc:
+        raise BadMessage(f"JSON message ({len(payload)} bytes): {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadMessage(f"not a JSON batch ({len(payload)} bytes): {exc}") from None
+    except Exception as exc:  # a column of the wrong length, a value out of range
+        raise BadMessage(
+            f"JSON message ({len(payload)} bytes): {type(exc).__name__}: {exc}"
+        ) from None
+    if version > SCHEMA_VERSION:
+        raise BadMessage(f"batch schema version {version} is newer than {SCHEMA_VERSION}")
+    return Batch(records=records, producer_id=producer_id, seq=seq)
 
 
 def _describe(exc: msgspec.ValidationError, payload: bytes) -> str:

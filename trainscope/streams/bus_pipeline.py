@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from trainscope.schemas.topics import SUMMARIES_TOPIC
 from trainscope.streams.bus import (
     DEAD_LETTER_TOPIC,
     EVENTS_TOPIC,
@@ -48,6 +49,22 @@ log = logging.getLogger(__name__)
 # The Kafka client retries some commit failures internally until the call times out; polling
 # waits meanwhile, so a commit may not hold the loop for long. It is retried at the next interval.
 COMMIT_TIMEOUT_S = 3.0
+
+
+# What the pipeline reads, by deployment: the producers' events (it windows them itself), or the
+# window summaries and step records a windowing tier (the PyFlink job,
+# trainscope.streams.flink) computed from them; metrics come from the producers either way.
+INPUT_TOPICS: dict[str, tuple[str, ...]] = {
+    "events": (EVENTS_TOPIC, METRICS_TOPIC),
+    "summaries": (SUMMARIES_TOPIC, METRICS_TOPIC),
+}
+
+
+def summaries_lateness_s(window_s: float, lateness_s: float) -> float:
+    """Lateness for the ``summaries`` input: the windowing tier may emit a window's rows in two
+    parts one of its windows apart (see trainscope.streams.flink.sql), so a window waits until
+    rows of the window after next arrive."""
+    return max(lateness_s, window_s)
 
 
 class SinkUnavailable(RuntimeError):
