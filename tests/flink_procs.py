@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from pipeline_procs import PipelineProcess, publish
 
 from trainscope.cli_stream_flink import default_flink_python
 from trainscope.streams.bus import Message, open_bus
@@ -118,3 +119,34 @@ def read_store(store: Path) -> dict:
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+# Every 7th message is sent twice, as a producer re-sending after a timeout does: both engines
+# must read it once.
+JOB = ["--job-id", "flink-job", "--dp", "4", "--pp", "2", "--tp", "2", "--steps", "60",
+       "--start-s", "1767225600", "--spans", "--fault", "slow-gpu:rank=5,factor=1.4",
+       "--resend-every", "7"]
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+def publish_json(url: str, *args: str) -> dict:
+    os.environ["TRAINSCOPE_WIRE"] = "json"
+    try:
+        return publish(url, *args)
+    finally:
+        del os.environ["TRAINSCOPE_WIRE"]
+
+
+def detect(url: str, store: Path, group: str, *args: str, logs: Path) -> dict:
+    pipeline = PipelineProcess(url, store, group, "--close-idle-s", "2", "--idle-exit-s", "4",
+                               "--no-auto-profile", *args, logs=logs)
+    assert pipeline.wait() == 0, pipeline.err_text()
+    assert "Traceback" not in pipeline.err_text()
+    return pipeline.stats()
+
+
+def by_key(rows: list[list]) -> dict[tuple, list]:
+    """Summary rows by (job, rank, layer, name, call path, window)."""
+    keyed = {tuple(r[:6]): r[6:] for r in rows}
+    assert len(keyed) == len(rows), "a function's window is stored twice"
+    return keyed

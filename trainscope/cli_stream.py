@@ -43,9 +43,15 @@ def stream() -> None:
 @click.option("--idle-exit-s", type=float, default=None,
               help="Exit once every window is written and nothing arrived for this long.")
 @click.option("--detectors", "detector_names", metavar="NAME[,NAME…]", help=DETECTORS_HELP)
+@click.option("--input", "input_kind", type=click.Choice(["events", "summaries"]),
+              default="events", show_default=True,
+              help="events: read the producers' events and metrics topics and window them. "
+                   "summaries: be the detection tier behind `trainscope stream flink`: read its "
+                   "window summaries and step records and the metrics topic (--lateness-s is "
+                   "then at least --window-s, as for `trainscope pipeline --input summaries`).")
 def faust(bus_url: str, store: Path | None, url: str | None, app_id: str, partitions: int,
           window_s: float | None, lateness_s: float, close_idle_s: float, source_idle_s: float,
-          idle_exit_s: float | None, detector_names: str | None) -> None:
+          idle_exit_s: float | None, detector_names: str | None, input_kind: str) -> None:
     """One Faust worker of the stream job; start several (same --app-id) to share the work.
 
     Messages are re-keyed by job through the topic APP-ID-by-job, so one job's records meet in
@@ -59,6 +65,7 @@ def faust(bus_url: str, store: Path | None, url: str | None, app_id: str, partit
     from trainscope.settings import from_context
     from trainscope.sinks.clickhouse import ClickHouseSink
     from trainscope.store import StoreError
+    from trainscope.streams.bus_pipeline import INPUT_TOPICS, summaries_lateness_s
     from trainscope.streams.faust_app import (
         REBALANCE_TIMEOUT_S,
         SESSION_TIMEOUT_S,
@@ -80,11 +87,13 @@ def faust(bus_url: str, store: Path | None, url: str | None, app_id: str, partit
     settings = from_context()
     store, url = settings.store(store, url)
     detectors = load_detectors(detector_names)
+    window_s = window_s if window_s is not None else settings.window_s
+    if input_kind == "summaries":
+        lateness_s = summaries_lateness_s(window_s, lateness_s)
     options = FaustOptions(
-        broker=bus_url, app_id=app_id, partitions=partitions,
-        window_s=window_s if window_s is not None else settings.window_s,
-        lateness_s=lateness_s, source_idle_s=source_idle_s, close_idle_s=close_idle_s,
-        idle_exit_s=idle_exit_s,
+        broker=bus_url, app_id=app_id, partitions=partitions, topics=INPUT_TOPICS[input_kind],
+        window_s=window_s, lateness_s=lateness_s, source_idle_s=source_idle_s,
+        close_idle_s=close_idle_s, idle_exit_s=idle_exit_s,
     )
     try:
         sink = ClickHouseSink.open(store, url, settings=settings)

@@ -4,16 +4,13 @@ tables, same findings — with two workers, and with one of them SIGKILLed mid-j
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer
+from faust_procs import IDLE, FaustWorker
 from kafka_broker import TansuBroker
 from pipeline_procs import TABLES, PipelineProcess, dump_tables, publish, start_publisher
 
@@ -27,35 +24,6 @@ JOBS = [
      "--seed", str(n), *(["--fault", "slow-gpu:rank=3,factor=1.5"] if n == 2 else [])]
     for n in (0, 1, 2, 4)
 ]
-IDLE = ["--close-idle-s", "3", "--idle-exit-s", "6"]
-
-
-class FaustWorker:
-    """``trainscope stream faust`` as a child process; stdout and stderr kept in files."""
-
-    def __init__(self, url: str, store: Path, app_id: str, logs: Path,
-                 idle: tuple[str, ...] = tuple(IDLE)) -> None:
-        self.stderr = logs.with_suffix(".err")
-        with logs.with_suffix(".out").open("wb") as out, self.stderr.open("wb") as err:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "trainscope.cli", "-v", "stream", "faust", "--bus", url,
-                 "--store", str(store), "--app-id", app_id, *idle],
-                stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-
-    def err_text(self) -> str:
-        return self.stderr.read_text(errors="replace")
-
-    def wait(self, timeout_s: float = 150) -> dict:
-        """Its final counts (the JSON line on stderr) once it exited 0."""
-        assert self.process.wait(timeout=timeout_s) == 0, self.err_text()
-        assert "Traceback" not in self.err_text(), self.err_text()
-        for line in reversed(self.err_text().splitlines()):
-            if line.startswith("{"):
-                return json.loads(line)
-        raise AssertionError(f"no stats line:\n{self.err_text()}")
-
-
 def union(stores: list[Path]) -> dict[str, list[str]]:
     """Every table's rows over the workers' stores, sorted. Each worker owns a chDB store of
     its own; with one shared ClickHouse server, ``FINAL`` would merge a window that two

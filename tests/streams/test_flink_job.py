@@ -10,7 +10,6 @@ Both stores must hold the same per-function windows and the same findings.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,54 +20,28 @@ from pathlib import Path
 
 import pytest
 from flink_procs import (
+    JOB,
+    QUANTILES,
+    by_key,
+    detect,
     flink_python_or_skip,
+    publish_json,
     publish_raw,
     read_store,
     read_topic,
     run_flink,
     seal,
 )
-from pipeline_procs import PipelineProcess, publish
 
 from trainscope.schemas import sketch
 from trainscope.schemas.codec import decode_envelope, encode_batch
 from trainscope.schemas.records import FunctionSummary, MetricSample
 from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SUMMARIES_TOPIC
 
-# Every 7th message is sent twice, as a producer re-sending after a timeout does: both engines
-# must read it once.
-JOB = ["--job-id", "flink-job", "--dp", "4", "--pp", "2", "--tp", "2", "--steps", "60",
-       "--start-s", "1767225600", "--spans", "--fault", "slow-gpu:rank=5,factor=1.4",
-       "--resend-every", "7"]
-QUANTILES = (0.5, 0.9, 0.99)
-
 
 @pytest.fixture(scope="module")
 def flink_python() -> Path:
     return flink_python_or_skip()
-
-
-def publish_json(url: str, *args: str) -> dict:
-    os.environ["TRAINSCOPE_WIRE"] = "json"
-    try:
-        return publish(url, *args)
-    finally:
-        del os.environ["TRAINSCOPE_WIRE"]
-
-
-def detect(url: str, store: Path, group: str, *args: str, logs: Path) -> dict:
-    pipeline = PipelineProcess(url, store, group, "--close-idle-s", "2", "--idle-exit-s", "4",
-                               "--no-auto-profile", *args, logs=logs)
-    assert pipeline.wait() == 0, pipeline.err_text()
-    assert "Traceback" not in pipeline.err_text()
-    return pipeline.stats()
-
-
-def by_key(rows: list[list]) -> dict[tuple, list]:
-    """Summary rows by (job, rank, layer, name, call path, window)."""
-    keyed = {tuple(r[:6]): r[6:] for r in rows}
-    assert len(keyed) == len(rows), "a function's window is stored twice"
-    return keyed
 
 
 @pytest.mark.kafka

@@ -343,6 +343,23 @@ def _ack_if_delivered(event: Any, delivery: asyncio.Future) -> None:
     event.ack()
 
 
+async def _all_partitions(app: faust.App, topics: tuple[str, ...]) -> list[tuple[str, int]]:
+    """Every partition of ``topics``, not only this worker's. From the producer's metadata: the
+    consumer's (``topic_partitions``) is the group leader's alone, so another worker would
+    expect no source at all and close windows on whichever arrived first."""
+    producer = app.producer._ensure_producer()  # faust's aiokafka driver; public API below
+    sources = []
+    for topic in topics:
+        try:
+            partitions = await asyncio.wait_for(producer.partitions_for(topic), 10.0)
+        except Exception as exc:  # not created yet: its first records will make it a source
+            log.warning("partitions of %s unknown (%s): it holds no window until it delivers",
+                        topic, exc or type(exc).__name__)
+            continue
+        sources.extend((topic, partition) for partition in sorted(partitions))
+    return sources
+
+
 def build_app(options: FaustOptions, sink: Any | None,
               detectors: list[Any] | None = None) -> tuple[faust.App, FaustWorkerJob]:
     """The Faust app of one worker process, writing to ``sink``."""
@@ -411,10 +428,7 @@ def build_app(options: FaustOptions, sink: Any | None,
         job.assigned({tp.partition for tp in assigned if tp.topic == by_job.get_topic_name()})
         # The window engine's sources are the producers' partitions (see window_source): any
         # of them may still carry a job's oldest records, through either worker's rekey agent.
-        pipeline.engine.expect_sources([
-            (topic, partition) for topic in options.topics
-            for partition in range(app.consumer.topic_partitions(topic) or 0)
-        ])
+        pipeline.engine.expect_sources(await _all_partitions(app, options.topics))
         job.started = True
         job.last_event_s = time.monotonic()
 
