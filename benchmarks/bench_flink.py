@@ -1,4 +1,4 @@
-"""Throughput of the PyFlink windowing tier beside the embedded engine, on the same input.
+"""Throughput of the stream engines on the same input: embedded, Faust, and the PyFlink tier.
 
     python benchmarks/bench_flink.py [--steps 400] [--quick] [--udf]
 
@@ -6,8 +6,11 @@ One simulated 64-rank job (raw spans, a slow GPU) is published once, in the JSON
 onto a real broker (Tansu). Then, one after the other, on the same topic:
 
 - **embedded**: ``trainscope pipeline`` (decode, window, detect, write to chDB) in one process;
+- **faust**: ``trainscope stream faust``, one worker, doing the same
+  (decode, window, detect, chDB) behind its rekey agent;
 - **flink p=1 / p=2**: ``trainscope stream flink --bounded`` (local mini-cluster), then
-  ``trainscope pipeline --input summaries`` (the detection tier) on its output;
+  ``trainscope pipeline --input summaries`` (the detection tier) on its output, and a Faust
+  worker as that tier (``trainscope stream faust --input summaries``);
 - **flink, empty topic**: the fixed cost of starting a job (JVM, planner, mini-cluster), so the
   per-event cost can be told from it;
 - ``--udf``: the wire format we did not choose: the events topic read ``raw`` and decoded by a
@@ -102,6 +105,11 @@ def pipeline(url: str, store: Path, group: str, *args: str) -> list[str]:
                "--close-idle-s", "2", "--idle-exit-s", "3", "--no-auto-profile", *args)
 
 
+def faust(url: str, store: Path, app_id: str, *args: str) -> list[str]:
+    return cli("stream", "faust", "--bus", url, "--store", str(store), "--app-id", app_id,
+               "--close-idle-s", "2", "--idle-exit-s", "3", *args)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, default=8)
@@ -141,6 +149,8 @@ def main() -> int:
 
         wall, cpu, _ = measured(pipeline(url, Path(tmp) / "embedded", "embedded"))
         record("embedded pipeline (decode + window + detect + store)", wall, cpu)
+        wall, cpu, _ = measured(faust(url, Path(tmp) / "faust", "bench-faust"))
+        record("faust, 1 worker (rekey + decode + window + detect + store)", wall, cpu)
 
         # Fixed cost: the same job on a topic that holds nothing (but exists).
         empty = open_bus(url)
@@ -166,6 +176,9 @@ def main() -> int:
         wall, cpu, _ = measured(pipeline(url, Path(tmp) / "tiered", "tiered",
                                          "--input", "summaries"))
         record("detection tier on flink's output (decode + detect + store)", wall, cpu)
+        wall, cpu, _ = measured(faust(url, Path(tmp) / "faust-tier", "bench-faust-tier",
+                                      "--input", "summaries"))
+        record("faust, 1 worker, as the detection tier on flink's output", wall, cpu)
         if args.udf:
             copy_as_msgpack(url, EVENTS_TOPIC, "msgpack.events")
             seal(servers, "msgpack.events")
