@@ -19,8 +19,8 @@ counted anywhere.
   offsets have no holes; a message further on was fetched before a seek.
 
 Agents may then receive a message twice; the Faust app recognises repeats (see
-:mod:`trainscope.streams.faust_app`). This removed the loss in six probe runs in a row, but one
-later run still lost 7 of 562 messages by a path not yet found (see the README).
+:mod:`trainscope.streams.faust_app`). This removed the loss in six probe runs in a row, but later
+runs still lost records by paths not yet found (see the README).
 """
 
 from __future__ import annotations
