@@ -8,6 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
+
+from trainscope.schemas.topics import EVENTS_TOPIC, METRICS_TOPIC
+
 IDLE = ["--close-idle-s", "3", "--idle-exit-s", "6"]
 
 
@@ -35,3 +40,27 @@ class FaustWorker:
             if line.startswith("{"):
                 return json.loads(line)
         raise AssertionError(f"no stats line:\n{self.err_text()}")
+
+
+async def uncommitted(servers: str, app_id: str) -> dict[str, int]:
+    """Per partition of the sources and the repartition topic, the messages past the group's
+    committed position ("topic[partition]" → count; empty when the group committed all). Once
+    the workers drained the stream and stopped, anything here was handled but never committed,
+    and a commit rule that stalls shows here."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=servers, group_id=app_id,
+                                enable_auto_commit=False)
+    await consumer.start()
+    try:
+        await consumer.topics()  # fills the metadata partitions_for_topic reads
+        tps = [TopicPartition(topic, p) for topic in (EVENTS_TOPIC, METRICS_TOPIC,
+                                                      f"{app_id}-by-job")
+               for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        ends = await consumer.end_offsets(tps)
+        behind = {}
+        for tp in tps:
+            committed = await consumer.committed(tp) or 0
+            if ends[tp] > committed:
+                behind[f"{tp.topic}[{tp.partition}]"] = ends[tp] - committed
+        return behind
+    finally:
+        await consumer.stop()

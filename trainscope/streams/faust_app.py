@@ -148,6 +148,7 @@ class FaustWorkerJob:
         self.table = table
         self.by_job = by_job
         self._held: dict[TP, deque[Any]] = {}
+        self._repeats: dict[TP, list[Any]] = {}  # delivered again, handled before
         self._job_partition: dict[str, int] = {}
         self._saved: dict[str, tuple[int, Topology | None, int | None]] = {}
         self.last_event_s = time.monotonic()
@@ -203,7 +204,11 @@ class FaustWorkerJob:
             if m.partition not in self._owned:
                 continue  # delivered before a rebalance took the partition away
             if m.offset < self._next_offset.get(m.tp, -1):
-                continue  # a kept partition delivered again from its committed position
+                # A kept partition delivered again from its committed position. The rebalance
+                # dropped Faust's record of what was acknowledged, so the repeat is
+                # acknowledged too, once its offset is settled: the commit waits for it.
+                self._repeats.setdefault(m.tp, []).append(event)
+                continue
             self._next_offset[m.tp] = m.offset + 1
             job = job_of(m.key).decode(errors="replace")
             if job not in self._job_partition:
@@ -273,6 +278,17 @@ class FaustWorkerJob:
                 continue
             while held and held[0].message.offset < position:
                 held.popleft().ack()
+        for tp, repeats in self._repeats.items():
+            position = positions.get((tp.topic, tp.partition))
+            if position is None:
+                continue
+            waiting = []
+            for event in repeats:
+                if event.message.offset < position:
+                    event.ack()
+                else:
+                    waiting.append(event)
+            repeats[:] = waiting
 
     def assigned(self, partitions: set[int]) -> None:
         """The repartition topic's partitions after a rebalance. Faust revokes every partition
@@ -287,6 +303,7 @@ class FaustWorkerJob:
         for partition in lost:
             tp = TP(topic, partition)
             self._held.pop(tp, None)
+            self._repeats.pop(tp, None)
             self._next_offset.pop(tp, None)
             self.pipeline.offsets.forget((topic, partition))
         self._batch = [e for e in self._batch if e.message.partition not in lost]
@@ -403,8 +420,9 @@ def build_app(options: FaustOptions, sink: Any | None,
         # A source message is acknowledged (so its offset may be committed) only once the
         # broker has its forward: acknowledged when handed over, a forward still in the
         # producer's buffer when the worker is killed would be lost with its source offset
-        # committed. Faust commits the longest run of acknowledged offsets, so forwards that
-        # complete out of order hold the position back, never past one still in flight.
+        # committed. Forwards to different partitions complete in any order: the consumer
+        # (faust_consumer) commits only a run of acknowledged offsets from the committed
+        # position, so the position never passes a forward still in flight.
         async for event in stream.noack().events():
             origin = f"{event.message.topic}:{event.message.partition}".encode()
             delivery = await by_job.send(key=job_of(event.key), value=event.value,
