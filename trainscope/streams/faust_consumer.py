@@ -115,7 +115,7 @@ class RebalanceSafeConsumer(Consumer):
             starts = {tp: start for tp in uncommitted
                       if (start := earliest.get(tp)) is not None and start >= 0}
             if starts:
-                await self._seek_in_consumer_thread(starts)
+                await self.seek_wait(starts)  # in the consumer's thread, see seek()
                 positions.update(starts)
         for tp, offset in positions.items():
             self._next_handover[tp] = offset
@@ -145,17 +145,16 @@ class RebalanceSafeConsumer(Consumer):
             self._first_read.pop(tp, None)
 
     async def seek(self, partition: TP, offset: int) -> None:
-        await self._seek_in_consumer_thread({partition: offset})
-        self._next_handover[partition] = offset
-        self._seeks += 1
+        await self._seek_to({partition: offset})
 
-    async def _seek_in_consumer_thread(self, offsets: dict[TP, int]) -> None:
+    async def _seek_to(self, offsets: dict[TP, int]) -> None:
         # Faust's seek() calls aiokafka from this thread while the consumer runs in its own:
         # now and then its fetcher then never wakes, and the worker stops reading for good.
-        # seek_wait seeks in the consumer's thread and waits for the new positions.
+        # seek_wait seeks in the consumer's thread (setting the read offsets as seek() does)
+        # and waits for the new positions.
         await self.seek_wait(offsets)
-        for tp, offset in offsets.items():
-            self._read_offset[tp] = offset if offset else None  # as Faust's seek()
+        self._next_handover.update(offsets)
+        self._seeks += 1
 
     def _new_offset(self, tp: TP) -> int | None:
         base = self._committed_offset[tp]
@@ -190,14 +189,17 @@ class RebalanceSafeConsumer(Consumer):
             await self._refetch(behind)
 
     async def _refetch(self, first_unread: dict[Any, int]) -> None:
-        for tp, offset in first_unread.items():
-            if tp not in self.assignment():
-                continue  # taken away: its new owner reads it from the committed offset
-            log.info("%s: fetching again from offset %d", tp, offset)
-            try:
-                await self.seek(tp, offset)
-            except Exception as exc:  # revoked meanwhile: the same as above
-                log.debug("could not seek %s to %d: %s", tp, offset, exc)
+        # A partition taken away is read from its committed offset by its new owner.
+        assigned = self.assignment()
+        offsets = {tp: offset for tp, offset in first_unread.items() if tp in assigned}
+        if not offsets:
+            return
+        log.info("fetching again from %s", ", ".join(
+            f"{tp.topic}[{tp.partition}]@{offset}" for tp, offset in sorted(offsets.items())))
+        try:
+            await self._seek_to(offsets)
+        except Exception as exc:  # revoked meanwhile: the same as above
+            log.debug("could not seek to %s: %s", offsets, exc)
 
     async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - see module doc
         callback = self.callback
@@ -266,7 +268,6 @@ class RebalanceSafeConsumer(Consumer):
                     waited = await self.wait_first(handover, self.suspend_flow.wait())
                     if self._seeks != seeks or handover not in waited.done:
                         # Cut short by a rebalance, or a seek meanwhile: it comes again.
-                        stale = stale or self._seeks != seeks
                         if next_handover.get(tp) is not None:
                             first_unread[tp] = next_handover[tp]
                         continue
