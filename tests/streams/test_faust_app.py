@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer
 from faust_procs import IDLE, FaustWorker, uncommitted
+from flink_procs import publish_raw, read_topic
 from kafka_broker import TansuBroker
 from pipeline_procs import TABLES, PipelineProcess, dump_tables, publish, start_publisher
 
 from trainscope.schemas.codec import decode_envelope
-from trainscope.schemas.topics import EVENTS_TOPIC, METRICS_TOPIC
+from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, METRICS_TOPIC
 
 # Four jobs whose keys hash to the four partitions of the repartition topic (Kafka's murmur2),
 # so that however two workers split them, both get work. A slow GPU in one of them.
@@ -78,6 +79,30 @@ def test_two_faust_workers_write_what_the_embedded_engine_writes(
 
 @pytest.mark.kafka
 @pytest.mark.slow
+def test_a_message_no_worker_can_read_is_dead_lettered_and_the_worker_goes_on(
+    fresh_kafka_broker: TansuBroker, tmp_path: Path
+) -> None:
+    """Four bytes and a text line among a job's messages: the worker sets both aside on the
+    dead-letter topic with their reason, counts them as rejected, commits past them, and
+    writes the job as the embedded engine does."""
+    url = fresh_kafka_broker.url
+    bad = [b"\x00\x01\x02\x03", b"not a trainscope message"]
+    publish_raw(fresh_kafka_broker.bootstrap_servers, EVENTS_TOPIC, bad[:1])
+    assert publish(url, *JOBS[2])["bus"]["failed"] == 0  # the one with a slow GPU
+    publish_raw(fresh_kafka_broker.bootstrap_servers, EVENTS_TOPIC, bad[1:])
+    stats = FaustWorker(url, tmp_path / "w0", "bad-input", tmp_path / "w0").wait()
+    assert stats["decode"]["rejected"] == 2, stats
+    letters = read_topic(url, DEAD_LETTER_TOPIC)
+    assert sorted(m.value for m in letters) == sorted(bad)
+    # The reason names where the message was read: the repartition topic, partition, offset.
+    assert all(m.key.startswith(b"bad-input-by-job[") for m in letters), letters
+    assert asyncio.run(uncommitted(fresh_kafka_broker.bootstrap_servers, "bad-input")) == {}
+    got = union([tmp_path / "w0"])
+    assert_same_tables(embedded(url, tmp_path), got)
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
 def test_a_worker_killed_mid_job_is_replaced_by_the_other(
     fresh_kafka_broker: TansuBroker, tmp_path: Path
 ) -> None:
@@ -116,6 +141,37 @@ def test_a_worker_killed_mid_job_is_replaced_by_the_other(
     assert_same_tables(expected, got)
     # The survivor committed everything it handled before it stopped.
     assert asyncio.run(uncommitted(fresh_kafka_broker.bootstrap_servers, "failover")) == {}
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_a_lone_worker_killed_mid_job_and_started_again_loses_nothing(
+    fresh_kafka_broker: TansuBroker, tmp_path: Path
+) -> None:
+    """One worker, SIGKILLed while the jobs are published live, then started again as a new
+    process: it restores the jobs table from its changelog and reads on from the committed
+    positions; both runs' stores together equal an uninterrupted embedded run's."""
+    url = fresh_kafka_broker.url
+    publishers = [start_publisher(url, *job, "--steps-per-s", "6", out=tmp_path / f"pub{i}")
+                  for i, job in enumerate(JOBS)]
+    first = FaustWorker(url, tmp_path / "w0", "restart", tmp_path / "w0")
+    deadline = time.monotonic() + 60
+    while "settled" not in first.err_text():  # working: a job's state is in the table
+        assert time.monotonic() < deadline and first.process.poll() is None, first.err_text()
+        time.sleep(0.2)
+    time.sleep(2)
+    assert any(p.poll() is None for p in publishers), "the jobs ended before the kill"
+    first.process.send_signal(signal.SIGKILL)
+    first.process.wait(timeout=30)
+    # Idle closing above the time the group takes to forget the dead member.
+    second = FaustWorker(url, tmp_path / "w1", "restart", tmp_path / "w1",
+                         ("--close-idle-s", "25", "--idle-exit-s", "30"))
+    for p in publishers:
+        assert p.wait(timeout=120) == 0
+    assert second.wait(timeout_s=150)["window"]["dropped"] == 0
+    got = union([tmp_path / "w0", tmp_path / "w1"])
+    assert_same_tables(embedded(url, tmp_path), got)
+    assert asyncio.run(uncommitted(fresh_kafka_broker.bootstrap_servers, "restart")) == {}
 
 
 async def never_forwarded(servers: str, app_id: str) -> tuple[dict[str, list[int]], int]:
