@@ -5,7 +5,7 @@ tests/producers/agent/fakecuda.py) calls ``cudaLaunchKernel`` at a paced rate â€
 by default, spread over a few threads. Two observers are measured in the same run, one after
 the other, on the same process and rate:
 
-- ``in-kernel``: the real agent (``python -m trainscope.producers.agent``) at its default
+- ``in-kernel``: the real agent (``python -m trainscope.cli.agent``) at its default
   interval; the BPF program aggregates counts and log2 histograms in maps that the agent reads
   once per interval;
 - ``perf-buffer``: the classic design â€” the same uprobes, but each return submits one event
@@ -124,7 +124,7 @@ def measure(variant: str, fake, rate: int, threads: int, seconds: float) -> dict
         command = [
             sys.executable,
             "-m",
-            "trainscope.producers.agent",
+            "trainscope.cli.agent",
             "--pid",
             str(driver.pid),
             "--no-nvml",

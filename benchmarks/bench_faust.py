@@ -33,7 +33,7 @@ IDLE_EXIT_S = 3.0
 
 def publish(url: str, steps: int) -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "trainscope.publish_simulated", "--bus", url, "--dp", "8",
+        [sys.executable, "-m", "trainscope.cli.publish_simulated", "--bus", url, "--dp", "8",
          "--pp", "2", "--tp", "2", "--steps", str(steps), "--seed", "1",
          "--fault", "slow-gpu:rank=9,factor=1.5"],
         capture_output=True, text=True, check=True,
@@ -61,7 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=480)
     args = parser.parse_args()
-    cli = [sys.executable, "-m", "trainscope.cli"]
+    cli = [sys.executable, "-m", "trainscope.cli.main"]
     idle = ["--close-idle-s", "2", "--idle-exit-s", str(IDLE_EXIT_S)]
     with TansuBroker() as broker, tempfile.TemporaryDirectory() as tmp:
         sent = publish(broker.url, args.steps)

@@ -42,9 +42,9 @@ sys.path.insert(0, str(REPO / "tests"))
 from flink_procs import read_topic, seal  # noqa: E402
 from kafka_broker import TansuBroker  # noqa: E402
 
-from trainscope.cli_stream_flink import default_flink_python  # noqa: E402
+from trainscope.cli.stream_flink import default_flink_python  # noqa: E402
 from trainscope.schemas.topics import EVENTS_TOPIC, SUMMARIES_TOPIC  # noqa: E402
-from trainscope.streams.bus import open_bus  # noqa: E402
+from trainscope.transport.bus import open_bus  # noqa: E402
 
 
 def measured(command: list[str], env: dict[str, str] | None = None) -> tuple[float, float, str]:
@@ -97,7 +97,7 @@ def _counted(out: str) -> int:
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "trainscope.cli", *args]
+    return [sys.executable, "-m", "trainscope.cli.main", *args]
 
 
 def pipeline(url: str, store: Path, group: str, *args: str) -> list[str]:
@@ -133,7 +133,7 @@ def main() -> int:
     results = []
     with TansuBroker() as broker, tempfile.TemporaryDirectory() as tmp:
         url, servers = broker.url, broker.bootstrap_servers
-        _, _, out = measured([sys.executable, "-m", "trainscope.publish_simulated", "--bus",
+        _, _, out = measured([sys.executable, "-m", "trainscope.cli.publish_simulated", "--bus",
                               url, *job], env={"TRAINSCOPE_WIRE": "json"})
         sent = json.loads(out.strip().splitlines()[0])
         events = sent["events"]

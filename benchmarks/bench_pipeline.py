@@ -45,12 +45,13 @@ import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from trainscope.demo import publish_step  # noqa: E402
+from trainscope.cli.demo_job import publish_step  # noqa: E402
 from trainscope.detectors.base import WindowView  # noqa: E402
 from trainscope.detectors.multivariate import RankAnomalyDetector  # noqa: E402
 from trainscope.detectors.peer import PeerDiffDetector  # noqa: E402
 from trainscope.detectors.registry import DetectorRunner  # noqa: E402
 from trainscope.detectors.steptime import StepTimeDetector  # noqa: E402
+from trainscope.engine.pipeline import EmbeddedPipeline  # noqa: E402
 from trainscope.producers.agent.aggregate import WindowAggregator  # noqa: E402
 from trainscope.producers.simulate import (  # noqa: E402
     ClusterSpec,
@@ -67,9 +68,8 @@ from trainscope.schemas.records import (  # noqa: E402
 )
 from trainscope.schemas.summaries import summary_batches  # noqa: E402
 from trainscope.sinks.clickhouse import ClickHouseSink  # noqa: E402
-from trainscope.streams.bus import EVENTS_TOPIC, METRICS_TOPIC  # noqa: E402
-from trainscope.streams.memory_bus import MemoryBus  # noqa: E402
-from trainscope.streams.pipeline import EmbeddedPipeline  # noqa: E402
+from trainscope.transport.bus import EVENTS_TOPIC, METRICS_TOPIC  # noqa: E402
+from trainscope.transport.memory import MemoryBus  # noqa: E402
 
 SIZES = {64: (8, 4, 2), 1024: (64, 8, 2)}
 SUMMARY_SIZES = {1024: (64, 8, 2), 10240: (640, 8, 2)}

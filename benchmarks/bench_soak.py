@@ -68,7 +68,7 @@ def pipeline(url: str, store: Path, log: Path, *extra: str, verbose: bool = Fals
              ) -> subprocess.Popen[bytes]:
     with log.open("ab") as err:
         return subprocess.Popen(
-            [sys.executable, "-m", "trainscope.cli", *(["-v"] if verbose else []), "pipeline",
+            [sys.executable, "-m", "trainscope.cli.main", *(["-v"] if verbose else []), "pipeline",
              "--bus", url, "--store",
              str(store), "--group", "soak", "--window-s", str(WINDOW_S), *extra],
             stdout=subprocess.DEVNULL, stderr=err,
@@ -94,7 +94,7 @@ def soak(minutes: float, url: str | None, sample_s: float, workdir: Path) -> dic
         producer_out = workdir / "producer.out"
         with producer_out.open("wb") as out:
             producer = subprocess.Popen(
-                [sys.executable, "-m", "trainscope.publish_simulated", "--bus", url,
+                [sys.executable, "-m", "trainscope.cli.publish_simulated", "--bus", url,
                  "--dp", "8", "--pp", "4", "--tp", "2", "--steps", str(steps),
                  "--steps-per-s", str(STEPS_PER_S), "--fault", "slow-gpu:rank=13,factor=1.3"],
                 stdout=out, stderr=subprocess.STDOUT,

@@ -27,7 +27,7 @@ START_S = 1_767_225_600
 # chDB lets one process own a store: measure in a child after the demo exits.
 MEASURE = r"""
 import json, sys
-from trainscope.store import connect
+from trainscope.store.client import connect
 client = connect(sys.argv[1], create=False)
 tables = [r[0] for r in client.query(
     "SELECT name FROM system.tables WHERE database = currentDatabase() "
@@ -56,7 +56,7 @@ def main() -> None:
     ranks, steps = (16, 100) if args.quick else (64, 600)
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "store"
-        demo = [sys.executable, "-m", "trainscope.cli", "demo", "--ranks", str(ranks),
+        demo = [sys.executable, "-m", "trainscope.cli.main", "demo", "--ranks", str(ranks),
                 "--dp", str(ranks // 4), "--pp", "2", "--tp", "2", "--steps", str(steps),
                 "--fault", "slow-gpu:rank=5,factor=1.4", "--start-s", str(START_S),
                 "--store", str(store), "--json"]

@@ -27,7 +27,7 @@ import torch
 import trainscope
 from trainscope.producers.torch.profiling import ProfileController
 from trainscope.schemas.records import ControlMessage
-from trainscope.streams.memory_bus import MemoryBus
+from trainscope.transport.memory import MemoryBus
 
 
 def make_loop(width: int, batch: int, device: str = "cpu") -> Callable[[int], list[float]]:

@@ -173,7 +173,7 @@ def main() -> None:
     ranks, steps = (256, 600) if args.quick else (1024, 3600)
 
     from trainscope.sinks.clickhouse import ClickHouseSink
-    from trainscope.store import connect
+    from trainscope.store.client import connect
     from trainscope.ui.app import create_app
     from trainscope.ui.queries import DashboardQueries
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pyflink.table import DataTypes, EnvironmentSettings, TableEnvironment
 from pyflink.table.udf import udtf
 
-from trainscope.streams.flink.job import default_jars, find_jars
+from trainscope.engines.flink.job import default_jars, find_jars
 
 
 @udtf(result_types=[DataTypes.STRING(), DataTypes.BIGINT()])

@@ -24,7 +24,7 @@ class FaustWorker:
         self.stderr = logs.with_suffix(".err")
         with logs.with_suffix(".out").open("wb") as out, self.stderr.open("wb") as err:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "trainscope.cli", "-v", "stream", "faust", "--bus", url,
+                [sys.executable, "-m", "trainscope.cli.main", "-v", "stream", "faust", "--bus", url,
                  "--store", str(store), "--app-id", app_id, *idle],
                 stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from pipeline_procs import PipelineProcess, publish
 
-from trainscope.cli_stream_flink import default_flink_python
-from trainscope.streams.bus import Message, open_bus
+from trainscope.cli.stream_flink import default_flink_python
+from trainscope.transport.bus import Message, open_bus
 
 
 def flink_python_or_skip() -> Path:
@@ -72,7 +72,7 @@ def publish_raw(bootstrap_servers: str, topic: str, payloads: list[bytes]) -> No
 def run_flink(url: str, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
     """``trainscope stream flink --bounded`` to the end of what is on the bus."""
     return subprocess.run(
-        [sys.executable, "-m", "trainscope.cli", "stream", "flink", "--bus", url, "--bounded",
+        [sys.executable, "-m", "trainscope.cli.main", "stream", "flink", "--bus", url, "--bounded",
          *args],
         capture_output=True, text=True, timeout=timeout_s, check=False,
     )

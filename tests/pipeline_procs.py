@@ -18,9 +18,9 @@ TABLES = ("function_summaries", "step_records", "metric_samples", "findings", "t
 
 
 def publish(url: str, *args: str, timeout_s: float = 300) -> dict:
-    """Publish a simulated job (see ``trainscope.publish_simulated``); its summary."""
+    """Publish a simulated job (see ``trainscope.cli.publish_simulated``); its summary."""
     done = subprocess.run(
-        [sys.executable, "-m", "trainscope.publish_simulated", "--bus", url, *args],
+        [sys.executable, "-m", "trainscope.cli.publish_simulated", "--bus", url, *args],
         capture_output=True, text=True, timeout=timeout_s, check=False,
     )
     assert done.returncode == 0, done.stderr
@@ -30,7 +30,7 @@ def publish(url: str, *args: str, timeout_s: float = 300) -> dict:
 def start_publisher(url: str, *args: str, out: Path) -> subprocess.Popen[bytes]:
     with out.open("wb") as sink:
         return subprocess.Popen(
-            [sys.executable, "-m", "trainscope.publish_simulated", "--bus", url, *args],
+            [sys.executable, "-m", "trainscope.cli.publish_simulated", "--bus", url, *args],
             stdout=sink, stderr=subprocess.STDOUT,
         )
 
@@ -46,7 +46,7 @@ class PipelineProcess:
         self.stderr = logs.with_suffix(".err")
         with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "trainscope.cli", *(["-v"] if verbose else []),
+                [sys.executable, "-m", "trainscope.cli.main", *(["-v"] if verbose else []),
                  "pipeline", "--bus", url,
                  "--store", str(store), "--group", group, *args],
                 stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"},

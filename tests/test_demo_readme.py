@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from trainscope.cli_demo import demo
+from trainscope.cli.demo import demo
 
 README = Path(__file__).parents[1] / "README.md"
 RUNS = 20

@@ -14,8 +14,8 @@ import click
 import pytest
 import yaml
 
-from trainscope.cli import cli as trainscope_cli
-from trainscope.streams.flink import job as flink_job
+from trainscope.cli.main import cli as trainscope_cli
+from trainscope.engines.flink import job as flink_job
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "infra" / "compose.yml"
@@ -58,7 +58,7 @@ def test_the_deployment_has_kafka_clickhouse_flink_and_two_faust_workers(service
 
 def test_the_flink_service_runs_the_job_module_with_arguments_it_accepts(services: dict) -> None:
     dockerfile = (REPO / services["flink"]["build"]["dockerfile"]).read_text()
-    assert "trainscope.streams.flink.job" in dockerfile
+    assert "trainscope.engines.flink.job" in dockerfile
     assert "openjdk-17-jre-headless" in dockerfile
     args = flink_job.parse_args(["--jars", "/opt/flink-venv/jars", *services["flink"]["command"]])
     assert args.bootstrap_servers == "kafka:9092"

@@ -36,32 +36,21 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # Documented environment variable names and the defaults they override, the one place
     # that keeps secrets out of URLs, errors and logs, and the frozen settings resolved from
     # them once per command.
-    "env": ("trainscope.env", "trainscope._secrets", "trainscope.settings"),
+    "config": ("trainscope.config", "trainscope.config.*"),
     # Opening a ClickHouse store (chDB directory or server): shared by the sinks and the what-if
     # store, so neither has to reach into the other.
-    "store": ("trainscope.store", "trainscope.store_access"),
+    "store": ("trainscope.store", "trainscope.store.*"),
     # The bus: its protocol, the in-memory and Kafka implementations and the ``open_bus``
     # factory. A layer of its own below producers and the stream engine because both publish
     # or consume through it, and it knows nothing of either.
-    "transport": (
-        "trainscope.streams",
-        "trainscope.streams.bus",
-        "trainscope.streams.bus_protocol",
-        "trainscope.streams.memory_bus",
-        "trainscope.streams.kafka_bus",
-        "trainscope.streams.kafka_consumer",
-        "trainscope.streams._kafka_outbox",
-        "trainscope.streams._kafka_support",
-        "trainscope.streams.kafka_security",
-        "trainscope.streams.logonce",
-    ),
+    "transport": ("trainscope.transport", "trainscope.transport.*"),
     "detectors": ("trainscope.detectors", "trainscope.detectors.*"),
     # Whole profiler traces: streaming ingestion, calling-context trees, analyzers. Reads files
     # and makes records; no bus, no store, so producers and commands alike can use it.
     "traces": ("trainscope.traces", "trainscope.traces.*"),
     "sinks": ("trainscope.sinks", "trainscope.sinks.*"),
     "whatif": ("trainscope.whatif", "trainscope.whatif.*"),
-    # The read-only web dashboard: its ClickHouse queries, the web app and its command.
+    # The read-only web dashboard: its ClickHouse queries and the web app.
     "ui": ("trainscope.ui", "trainscope.ui.*"),
     # Configuration what-if: memory and latency models, placement search, recommendations.
     "plan": ("trainscope.plan", "trainscope.plan.*"),
@@ -74,44 +63,31 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # The closed loop: which findings get an on-demand profile (policy), asking for it and
     # diffing the profiles that come back (autoprofile). Beside the engine, composed on top.
     "loop": ("trainscope.loop", "trainscope.loop.*"),
-    # The window engine and the stream jobs built on it.
-    "engine": (
-        "trainscope.streams.windows",
-        "trainscope.streams.delivery",
-        "trainscope.streams.pipeline",
-        "trainscope.streams.bus_pipeline",
-        "trainscope.streams.checkpoint",
-        # The stream job on Faust: the embedded pipeline driven by Faust agents, on Faust's
-        # consumer made not to skip messages across rebalances.
-        "trainscope.streams.faust_app",
-        "trainscope.streams.faust_consumer",
-    ),
+    # The window engine and the stream jobs built on it, their checkpoints and their /metrics.
+    "engine": ("trainscope.engine", "trainscope.engine.*"),
+    # The stream job on Faust: the engine driven by Faust agents, on Faust's consumer made not
+    # to skip messages across rebalances.
+    "engines.faust": ("trainscope.engines.faust", "trainscope.engines.faust.*"),
     # The PyFlink windowing tier: Flink SQL and the script that runs it. Runs in the Flink
     # environment (numpy<2.2, no river, no chDB), so it stands on the schemas alone.
-    "flink": ("trainscope.streams.flink", "trainscope.streams.flink.*"),
-    # Composition: the commands, the demo, the package's own attach()/step(), and the detector
-    # contract check (it runs a simulated job through the pipeline). May import anything.
+    "engines.flink": ("trainscope.engines.flink", "trainscope.engines.flink.*"),
+    # Composition: every command, the demo, the package's own attach()/step(), and the detector
+    # contract check for plugin authors (it runs a simulated job through the pipeline). May
+    # import anything.
     "top": (
         "trainscope",
-        "trainscope.cli",
-        "trainscope.cli_demo",
-        "trainscope.cli_traces",
-        "trainscope.cli_stream",
-        # `trainscope stream flink`: starts the Flink job in the Flink environment.
-        "trainscope.cli_stream_flink",
-        "trainscope.demo",
-        "trainscope.publish_simulated",
         "trainscope.testing",
-        # /metrics of the stream job: a collector over the engine's and the notifier's counts.
-        "trainscope.health_metrics",
+        "trainscope.engines",
+        "trainscope.cli",
+        "trainscope.cli.*",
     ),
 }
 
 # -- the allowed dependencies (a DAG; a layer may always import itself) ----------------------
 # layer -> {lower layer: why}. The top layer is not listed: it may import every layer.
 ENV = (
-    "settings are documented environment-variable names (trainscope.env), resolved once into "
-    "a frozen Settings (trainscope.settings)"
+    "settings are documented environment-variable names (trainscope.config.env), resolved "
+    "once into a frozen Settings (trainscope.config.settings)"
 )
 PUBLISH = (
     "publishing on the bus is what this producer is for; it goes through the bus protocol and "
@@ -119,16 +95,16 @@ PUBLISH = (
 )
 ALLOWED: dict[str, dict[str, str]] = {
     "schemas": {},
-    "env": {
+    "config": {
         "schemas": "SettingsError derives from the common TrainscopeError",
     },
     "store": {
         "schemas": "StoreError derives from the common TrainscopeError",
-        "env": ENV,
+        "config": ENV,
     },
     "transport": {
         "schemas": "topic names, partition keys, and BusError's base TrainscopeError",
-        "env": ENV,
+        "config": ENV,
     },
     "detectors": {
         "schemas": "a detector reads a WindowView of records and returns Findings",
@@ -138,12 +114,12 @@ ALLOWED: dict[str, dict[str, str]] = {
     },
     "sinks": {
         "schemas": "the sink writes records and WindowViews into the tables of the DDL",
-        "env": ENV,
+        "config": ENV,
         "store": "the sink writes through a client opened by the shared store helper",
     },
     "whatif": {
         "schemas": "op types, the op-trace format and the what-if tables",
-        "env": ENV,
+        "config": ENV,
         "store": "traces and results are written through the shared store helper",
     },
     "ui": {
@@ -151,20 +127,20 @@ ALLOWED: dict[str, dict[str, str]] = {
     },
     "plan": {
         "schemas": "the error base, metric names and the op-type vocabulary",
-        "env": ENV,
+        "config": ENV,
         "store": "bandwidths a running job measured are read from the store",
         "whatif": "the latency model's reference replays on the what-if event simulator",
     },
     "producers": {},
     "producers.agent": {
         "schemas": "the agent makes metric samples and function summaries",
-        "env": ENV,
+        "config": ENV,
         "transport": PUBLISH,
     },
     "producers.replay": {
         "schemas": "replay turns Kineto traces and op-trace files into records and envelopes",
         "traces": "a Kineto trace is read and condensed by the trace ingestion",
-        "env": ENV,
+        "config": ENV,
         "transport": PUBLISH,
     },
     "producers.simulate": {
@@ -173,7 +149,7 @@ ALLOWED: dict[str, dict[str, str]] = {
     },
     "producers.torch": {
         "schemas": "the in-process producer makes records, summaries and op traces",
-        "env": ENV,
+        "config": ENV,
         "transport": PUBLISH,
     },
     "loop": {
@@ -181,13 +157,19 @@ ALLOWED: dict[str, dict[str, str]] = {
         "detectors": "a finding triggers a profile at the detectors' alert threshold",
         "traces": "the suspect's and the peer's call-path trees are diffed by the trace diff",
     },
-    "flink": {
+    "engines.flink": {
         "schemas": "topic names, the sketch's bucket mapping and the JSON wire format the SQL "
         "reads and writes; nothing else, as the Flink environment has nothing else",
     },
+    "engines.faust": {
+        "schemas": "the jobs' topology records",
+        "transport": "topic names and the bus message the Faust agents hand to the engine",
+        "engine": "Faust's agents drive the same window engine and stream job as the embedded "
+        "runner, with its deduplication of re-sent batches",
+    },
     "engine": {
         "schemas": "the engine turns records into WindowViews",
-        "env": ENV,
+        "config": ENV,
         "transport": "a stream job consumes from and produces to the bus",
         "detectors": "the stream job runs the detectors on each closed window; it uses only "
         "their public protocol and registry (see PUBLIC)",

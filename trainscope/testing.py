@@ -20,8 +20,8 @@ from trainscope.schemas.window import WindowView
 
 def sample_windows(steps: int = 60, seed: int = 5) -> list[WindowView]:
     """Closed windows of a small simulated job with a slow GPU, for contract checks."""
+    from trainscope.engine.pipeline import EmbeddedPipeline
     from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
-    from trainscope.streams.pipeline import EmbeddedPipeline
 
     views: list[WindowView] = []
     pipeline = EmbeddedPipeline([], window_s=5.0, on_window=lambda v, f: views.append(v))

@@ -8,8 +8,8 @@ from trainscope.detectors.diagnosis import diagnose
 from trainscope.detectors.multivariate import RankAnomalyDetector
 from trainscope.detectors.peer import PeerDiffDetector
 from trainscope.detectors.steptime import StepTimeDetector
+from trainscope.engine.pipeline import EmbeddedPipeline
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
-from trainscope.streams.pipeline import EmbeddedPipeline
 
 
 def diagnose_run(faults: list[str], steps: int = 120, seed: int = 11, **layout: int):

@@ -9,11 +9,11 @@ import pytest
 
 from trainscope.detectors.base import ALERT_THRESHOLD
 from trainscope.detectors.mixture import MixtureDetector
+from trainscope.engine.pipeline import EmbeddedPipeline
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding, StepRecord
 from trainscope.schemas.window import WindowView
-from trainscope.streams.pipeline import EmbeddedPipeline
 from trainscope.testing import check_detector
 
 

@@ -32,11 +32,11 @@ from trainscope.detectors.base import WindowView
 from trainscope.detectors.features import throttling_shares
 from trainscope.detectors.mixture import MixtureDetector
 from trainscope.detectors.peer import PeerDiffDetector
+from trainscope.engine.pipeline import EmbeddedPipeline
 from trainscope.producers.agent.aggregate import WindowAggregator
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding, MetricSample
-from trainscope.streams.pipeline import EmbeddedPipeline
 
 SLOW = 13
 THROTTLING = {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",

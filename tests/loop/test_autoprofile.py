@@ -9,15 +9,15 @@ import sys
 
 import pytest
 
+from trainscope.engine.pipeline import EmbeddedPipeline, ProfileParts
 from trainscope.loop.autoprofile import AutoProfiler
 from trainscope.loop.policy import ProfilePolicy
 from trainscope.schemas.callpath import callpath_id
 from trainscope.schemas.codec import decode_batch
 from trainscope.schemas.records import ControlMessage, Finding, FindingCallPath, ProfileCallPaths
 from trainscope.schemas.window import WindowView
-from trainscope.streams.bus import CONTROL_TOPIC
-from trainscope.streams.memory_bus import MemoryBus
-from trainscope.streams.pipeline import EmbeddedPipeline, ProfileParts
+from trainscope.transport.bus import CONTROL_TOPIC
+from trainscope.transport.memory import MemoryBus
 
 T0 = 1_767_225_600 * 10**9
 MS = 1_000_000
@@ -176,7 +176,7 @@ def test_the_parts_of_a_session_are_handed_over_once_whole() -> None:
 _STORE = r"""
 import json, sys
 from trainscope.sinks.clickhouse import ClickHouseSink
-from trainscope.streams.pipeline import EmbeddedPipeline
+from trainscope.engine.pipeline import EmbeddedPipeline
 from trainscope.schemas.codec import decode_batch
 sink = ClickHouseSink.open(sys.argv[1])
 parts = decode_batch(bytes.fromhex(sys.argv[2]))

@@ -27,7 +27,7 @@ import loop_jobs
 
 from trainscope.schemas.codec import decode_batch
 from trainscope.schemas.records import ControlMessage
-from trainscope.streams.bus import CONTROL_TOPIC, open_bus
+from trainscope.transport.bus import CONTROL_TOPIC, open_bus
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -88,7 +88,7 @@ def _run(url: str, tmp_path: Path, extra_rank: int, max_s: float
 
 _QUERY = r"""
 import json, sys
-from trainscope.store import connect
+from trainscope.store.client import connect
 client = connect(sys.argv[1])
 job = sys.argv[2]
 out = {}

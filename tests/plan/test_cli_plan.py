@@ -20,7 +20,7 @@ SEARCH = dict(top_k=3, micro_batch_sizes=[1])
 
 
 def trainscope(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "trainscope.cli", *args],
+    return subprocess.run([sys.executable, "-m", "trainscope.cli.main", *args],
                           capture_output=True, text=True, timeout=300, check=False)
 
 

@@ -25,7 +25,7 @@ SLOW_RANK = 5  # dp 2, stage 0, tp 1 of a dp4 × pp4 × tp2 job: host node0000, 
 
 
 def trainscope(*args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "trainscope.cli", *args],
+    done = subprocess.run([sys.executable, "-m", "trainscope.cli.main", *args],
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     return done
@@ -88,7 +88,7 @@ def test_a_healthy_job_reports_no_slow_link(stores) -> None:
 
 @pytest.mark.slow
 def test_an_unknown_job_is_a_one_line_error(stores) -> None:
-    done = subprocess.run([sys.executable, "-m", "trainscope.cli", "plan", str(stores["plan"]),
+    done = subprocess.run([sys.executable, "-m", "trainscope.cli.main", "plan", str(stores["plan"]),
                            "--from-job", "nope", "--store", str(stores["slow"])],
                           capture_output=True, text=True, timeout=300, check=False)
     lines = [line for line in done.stderr.splitlines() if line.strip()]

@@ -79,7 +79,7 @@ def test_a_job_without_link_measurements_is_a_one_line_error(tmp_path) -> None:
                       global_batch=16),
         "cluster": dict(hosts=1, gpus_per_host=8, gpu_memory_gib=80, peak_tflops=989),
     }), encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "trainscope.cli", "plan", str(plan_file),
+    done = subprocess.run([sys.executable, "-m", "trainscope.cli.main", "plan", str(plan_file),
                            "--from-job", "quiet-job", "--store", str(store)],
                           capture_output=True, text=True, timeout=300, check=False)
     lines = [line for line in done.stderr.splitlines() if line.strip()]

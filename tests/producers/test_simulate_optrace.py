@@ -132,7 +132,7 @@ def test_stage_imbalance_is_stage_partitioning() -> None:
 
 def trainscope(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "trainscope.cli", *args],
+        [sys.executable, "-m", "trainscope.cli.main", *args],
         capture_output=True, text=True, timeout=300, check=False,
     )
 

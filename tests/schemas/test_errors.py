@@ -10,8 +10,8 @@ from trainscope.schemas.errors import TrainscopeError
 
 ERRORS = [
     ("trainscope.schemas.codec", "BadMessage", ValueError),
-    ("trainscope.streams.bus", "BusError", RuntimeError),
-    ("trainscope.store", "StoreError", RuntimeError),
+    ("trainscope.transport.bus", "BusError", RuntimeError),
+    ("trainscope.store.client", "StoreError", RuntimeError),
     ("trainscope.producers.simulate.faults", "FaultSpecError", ValueError),
     ("trainscope.producers.agent.base", "CollectorUnavailable", RuntimeError),
     ("trainscope.producers.replay.kineto", "KinetoError", ValueError),

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from record_samples import sample_records
 
+from trainscope.engine.pipeline import EmbeddedPipeline
 from trainscope.schemas import (
     BadMessage,
     SpanBatch,
     StepRecord,
 )
 from trainscope.schemas.codec import decode_envelope, default_wire, encode_batch
-from trainscope.streams.pipeline import EmbeddedPipeline
 
 
 def kinds_first(records: list) -> list:
@@ -87,7 +87,7 @@ def test_wire_comes_from_the_environment(monkeypatch) -> None:
 
 def test_the_embedded_pipeline_windows_json_like_msgpack() -> None:
     from trainscope.producers.simulate import ClusterSpec, SimulatedCluster
-    from trainscope.streams.bus import Message
+    from trainscope.transport.bus import Message
 
     def run(wire: str):
         spec = ClusterSpec(job_id="j", dp=2, pp=2, tp=1, steps=40, seed=3,

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from alertmanager_proc import Alertmanager, WebhookReceiver, free_port, require_alertmanager
 
-from trainscope.demo import publish_step
+from trainscope.cli.demo_job import publish_step
+from trainscope.engine.bus_pipeline import Pipeline
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.sinks.alert_book import AlertBook
 from trainscope.sinks.alertmanager import AlertmanagerNotifier
-from trainscope.streams.bus_pipeline import Pipeline
-from trainscope.streams.memory_bus import MemoryBus
+from trainscope.transport.memory import MemoryBus
 
 START_NS = 1_767_225_600 * 10**9
 WINDOW_S = 5.0

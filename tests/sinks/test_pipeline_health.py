@@ -69,7 +69,7 @@ def test_a_bad_alertmanager_url_is_one_error_line(tmp_path: Path) -> None:
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-m", "trainscope.cli", "pipeline", "--bus", "kafka://127.0.0.1:1",
+        [sys.executable, "-m", "trainscope.cli.main", "pipeline", "--bus", "kafka://127.0.0.1:1",
          "--store", str(tmp_path / "store"), "--alertmanager", "alertmanager:9093"],
         capture_output=True, text=True, timeout=60, check=False,
     )

@@ -90,7 +90,7 @@ client.insert("dead_letters", [[t0 + day * 86_400 * 10**9, "spans", 0, day, "bad
 
 READ = r"""
 import json, sys
-from trainscope.store import connect
+from trainscope.store.client import connect
 client = connect(sys.argv[1], readonly=True, create=False)
 rows = lambda sql: [list(map(str, row)) for row in client.query(sql).result_rows]
 out = {}
@@ -129,7 +129,7 @@ def read(store: Path) -> dict:
 def test_an_older_store_is_refused_with_one_line_naming_it_and_the_way_out(tmp_path) -> None:
     store = old_store(tmp_path)
     before = read(store)
-    done = run("-m", "trainscope.cli", "demo", "--steps", "5", "--store", str(store))
+    done = run("-m", "trainscope.cli.main", "demo", "--steps", "5", "--store", str(store))
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     assert errors == [
@@ -148,7 +148,7 @@ def test_migrate_keeps_every_row_and_gives_the_new_layout(tmp_path) -> None:
     assert before["step_records types"]["job_id"] == "String"
     assert "start" not in before["step_records types"]
 
-    done = run("-m", "trainscope.cli", "store", "migrate", str(store))
+    done = run("-m", "trainscope.cli.main", "store", "migrate", str(store))
     assert done.returncode == 0, done.stderr
     assert "step_records: 24 row(s) rewritten" in done.stdout
     assert "findings: 1 row(s) rewritten" in done.stdout
@@ -166,10 +166,10 @@ def test_migrate_keeps_every_row_and_gives_the_new_layout(tmp_path) -> None:
         ["2026-01-01 00:00:00", "8"], ["2026-01-01 00:01:00", "8"], ["2026-01-01 00:02:00", "8"]]
 
     # Migrated: the writer takes it, and migrating again changes nothing.
-    done = run("-m", "trainscope.cli", "demo", "--steps", "5", "--ranks", "4", "--dp", "2",
+    done = run("-m", "trainscope.cli.main", "demo", "--steps", "5", "--ranks", "4", "--dp", "2",
                "--pp", "2", "--tp", "1", "--store", str(store), "--json")
     assert done.returncode == 0, done.stderr
-    done = run("-m", "trainscope.cli", "store", "migrate", str(store))
+    done = run("-m", "trainscope.cli.main", "store", "migrate", str(store))
     assert done.returncode == 0, done.stderr
     assert "rewritten" not in done.stdout
 
@@ -204,7 +204,7 @@ def test_retention_drops_days_older_than_it(tmp_path) -> None:
 
 def test_migrate_names_a_missing_store_and_creates_none(tmp_path) -> None:
     missing = tmp_path / "no-store"
-    done = run("-m", "trainscope.cli", "store", "migrate", str(missing))
+    done = run("-m", "trainscope.cli.main", "store", "migrate", str(missing))
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [f"Error: no store at {missing}: check the path"]
     assert not missing.exists()

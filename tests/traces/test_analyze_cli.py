@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from trace_data import H100_TRACES
 
-from trainscope.cli_traces import analyze
+from trainscope.cli.traces import analyze
 
 
 def _known(gloo_traces: Path) -> dict:
@@ -69,7 +69,7 @@ def test_run_diff_against_a_baseline(gloo_traces: Path) -> None:
 
 def test_peer_diff_from_the_store(gloo_traces: Path, tmp_path) -> None:
     store = tmp_path / "store"
-    run = [sys.executable, "-m", "trainscope.cli"]
+    run = [sys.executable, "-m", "trainscope.cli.main"]
     done = subprocess.run([*run, "replay", "kineto", str(gloo_traces), "--job", "J",
                            "--store", str(store)], capture_output=True, text=True, timeout=300,
                           check=False)

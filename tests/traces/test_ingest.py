@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 from trace_data import ALL_H100, H100_TRACES
 
-from trainscope.cli_traces import replay
+from trainscope.cli.traces import replay
 from trainscope.schemas.callpath import normalise_name
 from trainscope.traces.condense import condense
 from trainscope.traces.reader import read_trace, trace_files

@@ -11,15 +11,15 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from trainscope.cli_traces import replay
-from trainscope.producers.replay import cli as replay_cli
+from trainscope.cli import replay as replay_cli
+from trainscope.cli.traces import replay
 from trainscope.producers.replay.kineto import records_of
 from trainscope.schemas.codec import decode_batch
 from trainscope.schemas.records import StepRecord, SummaryBatch
-from trainscope.streams.bus import EVENTS_TOPIC
-from trainscope.streams.memory_bus import MemoryBus
 from trainscope.traces.condense import condense
 from trainscope.traces.reader import read_trace, trace_files
+from trainscope.transport.bus import EVENTS_TOPIC
+from trainscope.transport.memory import MemoryBus
 
 
 def test_the_command_publishes_every_rank(gloo_traces: Path, monkeypatch) -> None:
@@ -63,7 +63,7 @@ print(json.dumps({
 def test_the_store_answers_call_path_questions_in_one_query(gloo_traces: Path, tmp_path):
     store = tmp_path / "store"
     done = subprocess.run(
-        [sys.executable, "-m", "trainscope.cli", "replay", "kineto", str(gloo_traces),
+        [sys.executable, "-m", "trainscope.cli.main", "replay", "kineto", str(gloo_traces),
          "--store", str(store)], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert "stored" in done.stdout

@@ -30,7 +30,7 @@ CHROMIUM = "/usr/bin/chromium"
 
 
 def trainscope(*args: str, timeout_s: float = 300) -> str:
-    done = subprocess.run([sys.executable, "-m", "trainscope.cli", *args], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "trainscope.cli.main", *args], capture_output=True,
                           text=True, timeout=timeout_s, check=False)
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -78,7 +78,7 @@ def dashboard(store: Path, tmp_path_factory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("ui-log") / "ui.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "trainscope.cli", "ui", "--store", str(store), "--port",
+            [sys.executable, "-m", "trainscope.cli.main", "ui", "--store", str(store), "--port",
              str(port), "--refresh-s", "1"], stdout=out, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
@@ -236,8 +236,8 @@ def test_the_job_page_points_at_the_culprit_and_a_click_opens_its_breakdown(
 
 
 def test_the_dashboards_default_threshold_is_the_detectors_alert_threshold() -> None:
+    from trainscope.cli import ui as cli
     from trainscope.detectors.base import ALERT_THRESHOLD
-    from trainscope.ui import cli
 
     assert cli.ALERT_THRESHOLD == ALERT_THRESHOLD
 
@@ -269,7 +269,7 @@ def test_an_ended_jobs_page_loads_once_and_marks_the_window_an_alert_links_to(
 
 
 def run_ui(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "trainscope.cli", "ui", *args],
+    return subprocess.run([sys.executable, "-m", "trainscope.cli.main", "ui", *args],
                           capture_output=True, text=True, timeout=60, check=False)
 
 

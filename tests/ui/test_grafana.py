@@ -22,7 +22,7 @@ CULPRIT = 5
 
 RUN = r"""
 import json, sys
-from trainscope.store import connect
+from trainscope.store.client import connect
 client = connect(sys.argv[1], readonly=True, create=False)
 out = {}
 for name, sql in json.loads(sys.stdin.read()).items():
@@ -60,7 +60,7 @@ def store(tmp_path_factory) -> Path:
         ("whatif", "--trace", str(root / "ops" / "optrace.parquet"), "--meta",
          str(root / "ops" / "optrace.yaml"), "--job", "demo-job", "--store", str(path)),
     ):
-        done = subprocess.run([sys.executable, "-m", "trainscope.cli", *args],
+        done = subprocess.run([sys.executable, "-m", "trainscope.cli.main", *args],
                               capture_output=True, text=True, timeout=300, check=False)
         assert done.returncode == 0, done.stderr
     return path

@@ -3,7 +3,7 @@ import json
 import numpy as np
 from click.testing import CliRunner
 
-from trainscope.whatif.cli import whatif
+from trainscope.cli.whatif import whatif
 from trainscope.whatif.generate import JobSpec
 
 KEYS = {

@@ -7,7 +7,7 @@ import re
 
 from click.testing import CliRunner
 
-from trainscope.whatif.cli import whatif
+from trainscope.cli.whatif import whatif
 from trainscope.whatif.generate import JobSpec
 from trainscope.whatif.report import render
 

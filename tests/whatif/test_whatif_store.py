@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     from click.testing import CliRunner
     from trainscope.whatif import store
-    from trainscope.whatif.cli import whatif
+    from trainscope.cli.whatif import whatif
 
     trace, meta, store_dir, misfit = sys.argv[1:5]
     runner = CliRunner()

@@ -65,8 +65,8 @@ class _Stamp:
 _stamp = _Stamp()
 
 
-# Read here rather than through trainscope.settings (a layer above the schemas): every producer
-# encodes through this function, and the wire must not depend on which one it is.
+# Read here rather than through trainscope.config.settings (a layer above the schemas): every
+# producer encodes through this function, and the wire must not depend on which one it is.
 _WIRE_VARIABLE = "TRAINSCOPE_WIRE"
 
 

@@ -1,6 +1,6 @@
 """The JSON wire format: the same :class:`~trainscope.schemas.codec.Batch` of records, in a form
 that Flink's built-in ``json`` format decodes without any Python (see
-:mod:`trainscope.streams.flink`).
+:mod:`trainscope.engines.flink`).
 
 Producers send it when ``TRAINSCOPE_WIRE=json`` (msgpack stays the default: it is smaller and
 decodes ~5x faster in Python); every consumer accepts both, told apart by the first byte

@@ -17,7 +17,8 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 
-from trainscope._secrets import redact_url
+from trainscope.config.secrets import redact_url
+from trainscope.config.settings import Settings
 from trainscope.schemas.ddl import TABLES, all_ddl
 from trainscope.schemas.records import (
     SCHEMA_VERSION,
@@ -27,9 +28,8 @@ from trainscope.schemas.records import (
     Topology,
 )
 from trainscope.schemas.window import WindowView
-from trainscope.settings import Settings
 from trainscope.sinks.store_layout import check_layout, record_layout, set_retention
-from trainscope.store import (  # noqa: F401  moved; kept for code written against the old place
+from trainscope.store.client import (  # noqa: F401  moved; kept for code written against the old place
     StoreError,
     _first_line,
     check_read_only_sql,

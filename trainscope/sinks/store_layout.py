@@ -21,7 +21,7 @@ from trainscope.schemas.ddl import (
     TIME_COLUMNS,
     ttl_clause,
 )
-from trainscope.store import StoreError, _first_line
+from trainscope.store.client import StoreError, _first_line
 
 COMPONENT = "pipeline"
 LAYOUT_DDL = """CREATE TABLE IF NOT EXISTS store_layout (

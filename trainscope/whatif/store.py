@@ -13,10 +13,10 @@ from typing import Any
 
 import pandas as pd
 
+from trainscope.config.settings import Settings
 from trainscope.schemas.optrace import JobMeta, TraceError
 from trainscope.schemas.optypes import OPTYPES
 from trainscope.schemas.whatif import DDL, SCHEMA_VERSION, TABLE_STRUCTS
-from trainscope.settings import Settings
 from trainscope.whatif.analysis import WhatIf
 
 # Rows per insert: big enough to amortise the per-insert cost, small enough to bound memory.
@@ -38,7 +38,7 @@ def connect(
     Without ``create`` the store directory must already exist (reading a job from a mistyped
     path must not leave an empty store behind).
     """
-    from trainscope.store import connect as connect_store
+    from trainscope.store.client import connect as connect_store
 
     if (store_dir is None) == (url is None):
         raise ValueError("give exactly one of a store directory or a ClickHouse URL")

@@ -24,8 +24,8 @@ from trainscope.schemas import metrics as m
 from trainscope.schemas.codec import decode_batch
 from trainscope.schemas.records import FunctionSummary, MetricSample, Record, SummaryBatch
 from trainscope.schemas.summaries import summarize
-from trainscope.streams.bus import EVENTS_TOPIC, METRICS_TOPIC
-from trainscope.streams.memory_bus import MemoryBus
+from trainscope.transport.bus import EVENTS_TOPIC, METRICS_TOPIC
+from trainscope.transport.memory import MemoryBus
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -40,7 +40,7 @@ def published(bus: MemoryBus, topic: str) -> list[Record]:
 
 
 def agent_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "trainscope.producers.agent", *args]
+    return [sys.executable, "-m", "trainscope.cli.agent", *args]
 
 
 def without_capabilities(command: list[str]) -> list[str]:

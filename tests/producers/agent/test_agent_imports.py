@@ -11,7 +11,7 @@ HEAVY = ("bcc", "pynvml", "sklearn")
 def test_agent_modules_import_no_collector_library() -> None:
     code = (
         "import sys\n"
-        "import trainscope.producers.agent.cli, trainscope.producers.agent.daemon\n"
+        "import trainscope.cli.agent, trainscope.producers.agent.daemon\n"
         "import trainscope.producers.agent.ebpf, trainscope.producers.agent.nvml\n"
         "import trainscope.detectors.mixture\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"

@@ -13,14 +13,14 @@ import pytest
 from kafka_tls import CLIENT_KEY_PASSWORD, tls_env
 
 from trainscope.schemas.codec import decode_batch
-from trainscope.streams.bus import METRICS_TOPIC, open_bus
+from trainscope.transport.bus import METRICS_TOPIC, open_bus
 
 pytestmark = pytest.mark.kafka
 
 
 def test_agent_publishes_host_metrics_over_tls(tls_kafka_broker, monkeypatch) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "trainscope.producers.agent", "--bus", tls_kafka_broker.url(),
+        [sys.executable, "-m", "trainscope.cli.agent", "--bus", tls_kafka_broker.url(),
          "--interval", "0.1", "--window", "0.3", "--no-ebpf", "--job-id", "agent-tls",
          "--duration", "2", "-v"],
         capture_output=True, text=True, timeout=120, check=False,

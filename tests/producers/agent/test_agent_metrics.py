@@ -19,7 +19,7 @@ def free_port() -> int:
 def test_the_agents_counters_move_at_metrics() -> None:
     port = free_port()
     agent = subprocess.Popen(
-        [sys.executable, "-m", "trainscope.cli", "agent", "--bus", "memory", "--no-ebpf",
+        [sys.executable, "-m", "trainscope.cli.main", "agent", "--bus", "memory", "--no-ebpf",
          "--no-nvml", "--interval", "0.1", "--window", "0.5", "--duration", "60",
          "--metrics-port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

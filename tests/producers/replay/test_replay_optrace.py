@@ -7,9 +7,9 @@ from pathlib import Path
 import pandas as pd
 from click.testing import CliRunner
 
-from trainscope.producers.replay import cli as replay_cli
+from trainscope.cli import replay as replay_cli
 from trainscope.producers.replay.optrace import OPTRACE_TOPIC, decode_optrace, to_frame
-from trainscope.streams.memory_bus import MemoryBus
+from trainscope.transport.memory import MemoryBus
 
 
 def _trace(tmp_path: Path, optype: str = "forward-compute") -> tuple[Path, Path]:

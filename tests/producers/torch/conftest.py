@@ -12,7 +12,7 @@ import torch
 
 from trainscope.producers.torch import api
 from trainscope.producers.torch.runtime import Attachment
-from trainscope.streams.memory_bus import MemoryBus
+from trainscope.transport.memory import MemoryBus
 
 # The helper module next to this file is imported by the tests as a top-level module.
 sys.path.insert(0, str(Path(__file__).parent))

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from trainscope.detectors.base import ALERT_THRESHOLD
 from trainscope.schemas.records import Finding
-from trainscope.streams.bus import open_bus
+from trainscope.transport.bus import open_bus
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -99,7 +99,7 @@ def _worker(rank: int, port: int, bus_url: str, job_id: str, fault: str, ready: 
 def _run_job(bus_url: str, fault: str) -> tuple[str, list[Finding], list[dict]]:
     from kafka_broker import free_port
 
-    from trainscope.streams.bus_pipeline import Pipeline
+    from trainscope.engine.bus_pipeline import Pipeline
 
     job_id = f"e2e-{fault}-{uuid.uuid4().hex[:6]}"
     bus = open_bus(bus_url)

@@ -22,7 +22,7 @@ from torch_producer_helpers import TinyModel, by_type, train
 from trainscope.producers.torch.control import wait_until
 from trainscope.schemas.codec import decode_batch
 from trainscope.schemas.records import StepRecord
-from trainscope.streams.bus import EVENTS_TOPIC, open_bus
+from trainscope.transport.bus import EVENTS_TOPIC, open_bus
 
 pytestmark = pytest.mark.kafka
 

@@ -6,12 +6,12 @@ import pytest
 from click.testing import CliRunner
 from torch_producer_helpers import TinyModel, by_type, read_records, summaries_of, train
 
-from trainscope.producers.torch.cli import profile, profile_request
+from trainscope.cli.profile import profile, profile_request
 from trainscope.producers.torch.control import wait_until
 from trainscope.schemas.callpath import callpath_id
 from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.records import FunctionSummary, StepRecord
-from trainscope.streams.bus import CONTROL_TOPIC, rank_key
+from trainscope.transport.bus import CONTROL_TOPIC, rank_key
 
 FINE_LAYERS = {"python", "torch_op", "cuda_kernel", "cuda_api", "memcpy"}
 
@@ -104,10 +104,10 @@ def test_one_session_at_a_time_and_a_bounded_budget(attach, memory_bus) -> None:
 
 
 def test_the_profile_command_publishes_a_control_message(monkeypatch) -> None:
-    from trainscope.streams.memory_bus import MemoryBus
+    from trainscope.transport.memory import MemoryBus
 
     bus = MemoryBus()
-    monkeypatch.setattr("trainscope.producers.torch.cli.open_bus", lambda url: bus)
+    monkeypatch.setattr("trainscope.cli.profile.open_bus", lambda url: bus)
     result = CliRunner().invoke(
         profile, ["--job", "J", "--rank", "3", "--steps", "4", "--bus", "memory"]
     )
@@ -144,9 +144,9 @@ class BlockModel(TinyModel):
 def test_a_profile_publishes_its_call_path_tree_nested_as_a_trace_would_be(
     attach, memory_bus
 ) -> None:
+    from trainscope.engine.pipeline import ProfileParts
     from trainscope.producers.torch.profiling import call_path_parts
     from trainscope.schemas.records import ProfileCallPaths
-    from trainscope.streams.pipeline import ProfileParts
 
     att = attach(rank=1, world_size=2)
     model = BlockModel()

@@ -12,8 +12,8 @@ from torch_producer_helpers import TinyModel, by_type, read_records, train
 
 from trainscope.producers.torch.control import wait_until
 from trainscope.schemas.records import StepRecord
-from trainscope.streams.bus import BusError
-from trainscope.streams.memory_bus import MemoryBus
+from trainscope.transport.bus import BusError
+from trainscope.transport.memory import MemoryBus
 
 
 class FlakyBus(MemoryBus):

@@ -8,8 +8,8 @@ import torch
 
 from trainscope.schemas.codec import decode_batch
 from trainscope.schemas.records import FunctionSummary, SummaryBatch
-from trainscope.streams.bus import EVENTS_TOPIC
-from trainscope.streams.memory_bus import MemoryBus
+from trainscope.transport.bus import EVENTS_TOPIC
+from trainscope.transport.memory import MemoryBus
 
 
 def read_records(bus: MemoryBus, group: str = "reader") -> list[Any]:

@@ -21,12 +21,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainscope.env import DEFAULT_WINDOW_S
+from trainscope.config.env import DEFAULT_WINDOW_S
 from trainscope.producers.agent.aggregate import WindowAggregator
 from trainscope.producers.agent.base import Collector, CollectorStats, CollectorUnavailable
 from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.records import MetricSample, Record, SummaryBatch
-from trainscope.streams.bus import EVENTS_TOPIC, METRICS_TOPIC, Bus, rank_key
+from trainscope.transport.bus import EVENTS_TOPIC, METRICS_TOPIC, Bus, rank_key
 
 log = logging.getLogger("trainscope.agent")
 

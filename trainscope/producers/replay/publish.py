@@ -8,7 +8,7 @@ from typing import Any
 from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.records import SummaryBatch
 from trainscope.schemas.summaries import message_chunks
-from trainscope.streams.bus import EVENTS_TOPIC, Bus, rank_key
+from trainscope.transport.bus import EVENTS_TOPIC, Bus, rank_key
 
 # Rows per message (a summary batch weighs its rows), as the live producer sends them.
 BATCH_RECORDS = 500

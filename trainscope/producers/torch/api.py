@@ -12,7 +12,7 @@ import time
 from types import TracebackType
 from typing import Any
 
-from trainscope import env
+from trainscope.config import env
 from trainscope.producers.torch.options import disabled, resolve
 from trainscope.producers.torch.runtime import Attachment, set_log_level
 from trainscope.producers.torch.safety import log
@@ -25,7 +25,7 @@ _fork_handler_installed = False
 def attach(**options: Any) -> Attachment | None:
     """Start observing this training process; returns the handle (``.stats()``, ``.detach()``).
 
-    Options (each also settable by its environment variable, see :mod:`trainscope.env`):
+    Options (each also settable by its environment variable, see :mod:`trainscope.config.env`):
     ``bus`` (URL or a Bus object), ``job_id``, ``rank``, ``world_size``, ``local_rank``,
     ``host``, ``window_s``, ``queue_size``, ``profile_budget_s``, ``profile_max_steps``,
     ``optrace``, ``pp_size``, ``tp_size``. Bad option values raise ``ValueError`` here, at

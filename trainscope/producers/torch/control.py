@@ -17,7 +17,7 @@ from typing import Any
 from trainscope.producers.torch.safety import Guard
 from trainscope.schemas.codec import BadMessage, decode_batch
 from trainscope.schemas.records import ControlMessage
-from trainscope.streams.bus import CONTROL_TOPIC, Bus
+from trainscope.transport.bus import CONTROL_TOPIC, Bus
 
 POLL_TIMEOUT_S = 0.5
 

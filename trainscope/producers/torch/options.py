@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trainscope import env
-from trainscope.env import DEFAULT_WINDOW_S  # moved; kept for code written against the old place
+from trainscope.config import env
+from trainscope.config.env import (
+    DEFAULT_WINDOW_S,  # moved; kept for code written against the old place
+)
 
 DEFAULT_QUEUE_SIZE = 10_000
 DEFAULT_PROFILE_BUDGET_S = 60.0

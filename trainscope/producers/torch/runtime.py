@@ -15,15 +15,15 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from trainscope._secrets import redact_url
+from trainscope.config.secrets import redact_url
 from trainscope.producers.torch.options import Options
 from trainscope.producers.torch.safety import Guard, log
 from trainscope.producers.torch.sender import Sender
 from trainscope.producers.torch.steps import StepTracker
 from trainscope.schemas.recorder import WindowRecorder
 from trainscope.schemas.records import ControlMessage, Topology, WorkerInfo
-from trainscope.streams.bus import Bus, open_bus, rank_key
-from trainscope.streams.kafka_security import parse_kafka_url
+from trainscope.transport.bus import Bus, open_bus, rank_key
+from trainscope.transport.security import parse_kafka_url
 
 FULL_LAYOUT_MAX_RANKS = 4096
 

@@ -6,7 +6,7 @@ While the bus is unreachable, encoded batches wait in a bounded outbox and are r
 exponential backoff; what does not fit is dropped and counted, never waited for.
 
 "Delivered" means acknowledged by the broker. On a bus that reports each message's outcome
-(:class:`~trainscope.streams.bus.TrackingBus`, e.g. Kafka) a batch counts as acked when its
+(:class:`~trainscope.transport.bus.TrackingBus`, e.g. Kafka) a batch counts as acked when its
 acknowledgement arrives, and only a batch whose send failed is sent again; on other buses a
 successful ``flush`` acknowledges what was published before it. The counts (in records) add up:
 
@@ -32,7 +32,7 @@ from trainscope.producers.torch.outage import OutageLog
 from trainscope.producers.torch.safety import Guard, log
 from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.summaries import message_chunks
-from trainscope.streams.bus import EVENTS_TOPIC, Bus, TrackingBus
+from trainscope.transport.bus import EVENTS_TOPIC, Bus, TrackingBus
 
 # Rows per bus message (records, or the rows of a summary batch): large enough to amortise the
 # per-message cost, small enough to stay far below Kafka's 1 MiB message limit with summaries of

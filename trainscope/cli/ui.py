@@ -1,0 +1,65 @@
+"""``trainscope ui``: serve the dashboard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+# The detectors' alert threshold; the ui layer does not import the detectors for one number,
+# so a test checks the two agree.
+ALERT_THRESHOLD = 0.5
+
+
+@click.command()
+@click.option("--store", type=click.Path(path_type=Path),
+              help="chDB store directory (default: the demo's store). It must exist.")
+@click.option("--url", help="ClickHouse server URL instead of a store (credentials from "
+              "TRAINSCOPE_CLICKHOUSE_USER / _PASSWORD).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8321, show_default=True)
+@click.option("--bind", default="127.0.0.1", show_default=True,
+              help="Address to listen on; anything but loopback exposes the store's data.")
+@click.option("--threshold", type=click.FloatRange(0, 1), default=ALERT_THRESHOLD,
+              show_default=True, help="Findings at or above this score are shown.")
+@click.option("--refresh-s", type=click.FloatRange(min=1), default=10.0, show_default=True,
+              help="How often the page of a running job reloads its data.")
+def ui(store: Path | None, url: str | None, port: int, bind: str, threshold: float,
+       refresh_s: float) -> None:
+    """Serve a read-only web dashboard of the store: jobs, step time, rank × time heatmaps,
+    function breakdowns, findings and what-if results.
+
+    The store is opened with ClickHouse's readonly=1. An embedded store that a running pipeline
+    owns cannot be opened by another process: serve from a ClickHouse server with --url.
+    """
+    import uvicorn
+
+    from trainscope.store.client import StoreError, connect, default_store_dir
+    from trainscope.ui.app import create_app
+    from trainscope.ui.queries import DashboardQueries
+
+    if store is not None and url is not None:
+        raise click.UsageError("give either --store DIR or --url URL, not both")
+    _check_free(bind, port)
+    try:
+        client = connect(store, url, readonly=True, create=False)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+    source = url or str(Path(store or default_store_dir()).expanduser())
+    app = create_app(DashboardQueries(client, threshold=threshold), source=source,
+                     refresh_s=refresh_s)
+    click.echo(f"trainscope ui on http://{bind}:{port}/ ({source})", err=True)
+    uvicorn.run(app, host=bind, port=port, log_level="warning")
+
+
+def _check_free(bind: str, port: int) -> None:
+    """A one-line error now rather than the web server's log lines and exit later."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(infos[0][4])
+    except OSError as exc:
+        raise click.ClickException(f"--bind {bind} --port {port}: cannot listen there: "
+                                   f"{exc.strerror or exc}") from None

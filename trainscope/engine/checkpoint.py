@@ -1,0 +1,119 @@
+"""What the stream job stores with each offset commit, and how a restart resumes from it.
+
+A checkpoint holds the job's whole state at a point of the input: the open windows as received
+(not yet merged), which windows are written, the detectors' state, the producer stamps seen
+lately, the world sizes declared, and per partition the position it covers. With the open
+windows in it, the positions committed to the bus are simply everything read so far, so a
+restart re-reads only what arrived after the last commit (``commit_interval_s``), not the open
+windows.
+
+The checkpoint is stored before the positions are committed. The bus's committed position is
+therefore the checkpoint's own or, after a crash between the two, the one of the commit before
+(``committed``): the messages between them are already in the checkpoint and a restarted job
+skips them (:class:`ResumeFilter`). A position further back than both means the broker lost the
+log and a new one began; nothing is skipped then.
+
+An open-window snapshot larger than ``max_open_bytes`` is not stored (a very large job at a
+short commit interval): that checkpoint falls back to the rule of
+:mod:`trainscope.engine.delivery`, positions that re-read every open window in full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainscope.detectors.registry import DetectorRunner
+from trainscope.engine.delivery import SeenBatches, Source
+from trainscope.schemas.records import Topology
+
+log = logging.getLogger(__name__)
+
+VERSION = 2
+# Compressed size above which the open windows are not snapshotted (see the module docstring).
+DEFAULT_MAX_OPEN_BYTES = 64 << 20
+# Producer stamps kept per producer: a re-send follows its original within a few batches.
+SEEN_STAMPS_KEPT = 4096
+
+
+@dataclass
+class Checkpoint:
+    closed_before_ns: dict[str, int] = field(default_factory=dict)
+    topologies: dict[str, Topology] = field(default_factory=dict)
+    world_sizes: dict[str, int] = field(default_factory=dict)
+    runner: DetectorRunner | None = None
+    seen: SeenBatches | None = None
+    # WindowEngine.snapshot(); None when the positions re-read the open windows instead.
+    engine: dict[str, Any] | None = None
+    positions: dict[Source, int] = field(default_factory=dict)  # covered by this checkpoint
+    committed: dict[Source, int] = field(default_factory=dict)  # on the bus before it
+    version: int = VERSION
+
+
+def encode(checkpoint: Checkpoint) -> bytes:
+    try:
+        blob = pickle.dumps(checkpoint, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # a plugin detector that does not pickle
+        log.warning("detector state not checkpointed: %s", exc)
+        checkpoint = dataclasses.replace(checkpoint, runner=None)
+        blob = pickle.dumps(checkpoint, protocol=pickle.HIGHEST_PROTOCOL)
+    return zlib.compress(blob, 1)
+
+
+def decode(blob: bytes) -> Checkpoint:
+    """Raises ValueError for a checkpoint this version cannot read."""
+    try:
+        state = pickle.loads(zlib.decompress(blob))
+    except Exception as exc:
+        raise ValueError(f"unreadable checkpoint: {type(exc).__name__}: {exc}") from None
+    if isinstance(state, Checkpoint):
+        return state
+    if isinstance(state, dict):  # version 1: written windows and detectors only
+        runner = state.get("runner")
+        return Checkpoint(
+            closed_before_ns=dict(state.get("closed_before_ns", {})),
+            topologies=dict(state.get("topologies", {})),
+            runner=runner if isinstance(runner, DetectorRunner) else None,
+            version=1,
+        )
+    raise ValueError(f"unreadable checkpoint: a {type(state).__name__}")
+
+
+class ResumeFilter:
+    """Skips the messages a restored checkpoint already holds (see the module docstring)."""
+
+    def __init__(self, positions: dict[Source, int], committed: dict[Source, int]) -> None:
+        self._positions = dict(positions)
+        self._committed = committed
+        self._decided: set[Source] = set()
+        self.skipped = 0
+
+    def skip(self, source: Source, offset: int) -> bool:
+        position = self._positions.get(source)
+        if position is None:
+            return False
+        if source not in self._decided:
+            # The first message read from the partition says where the bus resumed.
+            self._decided.add(source)
+            before = self._committed.get(source)
+            if offset >= position or (before is not None and offset < before):
+                del self._positions[source]
+                if offset < position:
+                    log.warning(
+                        "%s[%d] resumed at offset %d, before the last commit (%d): the broker's "
+                        "log was replaced; reading it all", source[0], source[1], offset, before,
+                    )
+                return False
+        if offset < position:
+            self.skipped += 1
+            return True
+        del self._positions[source]
+        return False
+
+    @property
+    def active(self) -> bool:
+        return bool(self._positions)

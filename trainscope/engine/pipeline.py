@@ -1,0 +1,540 @@
+"""The embedded stream job: records → windows → detectors → sink, in one process.
+
+:class:`EmbeddedPipeline` takes records directly (the demo on the in-memory path, tests) or
+bus messages handed to it. Every stage counts what it
+received, emitted, dropped and rejected.
+
+Bad input never stops the stream. A message that cannot be decoded, or any of whose records
+fails :mod:`trainscope.schemas.validate`, is rejected whole — none of its records reaches the
+window engine — and set aside in the dead-letter topic (and table, with a sink) with a one-line
+reason that names where it came from (topic[partition]@offset), the record index, the field and
+the value. So does a message whose decoding raises anything unexpected.
+
+Jobs are isolated: the window engine keeps each job apart, and the detector runner gives every
+job its own detector instances. At most ``max_jobs`` jobs are kept; beyond that the least
+recently seen job's open windows are closed and detected, and its state is forgotten
+(``PipelineStats.jobs_evicted``).
+
+The bus-fed stream job, with its commits, checkpoints and restarts, is
+:class:`trainscope.engine.bus_pipeline.Pipeline`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Hashable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trainscope.detectors.base import Detector
+from trainscope.detectors.registry import DEFAULT_MAX_JOBS, DetectorRunner, load
+from trainscope.engine.delivery import Backoff, PendingOffsets, SeenBatches
+from trainscope.engine.windows import WindowEngine
+from trainscope.schemas.codec import BadMessage, decode_envelope, encode_batch
+from trainscope.schemas.records import (
+    ControlMessage,
+    Finding,
+    FindingCallPath,
+    FunctionSummary,
+    MetricSample,
+    ProfileCallPaths,
+    Record,
+    SpanBatch,
+    SpanEvent,
+    StepRecord,
+    SummaryBatch,
+    Topology,
+)
+from trainscope.schemas.validate import InvalidRecord, Limits, Validator
+from trainscope.schemas.window import WindowView
+from trainscope.transport.bus import (
+    Message,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageCounts:
+    received: int = 0
+    emitted: int = 0
+    dropped: int = 0
+    rejected: int = 0
+
+
+@dataclass
+class PipelineStats:
+    """``decode`` counts bus messages (rejected: undecodable or invalid), ``validate`` records
+    (rejected: every record of a rejected message, or an invalid record handed over directly),
+    ``window`` events and summaries, ``detect`` windows in and findings out, ``sink`` writes."""
+
+    decode: StageCounts = field(default_factory=StageCounts)
+    validate: StageCounts = field(default_factory=StageCounts)
+    window: StageCounts = field(default_factory=StageCounts)
+    detect: StageCounts = field(default_factory=StageCounts)
+    sink: StageCounts = field(default_factory=StageCounts)
+    detector_errors: dict[str, int] = field(default_factory=dict)
+    jobs_evicted: int = 0
+    duplicate_batches: int = 0  # re-sent by a producer; also in decode.dropped
+    replayed_events: int = 0  # re-read after a restart for windows already written
+    sink_retries: int = 0
+    commits: int = 0
+    checkpoint_bytes: int = 0  # size of the last checkpoint stored (compressed)
+    checkpoint_skipped: int = 0  # messages re-read after a restart that its checkpoint held
+    commit_failures: int = 0
+    poll_failures: int = 0
+    profile_parts: int = 0  # call-path trees of on-demand profiles (parts) received
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class EmbeddedPipeline:
+    """``sink_retry_s``: how long a failing sink write is retried (with backoff) before the
+    window is dropped and counted; ``None`` retries until :meth:`request_stop`'s deadline."""
+
+    def __init__(
+        self,
+        detectors: list[Detector] | None = None,
+        *,
+        window_s: float = 15.0,
+        lateness_s: float = 5.0,
+        source_idle_s: float = 10.0,
+        job_idle_s: float | None = None,
+        sink: Any | None = None,
+        sink_retry_s: float | None = 0.0,
+        on_window: Callable[[WindowView, list[Finding]], None] | None = None,
+        on_profile: Callable[[list[ProfileCallPaths]], None] | None = None,
+        limits: Limits | None = None,
+        max_jobs: int = DEFAULT_MAX_JOBS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if detectors is None:
+            loaded = load()
+            detectors = loaded.detectors
+            for name, error in loaded.errors.items():
+                log.warning("detector %s not loaded: %s", name, error)
+        self.engine = WindowEngine(
+            window_s=window_s, allowed_lateness_s=lateness_s, source_idle_s=source_idle_s,
+            clock=clock,
+        )
+        self.runner = DetectorRunner(detectors, max_jobs=max_jobs)
+        self.validator = Validator(limits)
+        self.max_jobs = max_jobs
+        self._jobs: OrderedDict[str, None] = OrderedDict()  # least recently seen first
+        self._dead_letters: list[tuple[str, int, int, str, bytes]] = []
+        self.sink = sink
+        self.sink_retry_s = sink_retry_s
+        self.job_idle_s = job_idle_s
+        self.on_window = on_window
+        self.on_profile = on_profile
+        self._profile_parts = ProfileParts()
+        self.findings: list[Finding] = []
+        self.windows = 0
+        self.offsets = PendingOffsets()
+        self.seen = SeenBatches()
+        self.write_failed = False  # a window was dropped: positions must not move past it
+        self._stop_deadline: float | None = None
+        self._stats = PipelineStats()
+
+    # -- input ------------------------------------------------------------------------------
+
+    def process_records(self, records: Iterable[Record], source: Hashable = 0) -> None:
+        """Records handed over in-process (simulator, tests); each invalid one is rejected
+        alone, with its index in ``records``, to the dead-letter table."""
+        given = list(records)
+        self._stats.validate.received += len(given)
+        try:
+            self.validator.validate(given)  # the common case: all valid, one call
+        except InvalidRecord:
+            accepted = self._accept_one_by_one(given)
+        else:
+            accepted = given
+            self._stats.validate.emitted += len(given)
+        for job_id, exc in self._ingest(accepted, source).items():
+            for index, record in enumerate(given):
+                if getattr(record, "job_id", None) == job_id:
+                    self._dead_letters.append(
+                        ("", -1, -1, f"records[{index}] ({type(record).__name__}): window engine "
+                                     f"raised {type(exc).__name__}: {exc}", _encoded(record))
+                    )
+        self._flush_dead_letters()
+        self._handle(self.engine.close_ready())
+
+    def _accept_one_by_one(self, records: list[Record]) -> list[Record]:
+        accepted: list[Record] = []
+        for index, record in enumerate(records):
+            try:
+                self.validator.validate([record])
+            except InvalidRecord as exc:
+                self._stats.validate.rejected += 1
+                reason = f"records[{index}] ({exc.kind}): {exc.detail}"
+                log.warning("rejected %s; set aside as a dead letter", reason)
+                self._dead_letters.append(("", -1, -1, reason, _encoded(record)))
+                continue
+            self._stats.validate.emitted += 1
+            accepted.append(record)
+        return accepted
+
+    def process_messages(self, messages: list[Message]) -> None:
+        """Decode, validate, drop re-sent batches; the valid messages are windowed by source
+        (partition), and every message's offset is recorded with the windows it feeds."""
+        # (message, records or None when set aside); kept in message order for the offsets.
+        handled: list[tuple[Message, list[Record] | None]] = []
+        # Producer id, sequence and payload digest of each decoded batch (see SeenBatches).
+        stamps: dict[int, tuple[int, int, int]] = {}
+        for message in messages:
+            self._stats.decode.received += 1
+            try:
+                batch = decode_envelope(message.value)
+            except BadMessage as exc:
+                self._reject(message, str(exc))
+                handled.append((message, None))
+                continue
+            except Exception as exc:  # decode raises only BadMessage; never die on input
+                self._reject(message, f"decoding raised {type(exc).__name__}: {exc}")
+                handled.append((message, None))
+                continue
+            handled.append((message, batch.records))
+            stamps[len(handled) - 1] = (batch.producer_id, batch.seq, zlib.crc32(message.value))
+        decoded = [(i, records) for i, (_, records) in enumerate(handled) if records is not None]
+        errors = self._validate([records for _, records in decoded])
+        for (i, records), error in zip(decoded, errors, strict=True):
+            message = handled[i][0]
+            self._stats.validate.received += len(records)
+            if error is not None:
+                self._stats.validate.rejected += len(records)
+                self._reject(message, error)
+                handled[i] = (message, None)
+                continue
+            self._stats.validate.emitted += len(records)
+            # Only a valid batch counts as seen: a copy damaged on the way is dead-lettered and
+            # does not shadow the intact re-send.
+            if not self.seen.first_time(*stamps[i]):
+                self._stats.decode.dropped += 1
+                self._stats.duplicate_batches += 1
+                handled[i] = (message, None)
+                continue
+            self._stats.decode.emitted += 1
+            handled[i] = (message, _events_as_batches(records))
+        by_source: dict[Hashable, list[tuple[Message, list[Record]]]] = {}
+        for message, records in handled:
+            source = (message.topic, message.partition)
+            windows = self._newest_windows(records) if records is not None else {}
+            replaced = self.offsets.add(source, message.offset, windows)
+            if replaced:
+                self.logs_replaced(replaced)
+            if records is not None:
+                by_source.setdefault(self.window_source(message), []).append((message, records))
+        for source, accepted in by_source.items():
+            failed = self._ingest([r for _, records in accepted for r in records], source)
+            if not failed:
+                continue
+            # Validated records should never make the engine raise. If they do, every message
+            # of this poll with records of that job is set aside, loudly; other jobs go on.
+            for message, records in accepted:
+                job_id = next((r.job_id for r in records if r.job_id in failed), None)
+                if job_id is not None:
+                    exc = failed[job_id]
+                    self._stats.decode.emitted -= 1
+                    self._reject(message, f"window engine raised {type(exc).__name__}: {exc} "
+                                          f"on job {job_id!r} (its records of this poll may be "
+                                          "partly windowed)")
+        self._flush_dead_letters()
+        self._handle(self.engine.close_ready())
+
+    def _validate(self, messages: list[list[Record]]) -> list[str | None]:
+        """Per message, ``None`` or why it is rejected; a check that raises rejects only the
+        message it was checking."""
+        try:
+            return [None if e is None else str(e) for e in self.validator.validate_many(messages)]
+        except Exception:
+            log.exception("validation raised; checking the poll's messages one by one")
+        errors: list[str | None] = []
+        for records in messages:
+            try:
+                self.validator.validate(records)
+            except InvalidRecord as exc:
+                errors.append(str(exc))
+            except Exception as exc:
+                errors.append(f"validation raised {type(exc).__name__}: {exc}")
+            else:
+                errors.append(None)
+        return errors
+
+    def _ingest(self, records: list[Record], source: Hashable = 0) -> dict[str, Exception]:
+        """Route validated records to the window engine, job by job. Returns the jobs whose
+        records made the engine raise, so that only their messages are set aside."""
+        by_job: dict[str, list[Record]] = {}
+        for record in records:
+            if isinstance(record, ControlMessage | Finding | FindingCallPath):
+                continue  # addressed to producers / produced by another pipeline
+            if isinstance(record, ProfileCallPaths):
+                self._profile(record)
+                continue
+            by_job.setdefault(record.job_id, []).append(record)
+        self._touch(by_job)
+        failed: dict[str, Exception] = {}
+        for job_id, job_records in by_job.items():
+            try:
+                self._ingest_job(job_records, source)
+            except Exception as exc:  # validated records should never get here
+                log.exception("window engine raised on job %s", job_id)
+                failed[job_id] = exc
+        return failed
+
+    def _profile(self, record: ProfileCallPaths) -> None:
+        """A part of a rank's on-demand profile (its call-path tree). Once every part of the
+        session is here, the tree is stored (``call_paths``) and handed to ``on_profile`` (the
+        automatic profiling loop). Not windowed: the session's summaries travel as ordinary
+        summaries."""
+        self._stats.profile_parts += 1
+        parts = self._profile_parts.add(record)
+        if parts is None:
+            return
+        write = getattr(self.sink, "write_profile", None)
+        if write is not None:
+            self._write(lambda: write(parts))
+        if self.on_profile is not None:
+            try:
+                self.on_profile(parts)
+            except Exception:  # the loop is an extra; the stream goes on without it
+                log.exception("on_profile raised on a profile of job %s rank %d",
+                              record.job_id, record.rank)
+
+    def _ingest_job(self, records: list[Record], source: Hashable) -> None:
+        spans: list[SpanBatch] = []
+        summaries: list[SummaryBatch | FunctionSummary] = []
+        steps: list[StepRecord] = []
+        metrics: list[MetricSample] = []
+        events: list[SpanEvent] = []
+        for record in records:
+            if isinstance(record, SpanBatch):
+                spans.append(record)
+            elif isinstance(record, StepRecord):
+                steps.append(record)
+            elif isinstance(record, MetricSample):
+                metrics.append(record)
+            elif isinstance(record, SummaryBatch | FunctionSummary):
+                summaries.append(record)
+            elif isinstance(record, SpanEvent):
+                events.append(record)
+            elif isinstance(record, Topology):
+                self.engine.add_topology(record)
+                if self.sink is not None:
+                    self._write(lambda r=record: self.sink.write_topology(r))
+        if events:
+            spans.append(SpanBatch.from_events(events))
+        self._stats.window.received += (
+            sum(len(b) for b in spans)
+            + sum(len(s) if isinstance(s, SummaryBatch) else 1 for s in summaries)
+            + len(steps)
+            + len(metrics)
+        )
+        if spans:
+            self.engine.add_spans(spans, source)
+        if summaries:
+            self.engine.add_summaries(summaries, source)
+        if steps:
+            self.engine.add_steps(steps, source)
+        if metrics:
+            self.engine.add_metrics(metrics, source)
+
+    def _touch(self, jobs: Collection[str]) -> None:
+        """Mark ``jobs`` as seen; evict the least recently seen others beyond ``max_jobs``."""
+        for job_id in jobs:
+            if job_id in self._jobs:
+                self._jobs.move_to_end(job_id)
+            else:
+                self._jobs[job_id] = None
+        excess = len(self._jobs) - self.max_jobs
+        if excess <= 0:
+            return
+        # A job of the records at hand is never evicted before they are windowed.
+        for job_id in [j for j in self._jobs if j not in jobs][:excess]:
+            self._evict(job_id)
+
+    def _evict(self, job_id: str) -> None:
+        del self._jobs[job_id]
+        self._handle(self.engine.evict_job(job_id))
+        self.runner.forget(job_id)
+        self.validator.forget(job_id)
+        self._stats.jobs_evicted += 1
+        # A flood of job ids must not flood the log too: the first, then every 1000th.
+        level = logging.WARNING if self._stats.jobs_evicted % 1000 == 1 else logging.DEBUG
+        log.log(level, "job %s evicted: more than %d jobs (%d evicted so far); its open "
+                "windows were closed and its detector state forgotten",
+                job_id, self.max_jobs, self._stats.jobs_evicted)
+
+    def _newest_windows(self, records: list[Record]) -> dict[str, int]:
+        """Per job, the newest window the records can feed."""
+        window_ns = self.engine.window_ns
+        newest: dict[str, int] = {}
+        for record in records:
+            if isinstance(record, SpanBatch):
+                if not len(record):
+                    continue
+                end_ns = int(record.column("start_ns").max())
+            elif isinstance(record, StepRecord):
+                end_ns = record.start_ns
+            elif isinstance(record, MetricSample):
+                end_ns = record.ts_ns
+            elif isinstance(record, SummaryBatch | FunctionSummary):
+                end_ns = record.window_start_ns
+            else:
+                continue
+            index = end_ns // window_ns
+            if index > newest.get(record.job_id, -(2**62)):
+                newest[record.job_id] = index
+        return newest
+
+    def _reject(self, message: Message, error: str) -> None:
+        self._stats.decode.rejected += 1
+        reason = f"{message.topic}[{message.partition}]@{message.offset}: " + " ".join(
+            error.split()
+        )
+        log.warning("rejected message %s; set aside as a dead letter", reason)
+        self.dead_letter(message, reason)
+        if self.sink is not None:
+            self._dead_letters.append(
+                (message.topic, message.partition, message.offset, reason, message.value)
+            )
+
+    def _flush_dead_letters(self) -> None:
+        """One insert per call rather than per message: a burst of garbage stays cheap."""
+        if not self._dead_letters or self.sink is None:
+            self._dead_letters.clear()
+            return
+        rows, self._dead_letters = self._dead_letters, []
+        self._write(lambda: self.sink.write_dead_letters(rows))
+
+    def window_source(self, message: Message) -> Hashable:
+        """The source whose progress ``message`` advances in the window engine: the partition
+        it was read from. A job re-keyed through a repartition topic (the Faust app) names the
+        partition the producer wrote to instead, where each rank's records are in order."""
+        return (message.topic, message.partition)
+
+    def dead_letter(self, message: Message, error: str) -> None:
+        """Where rejected messages go besides the sink; the bus pipeline republishes them."""
+
+    def logs_replaced(self, sources: list[tuple[str, int]]) -> None:
+        """Partitions whose log the broker probably lost; the bus pipeline re-reads them."""
+
+    # -- output -----------------------------------------------------------------------------
+
+    def _handle(self, views: list[WindowView]) -> None:
+        for view in views:
+            self.windows += 1
+            self._stats.window.emitted += len(view.summaries)
+            self._stats.detect.received += 1
+            findings = self.runner.run(view)
+            self._stats.detect.emitted += len(findings)
+            self._stats.detector_errors = dict(self.runner.errors)
+            self.findings.extend(findings)
+            if self.sink is not None:
+                self._stats.sink.received += 1
+                if self._write(lambda v=view, f=findings: self.sink.write_window(v, f)):
+                    self._stats.sink.emitted += 1
+            if self.on_window is not None:
+                self.on_window(view, findings)
+
+    def _write(self, action: Callable[[], None]) -> bool:
+        """Write, retrying with backoff; False (counted, logged) if it had to give up."""
+        backoff = Backoff("sink write", initial_s=0.2, max_s=10.0)
+        give_up = (
+            None if self.sink_retry_s is None else time.monotonic() + self.sink_retry_s
+        )
+        while True:
+            try:
+                action()
+            except Exception as exc:
+                delay = backoff.failed(exc)
+                deadline = self._stop_deadline if give_up is None else give_up
+                if deadline is not None and time.monotonic() + delay > deadline:
+                    self._stats.sink.dropped += 1
+                    self.write_failed = True
+                    log.error("sink write failed, window dropped from the store: %s", exc)
+                    return False
+                self._stats.sink_retries += 1
+                time.sleep(delay)
+                continue
+            backoff.succeeded()
+            return True
+
+    def close_idle(self) -> None:
+        """Close the windows of jobs that stopped sending (``job_idle_s``)."""
+        if self.job_idle_s is not None:
+            self._handle(self.engine.close_idle(self.job_idle_s))
+
+    def request_stop(self, timeout_s: float = 30.0) -> None:
+        """Stop soon: retries give up after ``timeout_s`` (safe to call from a signal handler)."""
+        if self._stop_deadline is None:
+            self._stop_deadline = time.monotonic() + timeout_s
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_deadline is not None
+
+    def finish(self) -> None:
+        """End of stream: close and process every open window."""
+        self._handle(self.engine.close_all())
+
+    def stats(self) -> PipelineStats:
+        engine = self.engine.stats
+        self._stats.window.rejected = engine.rejected
+        self._stats.window.dropped = engine.late_events
+        self._stats.replayed_events = engine.replayed
+        return self._stats
+
+
+class ProfileParts:
+    """Parts of profile sessions until each session is whole. A producer sends a session's
+    parts together, so few are ever open; beyond ``max_open`` sessions the oldest is dropped
+    (counted in ``dropped``), and a session cut by a restart is not completed."""
+
+    def __init__(self, max_open: int = 64) -> None:
+        self.max_open = max_open
+        self._open: OrderedDict[tuple[str, int, str, int], dict[int, ProfileCallPaths]] = (
+            OrderedDict()
+        )
+        self.dropped = 0
+
+    def add(self, record: ProfileCallPaths) -> list[ProfileCallPaths] | None:
+        """The whole session once ``record`` completes it, else None."""
+        if record.parts == 1:
+            return [record]
+        key = (record.job_id, record.rank, record.request_id, record.started_ns)
+        got = self._open.setdefault(key, {})
+        got[record.part] = record
+        if len(got) == record.parts:
+            del self._open[key]
+            return [got[i] for i in range(record.parts)]
+        while len(self._open) > self.max_open:
+            self._open.popitem(last=False)
+            self.dropped += 1
+        return None
+
+
+def _events_as_batches(records: list[Record]) -> list[Record]:
+    """Loose span events of one message become one batch per job: a message is the unit the
+    window engine reduces on its own (see :meth:`WindowEngine.add_spans`)."""
+    events = [r for r in records if isinstance(r, SpanEvent)]
+    if not events:
+        return records
+    by_job: dict[str, list[SpanEvent]] = {}
+    for event in events:
+        by_job.setdefault(event.job_id, []).append(event)
+    rest: list[Record] = [r for r in records if not isinstance(r, SpanEvent)]
+    return rest + [SpanBatch.from_events(e) for e in by_job.values()]
+
+
+def _encoded(record: Record) -> bytes:
+    try:
+        return encode_batch([record])
+    except Exception:  # a record built in Python may hold what msgpack cannot carry
+        return b""
+
+

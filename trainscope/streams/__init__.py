@@ -1,1 +1,0 @@
-"""Stream processing: the bus, the window engine and the stream jobs."""
