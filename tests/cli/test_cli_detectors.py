@@ -1,14 +1,21 @@
 """``--detectors a,b`` on ``trainscope demo`` and ``trainscope pipeline``: only the named detectors
-run; a name that is not registered is a one-line error listing the registered ones."""
+run; a name that is not registered is a one-line error listing the registered ones. And
+``trainscope detectors --help`` / ``--describe NAME``: each detector's parameters, as its
+docstring documents them."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from pipeline_procs import PipelineProcess, publish
+
+from trainscope.detectors.docs import parameters
+from trainscope.detectors.peer import PeerDiffDetector
+from trainscope.detectors.registry import available, is_builtin
 
 REGISTERED = "registered: mixture, multivariate, peer-diff, step-time"
 
@@ -72,3 +79,38 @@ def test_pipeline_runs_only_the_named_detectors(kafka_broker, tmp_path: Path) ->
                                "--idle-exit-s", "4", logs=tmp_path / "pipeline")
     assert pipeline.wait() == 0, pipeline.err_text()
     assert detectors_in(tmp_path / "store") == ["peer-diff"]
+
+
+def test_help_lists_each_detectors_parameters_from_its_docstring() -> None:
+    done = trainscope("detectors", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "Usage: trainscope detectors [OPTIONS]" in done.stdout
+    assert "--describe NAME" in done.stdout
+    builtins = {name: ep for name, ep in available().items() if is_builtin(ep)}
+    assert len(builtins) == 4
+    for name, ep in builtins.items():
+        assert f"  {name} ({ep.value})\n" in done.stdout
+        documented = parameters(ep.load().__doc__)
+        assert documented
+        for p in documented:  # name, default and unit on one line
+            line = rf"^ +{p.name} +{re.escape(str(p.default))} +{re.escape(str(p.unit))}$"
+            assert re.search(line, done.stdout, re.MULTILINE), (name, p.name)
+    assert re.search(r"^ +z_min +6\.0 +robust z$", done.stdout, re.MULTILINE)
+
+
+def test_describe_prints_what_each_parameter_does() -> None:
+    done = trainscope("detectors", "--describe", "peer-diff")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "peer-diff (trainscope.detectors.peer:PeerDiffDetector)"
+    assert lines[2].startswith("Finds the rank whose own work grew")
+    assert "  min_excess_ns : float, default 1e6 (ns per step)" in lines
+    flat = " ".join(done.stdout.split())
+    for p in parameters(PeerDiffDetector.__doc__):
+        assert " ".join(p.description.split()) in flat, p.name
+    assert ">>>" not in done.stdout  # the example stays in the docstring
+
+
+def test_describe_an_unknown_detector_is_a_one_line_error() -> None:
+    line = error_line(trainscope("detectors", "--describe", "peer-dif"))
+    assert line == f"Error: --describe: unknown detector peer-dif; {REGISTERED}"

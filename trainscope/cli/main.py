@@ -214,14 +214,40 @@ def store_migrate(directory: Path | None, url: str | None) -> None:
     click.echo(f"store is in table layout {LAYOUT_VERSION}")
 
 
-@cli.command("detectors")
-def detectors_list() -> None:
-    """List the detectors registered under the trainscope.detectors entry points."""
+# The command's own -h/--help adds what the detectors' docstrings say about their parameters,
+# which needs the entry points loaded: too slow for a help text built when the CLI starts.
+@cli.command("detectors", context_settings={"help_option_names": []})
+@click.option("--describe", metavar="NAME",
+              help="Print what detector NAME does and each of its parameters: type, default, "
+                   "unit and meaning, from its docstring.")
+@click.option("-h", "--help", "show_help", is_flag=True,
+              help="Show this message and the parameters of every registered detector, and exit.")
+@click.pass_context
+def detectors_list(ctx: click.Context, describe: str | None, show_help: bool) -> None:
+    """List the detectors registered under the trainscope.detectors entry points.
+
+    Each detector's parameters are documented in its class docstring (unit, default, what it
+    does); --help lists them all and --describe NAME prints them in full.
+    """
+    from trainscope.detectors.docs import DetectorDoc
     from trainscope.detectors.registry import available, load
 
+    registered = dict(sorted(available().items()))
+    if show_help:
+        click.echo(ctx.get_help())
+        click.echo("\nParameters (name, default, unit; --describe NAME says what each does):")
+        for name, ep in registered.items():
+            click.echo("\n" + "\n".join(DetectorDoc.load(name, ep).overview()))
+        return
+    if describe is not None:
+        if describe not in registered:
+            raise click.ClickException(
+                f"--describe: unknown detector {describe}; registered: {', '.join(registered)}")
+        click.echo(DetectorDoc.load(describe, registered[describe]).describe())
+        return
     result = load()
     loaded = {d.name for d in result.detectors}
-    for name, ep in sorted(available().items()):
+    for name, ep in registered.items():
         state = "ok" if name not in result.errors else f"BROKEN: {result.errors[name]}"
         click.echo(f"{name:16} {ep.value:55} {state}")
     if not loaded and not result.errors:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import pickle
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -29,8 +30,9 @@ class ContractViolation(AssertionError, TrainscopeError):
     """A detector broke a promise of the contract; the message says which."""
 
 
-# The synthetic job: 2 stages × 4 data-parallel ranks, 4 steps of ~400 ms per window, one rank
-# whose backward pass is 40% slower, so detectors have something to find.
+# The synthetic job: 2 stages of data-parallel ranks, 4 steps of ~400 ms per window. The
+# contract's windows have one rank whose backward pass is 40% slower, so detectors have
+# something to find; the docstring examples ask for the faults they show.
 _STAGES, _DP = 2, 4
 _STEPS_PER_WINDOW = 4
 _STEP_NS = 400_000_000
@@ -41,32 +43,63 @@ _SLOW_RANK, _SLOW_FACTOR = 5, 1.4
 
 def contract_windows(count: int = 4, seed: int = 7) -> list[WindowView]:
     """``count`` consecutive windows of a small synthetic job with one slow GPU."""
+    return example_windows(count, seed=seed, slow_rank=_SLOW_RANK, slow_factor=_SLOW_FACTOR)
+
+
+def example_windows(
+    count: int = 4,
+    *,
+    dp: int = _DP,
+    seed: int = 7,
+    slow_rank: int | None = None,
+    slow_factor: float = _SLOW_FACTOR,
+    stalled_rank: int | None = None,
+    stall_ms: float = 150.0,
+) -> list[WindowView]:
+    """``count`` consecutive 2 s windows of a synthetic job of 2 pipeline stages × ``dp`` ranks
+    (rank r is stage ``r // dp``, data-parallel rank ``r % dp``), 4 steps of 400 ms each.
+
+    ``slow_rank`` runs its backward pass ``slow_factor`` times slower (a slow GPU: the other
+    ranks wait for it in the all-reduce, it does not); ``stalled_rank`` waits ``stall_ms`` per
+    step for its data loader. The same arguments give the same windows.
+    """
     rng = np.random.default_rng(seed)
-    ranks = _STAGES * _DP
-    workers = [WorkerInfo(rank=r, host=f"host{r // 4}", local_rank=r % 4, dp_rank=r % _DP,
-                          pp_stage=r // _DP) for r in range(ranks)]
-    topology = Topology(job_id="contract-job", dp_size=_DP, pp_size=_STAGES, workers=workers)
-    return [_window(i, rng, topology) for i in range(count)]
+    workers = [WorkerInfo(rank=r, host=f"host{r // 4}", local_rank=r % 4, dp_rank=r % dp,
+                          pp_stage=r // dp) for r in range(_STAGES * dp)]
+    topology = Topology(job_id="contract-job", dp_size=dp, pp_size=_STAGES, workers=workers)
+    faults = _Faults(slow_rank, slow_factor, stalled_rank, stall_ms * 1e6)
+    return [_window(i, rng, topology, faults) for i in range(count)]
 
 
-def _window(index: int, rng: np.random.Generator, topology: Topology) -> WindowView:
+@dataclass(frozen=True)
+class _Faults:
+    slow_rank: int | None
+    slow_factor: float
+    stalled_rank: int | None
+    stall_ns: float
+
+
+def _window(
+    index: int, rng: np.random.Generator, topology: Topology, faults: _Faults
+) -> WindowView:
     start = _T0_NS + index * _WINDOW_NS
     summaries, steps, metrics = [], [], []
     for rank in range(topology.world_size):
-        slow = _SLOW_FACTOR if rank == _SLOW_RANK else 1.0
+        slow = faults.slow_factor if rank == faults.slow_rank else 1.0
+        stall = faults.stall_ns if rank == faults.stalled_rank else 0.0
         forward = 100e6 * (1 + rng.normal(0, 0.01))
         backward = 200e6 * slow * (1 + rng.normal(0, 0.01))
-        wait = max(_STEP_NS - forward - backward, 0) + (80e6 if rank != _SLOW_RANK else 0)
+        wait = max(_STEP_NS - forward - backward, 0) + (80e6 if rank != faults.slow_rank else 0)
         functions = [("step", "step", _STEP_NS), ("torch_op", "forward", forward),
                      ("torch_op", "backward", backward), ("collective", "all_reduce", wait),
-                     ("dataloader", "next", 5e6 * (1 + rng.normal(0, 0.02)))]
+                     ("dataloader", "next", 5e6 * (1 + rng.normal(0, 0.02)) + stall)]
         for layer, name, per_step_ns in functions:
             total = int(per_step_ns * _STEPS_PER_WINDOW)
             summaries.append((rank, layer, name, 0, _STEPS_PER_WINDOW, total, 0,
                               int(per_step_ns), int(per_step_ns), 0))
         for k in range(_STEPS_PER_WINDOW):
             step = index * _STEPS_PER_WINDOW + k
-            steps.append((rank, step, start + k * _STEP_NS, int(_STEP_NS * slow), 8, 8192,
+            steps.append((rank, step, start + k * _STEP_NS, int(_STEP_NS * slow + stall), 8, 8192,
                           1024, 2048))
         for name, value in ((m.SM_CLOCK_MHZ, 1400.0), (m.SM_UTIL_PCT, 99.0),
                             (m.POWER_W, 690.0), (m.THROTTLE_REASONS, 4.0)):

@@ -113,37 +113,79 @@ SHARE_LAYERS = {
 
 
 class MixtureDetector:
-    """Per-rank multivariate anomalies under a Gaussian mixture of healthy peer deviations."""
+    """Finds a rank whose metrics, taken together, no healthy rank shows: a Gaussian mixture
+    over each rank's deviations from its peers (the module docstring says why a mixture).
+
+    Each window, every rank becomes one vector of its metrics relative to the median of its
+    peers; after ``grace_windows`` windows and ``min_train_vectors`` healthy vectors, a rank
+    whose log-likelihood under the mixture falls ``min_strength`` robust spreads below the low
+    tail of the training vectors' is reported, naming the features that moved most and the
+    category the most specific of them points to. State, kept across windows and pickled with
+    checkpoints, per set of features present (a window without NIC metrics is another model,
+    at most 8 sets): the last ``history_vectors`` healthy vectors, the fitted mixture with its
+    threshold, and the typical number of samples behind each feature. The constructor learns
+    nothing.
+
+    Parameters
+    ----------
+    max_components : int, default 3 (components)
+        Most Gaussian components of the mixture; the number is chosen by BIC. Healthy ranks of
+        a job fall into a few modes (pipeline stages, first and last stage), rarely more.
+    min_train_vectors : int, default 32 (rank vectors)
+        Healthy vectors needed before the first fit: fewer cannot fit even one diagonal
+        component of a dozen features reliably. At least 10.
+    grace_windows : int, default 2 (windows)
+        Windows that only train the model: the first windows of a job are warm-up.
+    history_vectors : int, default 2048 (rank vectors)
+        Healthy vectors kept for refitting, a sliding window: it bounds memory and the cost of
+        a refit, and lets the model follow the job. At least ``min_train_vectors``.
+    healthy_gate_z : float, default 6.0 (robust z)
+        A vector further than this from its peers on any feature (robust z over the window's
+        ranks) never trains the model: the loose gate against a fault that is there from the
+        first window.
+    gate_floor : float, default 0.02 (fraction of the peers' value, or of the step for shares)
+        The smallest spread that gate uses.
+    tail_quantile : float, default 0.01 (quantile)
+        The low tail of the training vectors' log-likelihoods that anomalies are measured
+        from: 1%, so the threshold itself is a rare healthy vector.
+    min_strength : float, default 8.0 (robust spreads of the log-likelihood)
+        A finding needs a log-likelihood this many robust spreads (never under 1 nat) below that
+        tail; its score is 0.5 there, the alert threshold, and 0.75 at twice that.
+    variance_floor : float, default 4e-4 (squared fraction of the peers' median)
+        Added to each variance of the mixture: a 2% standard deviation of deviations that are
+        fractions of the peers' median, below which differences are noise.
+    seed : int, default 0 (no unit)
+        Seed of the mixture's initialisation, so findings are reproducible.
+
+    Examples
+    --------
+    A job of 2 stages × 8 ranks whose rank 2 waits 150 ms per step for its data loader: the
+    model is fitted on the healthy ranks of the first three windows, and the fourth flags
+    rank 2.
+
+    >>> from trainscope.detectors.contract import example_windows
+    >>> detector = MixtureDetector()
+    >>> for window in example_windows(4, dp=8, stalled_rank=2):
+    ...     for finding in detector.detect(window):
+    ...         print(finding.category, finding.rank, finding.score)
+    ...         print(finding.message.split("moved most: ")[1].split("; ")[1])
+    dataloader 2 1.0
+    dataloader_share 0.2441 vs peers 0.01026
+    """
 
     name = DETECTOR
 
     def __init__(
         self,
-        # Up to 3 components (chosen by BIC): healthy ranks of a job fall into a few modes
-        # (pipeline stages, first and last stage), rarely more.
         max_components: int = 3,
-        # No model before 32 healthy vectors: fewer cannot fit even one diagonal component of
-        # a dozen features reliably.
         min_train_vectors: int = 32,
-        # Windows that only train the model (the first windows of a job are warm-up).
         grace_windows: int = 2,
-        # Healthy vectors kept for refitting (a sliding window): bounds memory and the cost of
-        # a refit, and lets the model follow the job.
         history_vectors: int = 2048,
-        # A vector further than 6 robust z from its peers on any feature never trains the
-        # model: the loose gate against a fault that is there from the first window.
         healthy_gate_z: float = 6.0,
-        # The smallest spread that gate uses (2% of the peers' value, or 0.02 of a share).
         gate_floor: float = 0.02,
-        # The low tail of the training vectors' log-likelihoods that anomalies are measured
-        # from: 1%, so the threshold itself is a rare healthy vector.
         tail_quantile: float = 0.01,
-        # An alert needs a log-likelihood 8 robust spreads below that tail (score 0.5 there).
         min_strength: float = 8.0,
-        # Added to each variance (of deviations that are fractions of the peers' median):
-        # 4e-4 is a 2% standard deviation, below which differences are noise.
         variance_floor: float = 4e-4,
-        # Seed of the mixture's initialisation, so findings are reproducible.
         seed: int = 0,
     ) -> None:
         check_number(DETECTOR, "max_components", max_components, ge=1, integer=True)

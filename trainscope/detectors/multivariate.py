@@ -67,22 +67,60 @@ FULL_Z = 20.0
 
 
 class RankAnomalyDetector:
+    """Finds a rank that stands apart from the others on several features at once, with river's
+    Half-Space Trees (the module docstring says why this model).
+
+    Each window, every rank becomes one vector (step time, time shares, hardware metrics); the
+    trees score every vector, then learn from them. A rank whose score stands ``z_min`` robust z
+    above the other ranks' in the window is reported with the feature that moved most and the
+    category it points to; a rank whose most deviant feature is only a symptom (step time,
+    collective share, or an SM clock or power draw the throttle rule does not confirm) is not.
+
+    State, kept across windows and pickled with checkpoints: the scaler and the trees (built on
+    the first window, never in the constructor) and the number of windows seen.
+
+    Parameters
+    ----------
+    n_trees : int, default 25 (trees)
+        Trees in the Half-Space Trees ensemble (river's default is 10): more trees steady the
+        score, at a proportional cost per rank and window.
+    height : int, default 8 (levels)
+        Height of each tree: how finely the feature space is cut around a vector.
+    window_size : int, default 256 (rank vectors)
+        Vectors per reference window of the trees, which score against the mass of the
+        previous reference window and score 0 until the first is full: 256 is several windows
+        of a mid-size job.
+    z_min : float, default 8.0 (robust z)
+        A rank whose anomaly score stands this far above the other ranks' in the window is
+        reported: HST scores are not calibrated, so only a clear outlier counts.
+    grace_windows : int, default 2 (windows)
+        Windows that only train the trees: their first scores are meaningless.
+    seed : int, default 42 (no unit)
+        Seed of the trees' random splits, so findings are reproducible.
+
+    Examples
+    --------
+    A job of 2 stages × 8 ranks whose rank 2 waits 150 ms per step for its data loader; small
+    trees whose reference window (32 vectors) fills in two windows of the 16 ranks:
+
+    >>> from trainscope.detectors.contract import example_windows
+    >>> detector = RankAnomalyDetector(height=4, window_size=32)
+    >>> for window in example_windows(4, dp=8, stalled_rank=2):
+    ...     for finding in detector.detect(window):
+    ...         print(finding.category, finding.rank, finding.message.rsplit("; ", 1)[-1])
+    dataloader 2 most deviant: dataloader_share
+    dataloader 2 most deviant: dataloader_share
+    """
+
     name = DETECTOR
 
     def __init__(
         self,
-        # Half-Space Trees' ensemble: 25 trees of height 8 (river's defaults are 10 and 8);
-        # more trees steady the score at a proportional cost per point.
         n_trees: int = 25,
         height: int = 8,
-        # Points per reference window of the trees: 256 is several windows of a mid-size job.
         window_size: int = 256,
-        # A rank whose anomaly score stands 8 robust z above its peers' is reported: HST scores
-        # are not calibrated, so only a clear outlier among the window's ranks counts.
         z_min: float = 8.0,
-        # Windows that only train the trees (their first scores are meaningless).
         grace_windows: int = 2,
-        # Seed of the trees' random splits, so findings are reproducible.
         seed: int = 42,
     ) -> None:
         check_number(DETECTOR, "n_trees", n_trees, ge=1, integer=True)

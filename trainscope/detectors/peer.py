@@ -89,33 +89,111 @@ class _Suspect:
 
 
 class PeerDiffDetector:
+    """Finds the rank whose own work grew, by comparing every rank with its peers and its past.
+
+    Each window, the summaries become the time per step of every (layer, function) on every
+    rank. For each function a rank runs on its own account (compute, data loading, GC, copies),
+    that time is compared with the rank's pipeline-stage peers (median and MAD: ranks of one
+    stage run the same code on the same layers) and with the rank's own median over its recent
+    windows, whichever stands out more; compute is compared per token when the steps report
+    tokens. A rank ``z_min`` robust z above its reference, by at least ``min_excess_frac`` of
+    the step and ``min_excess_ns``, is a suspect of the category its layer points to
+    (``gpu-compute``, ``dataloader``, ``python-gc`` …), and a compute suspect is
+    ``gpu-throttle`` when its GPU is held back more than its peers'
+    (:mod:`trainscope.detectors.throttle`). A pipeline stage whose compute exceeds the other
+    stages' is ``stage-imbalance``; a rank whose pipeline sends or NIC throughput fall behind
+    its peers' is ``network``. Collective time is never a cause: the ranks of a suspect's TP,
+    DP and PP groups whose collective wait grew are its victims. One finding per rank and
+    cause names its costliest function; its score is confidence (from the z) times the
+    suspect's share of the job's step-time excess.
+
+    State, kept across windows and pickled with checkpoints: the per-step time tables and step
+    times of the last ``history_windows`` windows (each rank's own reference, and the job's
+    step-time baseline), and for each (rank, category) how many windows in a row it has been a
+    suspect. Nothing is learned before the first window (the constructor only checks and stores
+    its arguments), and the pipeline gives every job its own copy.
+
+    Parameters
+    ----------
+    z_min : float, default 6.0 (robust z)
+        Robust z (the MAD scaled to a standard deviation) at which a rank becomes a suspect.
+        Ranks of one stage run the same code and agree closely, so 6 keeps chance out: at 6
+        sigma a job of 10,240 ranks and 60 functions per window expects no false suspect.
+    z_full : float, default 12.0 (robust z)
+        Robust z at which a suspect's confidence reaches 1; it is 0.5 at ``z_min`` and grows
+        linearly in between. Must be above ``z_min``.
+    min_excess_frac : float, default 0.01 (fraction of the step)
+        A suspect's excess over its reference must be at least this share of the job's step
+        time ...
+    min_excess_ns : float, default 1e6 (ns per step)
+        ... and at least this much: an excess under 1% of the step, or under 1 ms per step,
+        is not worth anyone's time, and is never reported.
+    confirm_windows : int, default 2 (windows)
+        Windows in a row a suspect must be seen before it can alert; until then its score is
+        capped at 0.45, below the alert threshold. A straggler persists, a hiccup of a busy
+        host does not.
+    excess_floor_frac : float, default 0.03 (fraction of the step)
+        A suspect's score is its share of the job's step-time excess, which is taken as at
+        least this share of the step, so a small suspect in a healthy job cannot claim all of
+        a near-zero excess.
+    stage_imbalance_frac : float, default 0.1 (fraction of the other stages' compute)
+        A pipeline stage whose median compute per step is this much above the median of the
+        other stages' is ``stage-imbalance``.
+    throughput_drop_frac : float, default 0.2 (fraction of the peers' throughput)
+        A rank whose pipeline-send or NIC throughput is this far below its peers' (and
+        ``z_min`` robust z below them) is a ``network`` suspect.
+    history_windows : int, default 8 (windows)
+        Windows of each rank's own history kept as its reference (2 minutes at 15 s windows):
+        long enough for a robust median, short enough to follow a job that changes phase. At
+        least 3.
+    throttled_excess_frac : float, default 0.25 (fraction of NVML readings)
+        A compute suspect is ``gpu-throttle`` when a thermal, HW-slowdown or power-brake
+        reason is in this much larger a share of its readings than in its peers' median
+        share: a sustained fault shows in nearly all readings, a blip of one in ten does not.
+    power_cap_excess_frac : float, default 0.6 (fraction of NVML readings)
+        ... or when the power cap (or any reason, where a producer condensed its readings) is
+        in this much larger a share: more than a straggler's own load explains, since a
+        straggler computes while its peers wait.
+    peers_capped_frac : float, default 0.25 (fraction of NVML readings)
+        The peers run at their power cap, so their clocks follow their load and a lower clock
+        proves nothing, when this share of their readings carries the cap.
+    clock_ratio_max : float, default 0.9 (ratio to the peers' median)
+        ... or when its SM clock is at most this ratio of its peers' median while they are not
+        at their power cap (a healthy GPU's clock varies by a few percent).
+    power_limit_ratio_max : float, default 0.9 (ratio to the peers' median)
+        ... or when its enforced power limit is at most this ratio of its peers' median.
+
+    Examples
+    --------
+    Two windows of a job of 2 stages × 4 ranks whose rank 5 runs its backward pass 1.4 times
+    slower: the first finding is capped below the alert threshold, the second is confirmed.
+
+    >>> from trainscope.detectors.contract import example_windows
+    >>> detector = PeerDiffDetector()
+    >>> first, second = example_windows(2, slow_rank=5)
+    >>> [(f.category, f.rank, f.score) for f in detector.detect(first)]
+    [('gpu-compute', 5, 0.45)]
+    >>> finding, = detector.detect(second)
+    >>> finding.category, finding.rank, finding.layer, finding.function, finding.score
+    ('gpu-compute', 5, 'torch_op', 'backward', 1.0)
+    >>> round(finding.evidence["excess_ns_per_step"] / 1e6), finding.victims  # ms per step
+    (84, [1, 4, 6, 7])
+    """
+
     name = DETECTOR
 
     def __init__(
         self,
-        # Robust z (MAD-scaled) at which a rank becomes a suspect. Ranks of one stage run the
-        # same code and agree closely, so 6 keeps chance out: at 6 sigma a job of 10,240 ranks
-        # and 60 functions per window expects no false suspect.
         z_min: float = 6.0,
-        # Robust z at which the confidence reaches 1 (it is MIN_CONFIDENCE at z_min).
         z_full: float = 12.0,
-        # An excess under 1% of the step, or under 1 ms per step, is not worth anyone's time.
         min_excess_frac: float = 0.01,
         min_excess_ns: float = 1e6,
-        # Windows in a row before a suspect can alert: a straggler persists, a hiccup does not.
         confirm_windows: int = 2,
-        # The job's step-time excess that a suspect's share is taken of is at least 3% of the
-        # step, so a small suspect in a healthy job cannot claim all of a near-zero excess.
         excess_floor_frac: float = 0.03,
-        # A stage whose median compute is 10% above the other stages' is imbalanced.
         stage_imbalance_frac: float = 0.10,
-        # Throughput 20% below the peers' makes a network suspect (with z_min).
         throughput_drop_frac: float = 0.2,
-        # Windows of the rank's own history (2 minutes at 15 s windows): long enough for a
-        # robust median, short enough to follow a job that changes phase.
         history_windows: int = 8,
-        # When a compute suspect is gpu-throttle, all relative to its peers: the fields of
-        # ThrottleRule (trainscope/detectors/throttle.py), whose defaults say why.
+        # The ThrottleRule's fields (trainscope/detectors/throttle.py), under peer-diff's names.
         throttled_excess_frac: float = ThrottleRule.excess_frac,
         power_cap_excess_frac: float = ThrottleRule.power_cap_excess_frac,
         peers_capped_frac: float = ThrottleRule.peers_capped_frac,

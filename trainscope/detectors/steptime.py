@@ -44,23 +44,62 @@ SEQ_FULL_CV_FACTOR = 2.0
 
 
 class StepTimeDetector:
+    """Finds what the step records alone say about a job: it slowed down, a rank hangs, or the
+    batches of its data-parallel replicas are uneven (the module docstring says how).
+
+    These are job-level symptoms: a slowdown says *that* the job is slower, not who made it so
+    (the peer detector says that), so its score tops out at 0.75. State, kept across windows
+    and pickled with checkpoints: the job's median step time in each of its last
+    ``history_windows`` windows (the baseline a slowdown is measured from), and how many
+    windows in a row it has been slow.
+
+    Parameters
+    ----------
+    slowdown_frac : float, default 0.1 (fraction of the baseline step)
+        The job's median step this much above the median of its recent windows is a slowdown,
+        if the job's own window-to-window spread allows: the bar is at least three of its
+        standard deviations, so a job that always wobbles by 15% is not slower at 12%.
+    full_slowdown_frac : float, default 0.2 (fraction of the baseline step)
+        The slowdown at which a slowdown finding has its full score (0.25 at the bar, rising to
+        0.75 here). Must be above ``slowdown_frac``.
+    token_cv : float, default 0.05 (coefficient of variation)
+        Tokens per step varying this much across ranks (the median over the window's steps of
+        their standard deviation over their mean) is ``seq-imbalance``: below it, uneven batches
+        cost less than ordinary noise. The spread counts fully in the score at twice this.
+    history_windows : int, default 8 (windows)
+        Past windows whose median step times form the baseline (2 minutes at 15 s windows); at
+        least 3.
+    min_slowdown_ns : float, default 5e6 (ns per step)
+        A slowdown must also add at least this much to the median step: below 5 ms per step it
+        is not actionable.
+    confirm_windows : int, default 2 (windows)
+        Windows in a row a slowdown must hold before it is reported.
+
+    Examples
+    --------
+    A window of a job of 2 stages × 4 ranks in which rank 3 reported no step while its peers
+    ran four:
+
+    >>> import dataclasses
+    >>> from trainscope.detectors.contract import example_windows
+    >>> window, = example_windows(1)
+    >>> silent = dataclasses.replace(window, steps=window.steps[window.steps["rank"] != 3])
+    >>> finding, = StepTimeDetector().detect(silent)
+    >>> finding.category, finding.ranks, finding.score
+    ('hang', [3], 1.0)
+    >>> finding.message
+    'hang: 1 rank(s) reported no step while peers ran 4: 3'
+    """
+
     name = DETECTOR
 
     def __init__(
         self,
-        # The job's median step 10% above its recent baseline is a slowdown (if the job's own
-        # spread allows) ...
         slowdown_frac: float = 0.10,
-        # ... and at 20% above it, the slowdown has its full score.
         full_slowdown_frac: float = 0.20,
-        # Tokens per step varying by 5% (coefficient of variation) across ranks is imbalance:
-        # below that, uneven batches cost less than ordinary noise.
         token_cv: float = 0.05,
-        # Past windows forming the baseline (2 minutes at 15 s windows).
         history_windows: int = 8,
-        # And never less than 5 ms per step slower: below that, not actionable.
         min_slowdown_ns: float = 5e6,
-        # Windows in a row a slowdown must hold before it is reported.
         confirm_windows: int = 2,
     ) -> None:
         check_number(DETECTOR, "slowdown_frac", slowdown_frac, gt=0)
