@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from trainscope.engine.windows import WindowEngine
-from trainscope.schemas import FunctionSummary, SpanBatch, StepRecord, summaries
+from trainscope.schemas import FunctionSummary, MetricSample, SpanBatch, StepRecord, summaries
 
 WINDOW_NS = 10**9
 
@@ -107,6 +107,24 @@ def test_producer_summaries_merge_with_raw_events() -> None:
     assert row.total_ns == both.sum()
     assert row.m2_ns2 == pytest.approx(((both - both.mean()) ** 2).sum(), rel=1e-9)
     assert sum(row.sketch_counts) == 200
+
+
+def test_an_intervals_metrics_meet_its_summaries_in_one_window() -> None:
+    # The host agent stamps a window's summaries with its start and its readings with its end.
+    engine = WindowEngine(window_s=1.0)
+    summary = summaries.summarize(
+        np.array([1_000]), job_id="job", rank=0, layer="ebpf", name="read",
+        window_start_ns=WINDOW_NS, window_end_ns=2 * WINDOW_NS,
+    )
+    engine.add_summaries([summary])
+    engine.add_metrics([
+        MetricSample(job_id="job", rank=0, ts_ns=2 * WINDOW_NS, name="sm_util_pct", value=90.0),
+        MetricSample(job_id="job", rank=0, ts_ns=WINDOW_NS + 1, name="power_w", value=300.0),
+    ])
+    (view,) = engine.close_all()
+    assert view.window_start_ns == WINDOW_NS
+    assert len(view.summaries) == 1
+    assert sorted(view.metrics["name"]) == ["power_w", "sm_util_pct"]
 
 
 def test_negative_durations_are_rejected_and_counted() -> None:

@@ -32,7 +32,7 @@ from typing import Any
 from trainscope.detectors.base import Detector
 from trainscope.detectors.registry import DEFAULT_MAX_JOBS, DetectorRunner, load
 from trainscope.engine.delivery import Backoff, PendingOffsets, SeenBatches
-from trainscope.engine.windows import WindowEngine
+from trainscope.engine.windows import WindowEngine, metric_window
 from trainscope.schemas.codec import BadMessage, decode_envelope, encode_batch
 from trainscope.schemas.records import (
     ControlMessage,
@@ -377,16 +377,15 @@ class EmbeddedPipeline:
             if isinstance(record, SpanBatch):
                 if not len(record):
                     continue
-                end_ns = int(record.column("start_ns").max())
+                index = int(record.column("start_ns").max()) // window_ns
             elif isinstance(record, StepRecord):
-                end_ns = record.start_ns
+                index = record.start_ns // window_ns
             elif isinstance(record, MetricSample):
-                end_ns = record.ts_ns
+                index = metric_window(record.ts_ns, window_ns)
             elif isinstance(record, SummaryBatch | FunctionSummary):
-                end_ns = record.window_start_ns
+                index = record.window_start_ns // window_ns
             else:
                 continue
-            index = end_ns // window_ns
             if index > newest.get(record.job_id, -(2**62)):
                 newest[record.job_id] = index
         return newest

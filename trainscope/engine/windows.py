@@ -534,10 +534,11 @@ class WindowEngine:
             self._observe(job, source, step.start_ns + step.duration_ns)
 
     def add_metrics(self, samples: list[MetricSample], source: Hashable = 0) -> None:
+        """File each sample in the window of the interval it ends (:func:`metric_window`)."""
         for sample in samples:
             self.stats.metrics_received += 1
             job = self._job(sample.job_id)
-            index = sample.ts_ns // self.window_ns
+            index = metric_window(sample.ts_ns, self.window_ns)
             if self._skip_closed(job, index, 1):
                 continue
             self._window(job, index).metrics.append(sample)
@@ -655,6 +656,18 @@ class WindowEngine:
             job.fn_order = np.empty(n, dtype=np.int64)
             job.fn_order[keys] = np.arange(n)
         return job.fn_order
+
+
+def metric_window(ts_ns: int, window_ns: int) -> int:
+    """The window index of a metric sample stamped ``ts_ns``.
+
+    A sample is stamped at the *end* of the interval it describes (the host agent stamps its
+    window's end; a utilisation reading covers the period before it), while summaries are filed
+    by their window's start. So a sample belongs to the window holding the instant just before
+    its stamp: one interval's readings and summaries meet in one window of the epoch grid
+    (multiples of ``window_ns`` since the Unix epoch), where ``ts_ns // window_ns`` would put the
+    readings one window after the summaries of the same interval."""
+    return (ts_ns - 1) // window_ns
 
 
 def _has_repeats(keys: np.ndarray) -> bool:
