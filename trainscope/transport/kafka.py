@@ -37,6 +37,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "the Kafka bus needs aiokafka: pip install 'trainscope[host]' or 'trainscope[stream]'"
     ) from exc
 
+from trainscope.transport import aiokafka_private
 from trainscope.transport.kafka_consumer import KafkaConsumer, start_consumer
 from trainscope.transport.kafka_outbox import Entry, Outbox
 from trainscope.transport.kafka_support import (
@@ -74,6 +75,22 @@ def _quiet_client_library() -> None:
 
 
 class KafkaBus:
+    """The bus over a Kafka cluster (or any Kafka-protocol broker, Tansu included), for callers
+    that are not asyncio: a training process, the host agent, the stream job, the commands.
+
+    It owns one event loop on a daemon thread of its own (started on first use; a forked child
+    must open its own bus), and on that loop an aiokafka producer and admin client (connected
+    on first publish or :meth:`connect`, replaced after an outage), the outbox of messages not
+    yet handed to the producer, and every :class:`KafkaConsumer` it opened, which
+    :meth:`close` closes.
+
+    Guarantees: ``publish`` never waits on the network (a full outbox raises ``BusError`` at
+    once); the messages of one key go to one partition; ``publish_tracked``'s callback runs
+    exactly once per message; ``flush`` and ``close`` return within about their timeout; a
+    producer given up during an outage has its batches failed, so a message reported failed is
+    not also delivered later by it.
+    """
+
     def __init__(
         self,
         bootstrap_servers: str,
@@ -270,10 +287,13 @@ class KafkaBus:
                 log.debug("stopping %s: %r", type(client).__name__, exc)
                 # A producer whose batches were failed may trip over its own bookkeeping while
                 # stopping; still close its connections and metadata task.
-                connections = getattr(client, "client", None) or getattr(client, "_client", None)
-                if connections is not None:
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(connections.close(), 1.0)
+                try:
+                    connections = aiokafka_private.network_client(client)
+                except aiokafka_private.AiokafkaPrivateApiError as error:
+                    aiokafka_private.warn_once(error)  # the client is given up either way
+                    continue
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(connections.close(), 1.0)
 
     def _outage_started(self, reason: str) -> None:
         if self._outage_since is None:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.protocol.group import LeaveGroupRequest
 
+from trainscope.transport import aiokafka_private
 from trainscope.transport.kafka_support import EventLoopThread, start_client
 from trainscope.transport.protocol import BusError, Message
 from trainscope.transport.security import KafkaSecurity
@@ -139,12 +138,12 @@ async def _leave_and_stop(consumer: AIOKafkaConsumer) -> None:
     number a group's first generation 0; without the LeaveGroup the next member of the group
     waits for this one's session to time out.
     """
-    coordinator = getattr(consumer, "_coordinator", None)
-    if coordinator is not None and getattr(coordinator, "generation", None) == 0:
-        try:
-            request = LeaveGroupRequest(coordinator.group_id, coordinator.member_id)
-            await asyncio.wait_for(coordinator._send_req(request), LEAVE_TIMEOUT_S)
-            coordinator.reset_generation()
-        except Exception:
-            log.debug("explicit LeaveGroup failed", exc_info=True)
+    try:
+        coordinator = aiokafka_private.group_coordinator(consumer)
+        if coordinator is not None and aiokafka_private.generation(coordinator) == 0:
+            await aiokafka_private.leave_group(coordinator, LEAVE_TIMEOUT_S)
+    except aiokafka_private.AiokafkaPrivateApiError as exc:
+        aiokafka_private.warn_once(exc)  # leaving early only spares the next member a wait
+    except Exception:
+        log.debug("explicit LeaveGroup failed", exc_info=True)
     await consumer.stop()

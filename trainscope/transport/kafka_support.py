@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from trainscope.transport import aiokafka_private
 from trainscope.transport.protocol import BusError
 from trainscope.transport.security import KafkaSecurity
 
@@ -189,18 +190,11 @@ async def create_topics(
 def fail_pending(producer: Any, error: BaseException) -> None:
     """Fail every batch an aiokafka producer still holds, so it never sends them later.
 
-    aiokafka has no public call for this; its accumulator's ``fail_all`` is what the producer
-    itself uses when its sender dies. Without it, a producer given up during an outage would
-    keep retrying its batches in the background. Its drain waiters get the error too, and
-    nobody awaits them: consume it so asyncio does not log "exception was never retrieved".
+    aiokafka has no public call for this (see :func:`aiokafka_private.fail_batches`). Without
+    it, a producer given up during an outage would keep retrying its batches in the background.
     """
-    accumulator = getattr(producer, "_message_accumulator", None)
-    if accumulator is None or not hasattr(accumulator, "fail_all"):
-        return
-    batches = [b for queued in getattr(accumulator, "_batches", {}).values() for b in queued]
-    batches += list(getattr(accumulator, "_pending_batches", ()))
-    accumulator.fail_all(error)
-    for batch in batches:
-        waiter = getattr(batch, "_drain_waiter", None)
-        if waiter is not None and waiter.done() and not waiter.cancelled():
-            waiter.exception()
+    try:
+        aiokafka_private.fail_batches(producer, error)
+    except aiokafka_private.AiokafkaPrivateApiError as exc:
+        # The bus gives the producer up either way; at worst its batches still go out later.
+        aiokafka_private.warn_once(exc)

@@ -58,6 +58,7 @@ from faust.types import TP
 
 from trainscope.engine.delivery import SeenBatches
 from trainscope.engine.pipeline import EmbeddedPipeline
+from trainscope.engines.faust import faust_private
 from trainscope.engines.faust.consumer import use_rebalance_safe_consumer
 from trainscope.schemas.records import Topology
 from trainscope.transport.bus import DEAD_LETTER_TOPIC, EVENTS_TOPIC, METRICS_TOPIC, Message
@@ -364,7 +365,7 @@ async def _all_partitions(app: faust.App, topics: tuple[str, ...]) -> list[tuple
     """Every partition of ``topics``, not only this worker's. From the producer's metadata: the
     consumer's (``topic_partitions``) is the group leader's alone, so another worker would
     expect no source at all and close windows on whichever arrived first."""
-    producer = app.producer._ensure_producer()  # faust's aiokafka driver; public API below
+    producer = faust_private.aiokafka_producer(app.producer)  # public aiokafka API below
     sources = []
     for topic in topics:
         try:

@@ -45,7 +45,9 @@ own commit base:
 Agents may thus receive a message twice; the Faust app recognises repeats (see
 :mod:`trainscope.engines.faust.app`). Only ``_drain_messages`` (otherwise as in faust-streaming
 0.15.3), ``_new_offset``, ``ack``, ``seek``, ``perform_seek`` and ``on_partitions_revoked`` are
-replaced; faust-streaming is pinned below 0.16 for that reason.
+replaced. Faust's private names are reached only through
+:mod:`~trainscope.engines.faust.faust_private`, which records the upstream source of each of these
+(faust-streaming is pinned to exactly 0.15.3 for that reason).
 """
 
 from __future__ import annotations
@@ -55,9 +57,11 @@ import logging
 from typing import Any
 
 from faust.transport.consumer import CONSUMER_FETCHING
-from faust.transport.drivers.aiokafka import Consumer
 from faust.types import TP
 from faust.utils.functional import consecutive_numbers
+
+from trainscope.engines.faust import faust_private
+from trainscope.engines.faust.faust_private import PrivateHooks
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +89,13 @@ def committable_offset(acked: list[int], acked_index: set[int], base: int | None
     return run[-1] + 1
 
 
-class RebalanceSafeConsumer(Consumer):
+class RebalanceSafeConsumer(PrivateHooks):
+    """faust-streaming's aiokafka consumer that hands each message over once it is the next one
+    of its partition and commits only runs of acknowledged offsets (see the module docstring).
+
+    Owns, per partition it reads, the next offset to hand over and the base of its commits; a
+    counter of seeks tells the records fetched before one from those after it."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Next offset to hand over; None: whatever comes first (no committed position).
@@ -103,7 +113,8 @@ class RebalanceSafeConsumer(Consumer):
         await super().perform_seek()
         changelogs = self.app.tables.changelog_topics  # positioned by table recovery
         streams = [tp for tp in self.assignment() if tp.topic not in changelogs]
-        positions = {tp: self._read_offset[tp] for tp in streams}
+        read_offsets = faust_private.read_offsets(self)
+        positions = {tp: read_offsets[tp] for tp in streams}
         uncommitted = [tp for tp, offset in positions.items() if offset is None]
         if uncommitted:
             try:
@@ -156,11 +167,12 @@ class RebalanceSafeConsumer(Consumer):
         self._next_handover.update(offsets)
         self._seeks += 1
 
-    def _new_offset(self, tp: TP) -> int | None:
-        base = self._committed_offset[tp]
+    def offset_to_commit(self, tp: TP) -> int | None:
+        base = faust_private.committed_offset(self, tp)
         if base is None:
             base = self._first_read.get(tp)
-        return committable_offset(self._acked[tp], self._acked_index[tp], base)
+        acked, acked_index = faust_private.acknowledged(self, tp)
+        return committable_offset(acked, acked_index, base)
 
     async def _catch_dropped(self) -> None:
         """Nothing came: make sure the fetch position is not past what was handed over.
@@ -201,17 +213,25 @@ class RebalanceSafeConsumer(Consumer):
         except Exception as exc:  # revoked meanwhile: the same as above
             log.debug("could not seek to %s: %s", offsets, exc)
 
-    async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - see module doc
+    async def drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - see module doc
+        """faust-streaming 0.15.3's ``Consumer._drain_messages`` (Faust's fetcher runs it for as
+        long as the consumer reads), handing a message over only if it is the next one of its
+        partition and marking it read only once the hand-over finished.
+
+        Long because it is upstream's loop with our hand-over rules inside it, kept in one piece
+        so that it reads side by side with upstream (whose digest faust_private records).
+        """
         callback = self.callback
         getmany = self.getmany
-        consumer_should_stop = self._stopped.is_set
-        fetcher_should_stop = fetcher._stopped.is_set
-        get_read_offset = self._read_offset.__getitem__
-        set_read_offset = self._read_offset.__setitem__
+        consumer_should_stop = faust_private.stop_requested(self)
+        fetcher_should_stop = faust_private.stop_requested(fetcher)
+        read_offsets = faust_private.read_offsets(self)
+        get_read_offset = read_offsets.__getitem__
+        set_read_offset = read_offsets.__setitem__
         next_handover = self._next_handover
         first_read = self._first_read
         set_flag, unset_flag = self.diag.set_flag, self.diag.unset_flag
-        commit_every = self._commit_every
+        commit_every = faust_private.commit_every(self)
         yield_every = 100
         since_yield = 0
         try:
@@ -261,8 +281,8 @@ class RebalanceSafeConsumer(Consumer):
                                  offset - 1)
                         first_unread[tp] = expected
                         continue
-                    if commit_every is not None and self._n_acked >= commit_every:
-                        self._n_acked = 0
+                    if commit_every is not None and faust_private.take_commit_due(
+                            self, commit_every):
                         await self.commit()
                     handover = callback(message)
                     waited = await self.wait_first(handover, self.suspend_flow.wait())
