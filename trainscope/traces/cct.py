@@ -69,117 +69,159 @@ _CHUNK = 1 << 16
 
 
 def build(trace: Trace) -> CallTree:
-    n = len(trace)
-    callpath = np.zeros(n, dtype=np.uint64)
-    self_ns = trace.dur_ns.copy()
-    nodes: dict[int, Node] = {}
-    ids: dict[tuple[int, str, str], int] = {}
+    """The calling-context tree of a trace: host events nest by time on their thread, then
+    device events hang under their launch (the module docstring says how)."""
+    builder = _Builder(trace)
+    builder.walk_host()
+    unlinked = builder.attach_device()
+    return CallTree(callpath=builder.callpath, layer_id=builder.layer_id,
+                    layer_names=builder.layer_names, self_ns=builder.self_ns,
+                    nodes=builder.nodes, unlinked_device=unlinked)
 
-    def node(parent: int, layer: str, name: str) -> int:
+
+class _Builder:
+    """The state of one :func:`build`: a call path id per event, filled by the host walk and
+    then by the device pass, and the node table both add to."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self.callpath = np.zeros(len(trace), dtype=np.uint64)
+        self.self_ns = trace.dur_ns.copy()
+        self.nodes: dict[int, Node] = {}
+        self._ids: dict[Node, int] = {}
+        self._layers()
+        self.host = ~_DEVICE[trace.cls]
+        # Flows are needed only for device work that carries no correlation id (older traces).
+        uncorrelated = ~self.host & (trace.cls != _GPU_ANNOTATION) & (trace.correlation < 0)
+        self.need_flows = bool(uncorrelated.any()) and len(trace.flows) > 0
+        self.launch_at: dict[tuple[int, int], int] = {}  # (thread, start) of a runtime call
+        self.annotation_by_ext: dict[int, int] = {}
+
+    def _layers(self) -> None:
+        """Per distinct (class, name id): its layer and node name; a small integer per layer."""
+        trace = self.trace
+        pairs, self.pair_index = np.unique(trace.cls.astype(np.int64) << 32 | trace.name_id,
+                                           return_inverse=True)
+        self.layer_names: list[str] = []
+        self.pair_info: list[tuple[str, str]] = []
+        pair_layer = np.zeros(len(pairs), dtype=np.int8)
+        for k, pair in enumerate(pairs.tolist()):
+            name = trace.names[pair & 0xFFFFFFFF]
+            layer = layer_of(CLASSES[pair >> 32], name)
+            if layer not in self.layer_names:
+                self.layer_names.append(layer)
+            pair_layer[k] = self.layer_names.index(layer)
+            self.pair_info.append((layer, node_name(name)))
+        self.layer_id = (pair_layer[self.pair_index] if len(trace)
+                         else np.zeros(0, dtype=np.int8))
+
+    def node(self, parent: int, layer: str, name: str) -> int:
         key = (parent, layer, name)
-        cp = ids.get(key)
+        cp = self._ids.get(key)
         if cp is None:
-            cp = ids[key] = callpath_id(parent, layer, name)
-            nodes[cp] = key
+            cp = self._ids[key] = callpath_id(parent, layer, name)
+            self.nodes[cp] = key
         return cp
 
-    # (class, name id) → (layer, node name), and a small integer per layer.
-    pairs, pair_index = np.unique(trace.cls.astype(np.int64) << 32 | trace.name_id,
-                                  return_inverse=True)
-    layer_names: list[str] = []
-    pair_info: list[tuple[str, str]] = []
-    pair_layer = np.zeros(len(pairs), dtype=np.int8)
-    for k, pair in enumerate(pairs.tolist()):
-        name = trace.names[pair & 0xFFFFFFFF]
-        layer = layer_of(CLASSES[pair >> 32], name)
-        if layer not in layer_names:
-            layer_names.append(layer)
-        pair_layer[k] = layer_names.index(layer)
-        pair_info.append((layer, node_name(name)))
-    layer_id = pair_layer[pair_index] if n else np.zeros(0, dtype=np.int8)
-    host = ~_DEVICE[trace.cls]
-    host_idx = np.flatnonzero(host)
-    tie = np.array([_HOST_ORDER.get(c, 9) for c in CLASSES])[trace.cls[host_idx]]
-    order = host_idx[np.lexsort((tie, -trace.dur_ns[host_idx], trace.start_ns[host_idx],
-                                 trace.thread[host_idx]))]
-    # Flows are needed only for device work that carries no correlation id (older traces).
-    device_mask = _DEVICE[trace.cls]
-    uncorrelated = device_mask & (trace.cls != _GPU_ANNOTATION) & (trace.correlation < 0)
-    need_flows = bool(uncorrelated.any()) and len(trace.flows) > 0
-    launch_at: dict[tuple[int, int], int] = {}
-    annotation_by_ext: dict[int, int] = {}
-    stack: list[tuple[int, int, int]] = []  # (end ns, call path, event index)
-    current = -1
-    for lo in range(0, len(order), _CHUNK):
-        chunk = order[lo:lo + _CHUNK]
-        cps = np.zeros(len(chunk), dtype=np.uint64)
-        columns = zip(chunk.tolist(), trace.thread[chunk].tolist(),
-                      trace.start_ns[chunk].tolist(), trace.dur_ns[chunk].tolist(),
-                      trace.cls[chunk].tolist(), pair_index[chunk].tolist(),
-                      trace.external[chunk].tolist(), strict=True)
-        for j, (i, t, s, d, c, pair, ext) in enumerate(columns):
-            end = s + d
-            if t != current:
-                stack.clear()
-                current = t
-            depth = enclosing_depth(stack, s, end)
-            if depth >= 0:
-                parent = stack[depth][1]
-                self_ns[stack[depth][2]] -= d
-            else:
-                parent = 0
-            layer, name = pair_info[pair]
-            cp = node(parent, layer, name)
-            cps[j] = cp
-            stack.append((end, cp, i))
-            if c in _RUNTIME:
-                if need_flows:
-                    launch_at[(t, s)] = cp
-            elif c == _ANNOTATION and ext >= 0:
-                annotation_by_ext.setdefault(ext, cp)
-        callpath[chunk] = cps
-    # correlation id → call path of its runtime call, as sorted arrays (no per-launch dict)
-    runtime = np.isin(trace.cls, _RUNTIME) & (trace.correlation >= 0)
-    corr_keys = trace.correlation[runtime]
-    corr_order = np.argsort(corr_keys, kind="stable")
-    corr_keys, corr_paths = corr_keys[corr_order], callpath[runtime][corr_order]
-    flow_in: dict[tuple[int, int], int] = {}
-    launch_by_flow: dict[int, int] = {}
-    if need_flows:
-        for start_flag, t, s, flow in trace.flows.tolist():
-            if start_flag:
-                if (t, s) in launch_at:
-                    launch_by_flow[flow] = launch_at[(t, s)]
-            else:
-                flow_in[(t, s)] = flow
-    device_idx = np.flatnonzero(~host)
-    corr_dev = trace.correlation[device_idx]
-    if len(corr_keys):
+    def walk_host(self) -> None:
+        """Host events by thread and time, each under the innermost one enclosing it; takes
+        each child's time from its parent's self time, and notes where runtime calls and
+        annotations are for the device pass."""
+        trace, self_ns, pair_info, node = self.trace, self.self_ns, self.pair_info, self.node
+        host_idx = np.flatnonzero(self.host)
+        tie = np.array([_HOST_ORDER.get(c, 9) for c in CLASSES])[trace.cls[host_idx]]
+        order = host_idx[np.lexsort((tie, -trace.dur_ns[host_idx], trace.start_ns[host_idx],
+                                     trace.thread[host_idx]))]
+        launch_at = self.launch_at if self.need_flows else None
+        annotation_by_ext = self.annotation_by_ext
+        stack: list[tuple[int, int, int]] = []  # (end ns, call path, event index)
+        current = -1
+        for lo in range(0, len(order), _CHUNK):
+            chunk = order[lo:lo + _CHUNK]
+            cps = np.zeros(len(chunk), dtype=np.uint64)
+            columns = zip(chunk.tolist(), trace.thread[chunk].tolist(),
+                          trace.start_ns[chunk].tolist(), trace.dur_ns[chunk].tolist(),
+                          trace.cls[chunk].tolist(), self.pair_index[chunk].tolist(),
+                          trace.external[chunk].tolist(), strict=True)
+            for j, (i, t, s, d, c, pair, ext) in enumerate(columns):
+                end = s + d
+                if t != current:
+                    stack.clear()
+                    current = t
+                depth = enclosing_depth(stack, s, end)
+                if depth >= 0:
+                    parent = stack[depth][1]
+                    self_ns[stack[depth][2]] -= d
+                else:
+                    parent = 0
+                layer, name = pair_info[pair]
+                cp = node(parent, layer, name)
+                cps[j] = cp
+                stack.append((end, cp, i))
+                if c in _RUNTIME:
+                    if launch_at is not None:
+                        launch_at[(t, s)] = cp
+                elif c == _ANNOTATION and ext >= 0:
+                    annotation_by_ext.setdefault(ext, cp)
+            self.callpath[chunk] = cps
+
+    def attach_device(self) -> int:
+        """Device events under their launch: the runtime call with their correlation id, else
+        the one their launch flow starts at; a GPU annotation under the annotation with its
+        external id. Returns how many device events found no launch."""
+        trace, pair_info, node = self.trace, self.pair_info, self.node
+        device_idx = np.flatnonzero(~self.host)
+        launched = self._launches_by_correlation(device_idx)
+        flow_in, launch_by_flow = self._launches_by_flow()
+        annotation_by_ext, need_flows = self.annotation_by_ext, self.need_flows
+        unlinked = 0
+        for lo in range(0, len(device_idx), _CHUNK):
+            chunk = device_idx[lo:lo + _CHUNK]
+            cps = np.zeros(len(chunk), dtype=np.uint64)
+            columns = zip(trace.thread[chunk].tolist(), trace.start_ns[chunk].tolist(),
+                          trace.cls[chunk].tolist(), self.pair_index[chunk].tolist(),
+                          launched[lo:lo + _CHUNK].tolist(), trace.external[chunk].tolist(),
+                          strict=True)
+            for j, (t, s, c, pair, parent, ext) in enumerate(columns):
+                if c == _GPU_ANNOTATION:
+                    parent = annotation_by_ext.get(ext, 0)
+                else:
+                    if not parent and need_flows:
+                        flow = flow_in.get((t, s))
+                        parent = launch_by_flow.get(flow, 0) if flow is not None else 0
+                    if not parent:
+                        unlinked += 1
+                cps[j] = node(parent, *pair_info[pair])
+            self.callpath[chunk] = cps
+        return unlinked
+
+    def _launches_by_correlation(self, device_idx: np.ndarray) -> np.ndarray:
+        """Per device event, the call path of the runtime call with its correlation id (0:
+        none), from sorted arrays rather than a dictionary per launch."""
+        trace = self.trace
+        runtime = np.isin(trace.cls, _RUNTIME) & (trace.correlation >= 0)
+        corr_keys = trace.correlation[runtime]
+        corr_order = np.argsort(corr_keys, kind="stable")
+        corr_keys, corr_paths = corr_keys[corr_order], self.callpath[runtime][corr_order]
+        corr_dev = trace.correlation[device_idx]
+        if not len(corr_keys):
+            return np.zeros(len(device_idx), dtype=np.uint64)
         k = np.minimum(np.searchsorted(corr_keys, corr_dev), len(corr_keys) - 1)
-        launched = np.where((corr_dev >= 0) & (corr_keys[k] == corr_dev), corr_paths[k], 0)
-    else:
-        launched = np.zeros(len(device_idx), dtype=np.uint64)
-    unlinked = 0
-    for lo in range(0, len(device_idx), _CHUNK):
-        chunk = device_idx[lo:lo + _CHUNK]
-        cps = np.zeros(len(chunk), dtype=np.uint64)
-        columns = zip(trace.thread[chunk].tolist(), trace.start_ns[chunk].tolist(),
-                      trace.cls[chunk].tolist(), pair_index[chunk].tolist(),
-                      launched[lo:lo + _CHUNK].tolist(), trace.external[chunk].tolist(),
-                      strict=True)
-        for j, (t, s, c, pair, parent, ext) in enumerate(columns):
-            if c == _GPU_ANNOTATION:
-                parent = annotation_by_ext.get(ext, 0)
-            else:
-                if not parent and need_flows:
-                    flow = flow_in.get((t, s))
-                    parent = launch_by_flow.get(flow, 0) if flow is not None else 0
-                if not parent:
-                    unlinked += 1
-            cps[j] = node(parent, *pair_info[pair])
-        callpath[chunk] = cps
-    return CallTree(callpath=callpath, layer_id=layer_id, layer_names=layer_names,
-                    self_ns=self_ns, nodes=nodes, unlinked_device=unlinked)
+        return np.where((corr_dev >= 0) & (corr_keys[k] == corr_dev), corr_paths[k], 0)
+
+    def _launches_by_flow(self) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
+        """(thread, start) of a flow's end → its flow id, and flow id → the call path of the
+        runtime call it starts at (empty unless flows are needed)."""
+        flow_in: dict[tuple[int, int], int] = {}
+        launch_by_flow: dict[int, int] = {}
+        if self.need_flows:
+            for start_flag, t, s, flow in self.trace.flows.tolist():
+                if start_flag:
+                    if (t, s) in self.launch_at:
+                        launch_by_flow[flow] = self.launch_at[(t, s)]
+                else:
+                    flow_in[(t, s)] = flow
+        return flow_in, launch_by_flow
 
 
 def path_of(nodes: dict[int, Node], cp: int) -> list[tuple[str, str]]:

@@ -214,116 +214,11 @@ def _ns(value: Any) -> int:
 def read_trace(path: Path, rank: int | None = None) -> Trace:
     """Stream one trace file into columns; ``rank`` is used only when it has no
     ``distributedInfo`` (and must agree with it when it has one)."""
-    import ijson
-
     header, is_list = _header(path)
     if not is_list:
         raise KinetoError(f"{path}: not a Chrome trace: no 'traceEvents' list at the top level")
-    counts = IngestCounts()
-    read, kept, skipped = counts.read, counts.kept, counts.skipped
-    # Narrow types where they suffice: ~44 bytes an event while reading.
-    cols = {c: array("q") for c in ("start", "dur", "corr", "ext", "bytes")}
-    cols.update(cls=array("b"), name=array("i"), thread=array("i"))
-    flows = array("q")
-    a_cls, a_name, a_thread = cols["cls"].append, cols["name"].append, cols["thread"].append
-    a_start, a_dur, a_corr = cols["start"].append, cols["dur"].append, cols["corr"].append
-    a_ext, a_bytes = cols["ext"].append, cols["bytes"].append
-    names: list[str] = []
-    name_ids: dict[str, int] = {}  # raw name → id of its normalised name
-    normal_ids: dict[str, int] = {}
-    threads: list[tuple[Any, Any]] = []
-    thread_ids: dict[tuple[Any, Any], int] = {}
-    class_of: dict[str, str | None] = {}
-    stream = _open(path)
-    index = -1
-    try:
-        for index, event in enumerate(ijson.items(stream, "traceEvents.item")):
-            if type(event) is not dict:
-                read["(not an object)"] += 1
-                skipped[("(not an object)", "not a JSON object")] += 1
-                continue
-            ph = event.get("ph")
-            cat = event.get("cat")
-            cat = cat if isinstance(cat, str) else ""
-            if ph == "X":
-                cls = class_of.get(cat, "?")
-                if cls == "?":
-                    cls = class_of[cat] = event_class(cat)
-                if cls is None:
-                    label = cat or "(no category)"
-                    read[label] += 1
-                    reason = ("the profiler's own span" if cat.lower() in PROFILER_CATEGORIES
-                              else "not a known event class")
-                    skipped[(label, reason)] += 1
-                    continue
-                name, ts, dur = event.get("name"), event.get("ts"), event.get("dur")
-                if (not isinstance(name, str) or not isinstance(ts, int | Decimal)
-                        or not isinstance(dur, int | Decimal)):
-                    raise KinetoError(
-                        f"{path}: traceEvents[{index}] is a complete event without a valid "
-                        f"name/ts/dur: {str(event)[:120]}"
-                    )
-                read[cls] += 1
-                kept[cls] += 1
-                name_id = name_ids.get(name)
-                if name_id is None:
-                    # Names that differ only in an object address are one function.
-                    normal = normalise_name(name)
-                    name_id = normal_ids.get(normal)
-                    if name_id is None:
-                        name_id = normal_ids[normal] = len(names)
-                        names.append(normal)
-                    name_ids[name] = name_id
-                key = (event.get("pid"), event.get("tid"))
-                thread = thread_ids.get(key)
-                if thread is None:
-                    thread = thread_ids[key] = len(threads)
-                    threads.append(key)
-                args = event.get("args")
-                if type(args) is dict:
-                    corr, ext, moved = (args.get("correlation"), args.get("External id"),
-                                        args.get("bytes"))
-                else:
-                    corr = ext = moved = None
-                a_cls(CLASS_INDEX[cls])
-                a_name(name_id)
-                a_thread(thread)
-                a_start(_ns(ts))
-                a_dur(max(0, _ns(dur)))
-                a_corr(corr if type(corr) is int else -1)
-                a_ext(ext if type(ext) is int else -1)
-                a_bytes(moved if type(moved) is int else 0)
-            elif ph in ("s", "t", "f"):
-                label = f"flow:{cat or '(no category)'}"
-                read[label] += 1
-                flow_id, ts = event.get("id"), event.get("ts")
-                if cat.lower() not in LAUNCH_FLOW_CATEGORIES:
-                    skipped[(label, "not a launch flow (only those link events)")] += 1
-                    continue
-                if type(flow_id) is not int or not isinstance(ts, int | Decimal):
-                    skipped[(label, "no integer id or no ts")] += 1
-                    continue
-                kept[label] += 1
-                key = (event.get("pid"), event.get("tid"))
-                thread = thread_ids.get(key)
-                if thread is None:
-                    thread = thread_ids[key] = len(threads)
-                    threads.append(key)
-                flows.extend((ph == "s", thread, _ns(ts), flow_id))
-            elif ph == "M":
-                read["metadata"] += 1
-                skipped[("metadata", "process/thread names, not timed")] += 1
-            elif ph in ("i", "I"):
-                read["instant"] += 1
-                skipped[("instant", "instant event, no duration")] += 1
-            else:
-                label = f"ph:{ph}"
-                read[label] += 1
-                skipped[(label, "event type not read (only X, flows, M, i)")] += 1
-    except ijson.JSONError as exc:
-        raise _json_error(path, stream, exc) from None
-    finally:
-        stream.raw.close()
+    columns, counts = _Columns(), IngestCounts()
+    _read_events(path, columns, counts)
     info = header.get("distributedInfo")
     if info is None and rank is None:
         info = _trailing(path, "distributedInfo")
@@ -341,24 +236,166 @@ def read_trace(path: Path, rank: int | None = None) -> Trace:
             f"{path}: none of its {counts.total_read} events is of a known class "
             f"(found: {found}); known classes: {', '.join(CLASSES)} and their older spellings"
         )
+    return columns.trace(path, resolved, source, world, base, counts)
 
-    def column(name: str, dtype: str) -> np.ndarray:
-        return np.frombuffer(cols[name], dtype=dtype)  # a view: no copy
 
-    start = column("start", "int64") + base
-    cols["start"] = array("q")
-    flow_rows = np.frombuffer(flows, dtype=np.int64).reshape(-1, 4).copy()
-    flow_rows[:, 2] += base
-    return Trace(
-        path=path, rank=resolved, rank_source=source, world_size=world, base_ns=base,
-        names=names, threads=threads, cls=column("cls", "int8"),
-        name_id=column("name", f"int{8 * cols['name'].itemsize}"),
-        thread=column("thread", f"int{8 * cols['thread'].itemsize}"), start_ns=start,
-        dur_ns=column("dur", "int64"), correlation=column("corr", "int64"),
-        external=column("ext", "int64"), bytes_moved=column("bytes", "int64"),
-        flows=flow_rows,
-        counts=counts,
-    )
+class _Columns:
+    """The kept events of a trace as growing typed arrays, and the names and threads their
+    small ids index, until :meth:`trace` turns them into a :class:`Trace`."""
+
+    def __init__(self) -> None:
+        # Narrow types where they suffice: ~44 bytes an event while reading.
+        self.cls, self.name, self.thread = array("b"), array("i"), array("i")
+        self.start, self.dur = array("q"), array("q")
+        self.corr, self.ext, self.bytes = array("q"), array("q"), array("q")
+        # Four values per launch flow: start (1) or end (0), thread id, ts in ns, flow id.
+        self.flows = array("q")
+        self.names: list[str] = []
+        self.name_ids: dict[str, int] = {}  # raw name → id of its normalised name
+        self._normal_ids: dict[str, int] = {}
+        self.threads: list[tuple[Any, Any]] = []
+        self.thread_ids: dict[tuple[Any, Any], int] = {}
+
+    def add_name(self, name: str) -> int:
+        """The id of a raw name not seen before."""
+        # Names that differ only in an object address are one function.
+        normal = normalise_name(name)
+        name_id = self._normal_ids.get(normal)
+        if name_id is None:
+            name_id = self._normal_ids[normal] = len(self.names)
+            self.names.append(normal)
+        self.name_ids[name] = name_id
+        return name_id
+
+    def add_thread(self, key: tuple[Any, Any]) -> int:
+        """The id of a (pid, tid) not seen before."""
+        thread = self.thread_ids[key] = len(self.threads)
+        self.threads.append(key)
+        return thread
+
+    def trace(
+        self, path: Path, rank: int, source: str, world: int, base: int, counts: IngestCounts
+    ) -> Trace:
+        def column(values: array, dtype: str) -> np.ndarray:
+            return np.frombuffer(values, dtype=dtype)  # a view: no copy
+
+        start = column(self.start, "int64") + base
+        self.start = array("q")
+        flow_rows = np.frombuffer(self.flows, dtype=np.int64).reshape(-1, 4).copy()
+        flow_rows[:, 2] += base
+        return Trace(
+            path=path, rank=rank, rank_source=source, world_size=world, base_ns=base,
+            names=self.names, threads=self.threads, cls=column(self.cls, "int8"),
+            name_id=column(self.name, f"int{8 * self.name.itemsize}"),
+            thread=column(self.thread, f"int{8 * self.thread.itemsize}"), start_ns=start,
+            dur_ns=column(self.dur, "int64"), correlation=column(self.corr, "int64"),
+            external=column(self.ext, "int64"), bytes_moved=column(self.bytes, "int64"),
+            flows=flow_rows,
+            counts=counts,
+        )
+
+
+def _read_events(path: Path, columns: _Columns, counts: IngestCounts) -> None:
+    """Stream ``traceEvents`` into ``columns``, counting every event as read, kept or skipped.
+
+    This loop runs once per event of a multi-gigabyte trace, so a complete event's work stays
+    inline (bound appends, dictionary lookups); only the other events and the rare cases (a
+    name or thread seen for the first time, a skip, an error) call out.
+    """
+    import ijson
+
+    read, kept = counts.read, counts.kept
+    a_cls, a_name, a_thread = columns.cls.append, columns.name.append, columns.thread.append
+    a_start, a_dur, a_corr = columns.start.append, columns.dur.append, columns.corr.append
+    a_ext, a_bytes = columns.ext.append, columns.bytes.append
+    name_ids, thread_ids = columns.name_ids, columns.thread_ids
+    class_of: dict[str, str | None] = {}
+    stream = _open(path)
+    try:
+        for index, event in enumerate(ijson.items(stream, "traceEvents.item")):
+            if type(event) is not dict:
+                _skip(counts, "(not an object)", "not a JSON object")
+                continue
+            ph = event.get("ph")
+            cat = event.get("cat")
+            cat = cat if isinstance(cat, str) else ""
+            if ph != "X":
+                _other_event(columns, counts, event, ph, cat)
+                continue
+            cls = class_of.get(cat, "?")
+            if cls == "?":
+                cls = class_of[cat] = event_class(cat)
+            if cls is None:
+                label = cat or "(no category)"
+                _skip(counts, label, "the profiler's own span"
+                      if cat.lower() in PROFILER_CATEGORIES else "not a known event class")
+                continue
+            name, ts, dur = event.get("name"), event.get("ts"), event.get("dur")
+            if (not isinstance(name, str) or not isinstance(ts, int | Decimal)
+                    or not isinstance(dur, int | Decimal)):
+                raise KinetoError(
+                    f"{path}: traceEvents[{index}] is a complete event without a valid "
+                    f"name/ts/dur: {str(event)[:120]}"
+                )
+            read[cls] += 1
+            kept[cls] += 1
+            name_id = name_ids.get(name)
+            if name_id is None:
+                name_id = columns.add_name(name)
+            key = (event.get("pid"), event.get("tid"))
+            thread = thread_ids.get(key)
+            if thread is None:
+                thread = columns.add_thread(key)
+            args = event.get("args")
+            if type(args) is dict:
+                corr, ext, moved = (args.get("correlation"), args.get("External id"),
+                                    args.get("bytes"))
+            else:
+                corr = ext = moved = None
+            a_cls(CLASS_INDEX[cls])
+            a_name(name_id)
+            a_thread(thread)
+            a_start(_ns(ts))
+            a_dur(max(0, _ns(dur)))
+            a_corr(corr if type(corr) is int else -1)
+            a_ext(ext if type(ext) is int else -1)
+            a_bytes(moved if type(moved) is int else 0)
+    except ijson.JSONError as exc:
+        raise _json_error(path, stream, exc) from None
+    finally:
+        stream.raw.close()
+
+
+def _skip(counts: IngestCounts, label: str, reason: str) -> None:
+    counts.read[label] += 1
+    counts.skipped[(label, reason)] += 1
+
+
+def _other_event(
+    columns: _Columns, counts: IngestCounts, event: dict[str, Any], ph: Any, cat: str
+) -> None:
+    """An event that is not a complete one: a launch flow is kept, the rest counted."""
+    if ph in ("s", "t", "f"):
+        label = f"flow:{cat or '(no category)'}"
+        flow_id, ts = event.get("id"), event.get("ts")
+        if cat.lower() not in LAUNCH_FLOW_CATEGORIES:
+            _skip(counts, label, "not a launch flow (only those link events)")
+        elif type(flow_id) is not int or not isinstance(ts, int | Decimal):
+            _skip(counts, label, "no integer id or no ts")
+        else:
+            counts.read[label] += 1
+            counts.kept[label] += 1
+            key = (event.get("pid"), event.get("tid"))
+            thread = columns.thread_ids.get(key)
+            if thread is None:
+                thread = columns.add_thread(key)
+            columns.flows.extend((ph == "s", thread, _ns(ts), flow_id))
+    elif ph == "M":
+        _skip(counts, "metadata", "process/thread names, not timed")
+    elif ph in ("i", "I"):
+        _skip(counts, "instant", "instant event, no duration")
+    else:
+        _skip(counts, f"ph:{ph}", "event type not read (only X, flows, M, i)")
 
 
 def _rank(path: Path, info: Any, rank: int | None) -> tuple[int, str, int]:
