@@ -116,65 +116,32 @@ def observe(layout: Layout, graph: Graph) -> Observed:
 def analyse(
     layout: Layout, graph: Graph | None = None, progress: Callable[[str], None] | None = None
 ) -> WhatIf:
+    """Replay the trace's job ideal, real and with each group of ops put back at its real
+    durations; ``progress`` hears each stage as it starts."""
     say = progress or (lambda _msg: None)
     graph = graph or layout_graph(layout)
     say("observing transfer durations and launch delays")
     obs = observe(layout, graph)
-    n_nodes, n_steps, dp_size = obs.effective_s.shape
-    pp_size = layout.meta.pp_size
+    n_steps, dp_size = obs.effective_s.shape[1:]
     shape = (n_steps, dp_size)
-    ideal_b = obs.ideal_s[:, None, None]
 
     say("replaying the real run")
     with_delays = simulate(graph, obs.effective_s, shape, obs.delay_s).step_time_s
     sim_error = np.abs(with_delays - obs.step_time_s) / obs.step_time_s
     t_real = simulate(graph, obs.effective_s, shape).step_time_s
-    t_ideal = float(simulate(graph, ideal_b, (1, 1)).step_time_s[0])
+    t_ideal = float(simulate(graph, obs.ideal_s[:, None, None], (1, 1)).step_time_s[0])
     mean_real = float(t_real.mean())
 
-    def ratio(step_times: np.ndarray) -> np.ndarray:
-        return step_times.mean(axis=-1) / t_ideal
-
     say("attributing to op types and stages")
-    present = [int(c) for c in np.unique(layout.node_op)]
-    by_type = [layout.node_op == c for c in present]
-    by_stage = [layout.node_stage == s for s in range(pp_size)]
-    group_masks = np.stack(by_type + by_stage)[:, :, None]  # (groups, nodes, 1): every DP rank
-    s_groups = ratio(_replay_masks(graph, obs, group_masks, shape))
-    s_optype = {ot.OPTYPES[c]: float(v) for c, v in zip(present, s_groups, strict=False)}
-    s_stage = {s: float(v) for s, v in enumerate(s_groups[len(present) :])}
-
+    s_optype, s_stage = _per_optype_and_stage(layout, graph, obs, t_ideal)
     say("attributing to data-parallel ranks")
     s_dp = _per_dp_rank(graph, obs, t_real, t_ideal)
-
-    scores = np.minimum(
-        np.array([s_dp[d] for d in range(dp_size)])[None, :],
-        np.array([s_stage[s] for s in range(pp_size)])[:, None],
-    )
-    flat_order = np.lexsort((np.arange(scores.size), -scores.ravel()))
-    s_worker = [
-        {"dp_rank": int(i % dp_size), "stage": int(i // dp_size), "score": float(scores.flat[i])}
-        for i in flat_order
-    ]
+    s_worker = _per_worker(s_dp, s_stage)
 
     say("characterising: workers vs stage partitioning")
-    n_top = max(1, math.ceil(TOP_WORKER_SHARE * scores.size - 1e-9))
-    chosen = np.zeros((pp_size, dp_size), dtype=bool)
-    top = [(w["dp_rank"], w["stage"]) for w in s_worker[:n_top]]
-    for d, s in top:
-        chosen[s, d] = True
-    keep_real = np.stack(
-        [
-            ~chosen[layout.node_stage],
-            np.broadcast_to((layout.node_stage != pp_size - 1)[:, None], (n_nodes, dp_size)),
-        ]
-    )
-    t_removed = _replay_masks(graph, obs, keep_real, shape).mean(axis=-1)
-    excess = mean_real - t_ideal
-    if excess <= NO_SLOWDOWN * t_ideal:
-        m_w = m_s = math.nan
-    else:
-        m_w, m_s = ((mean_real - t_removed) / excess).tolist()
+    top = [(w["dp_rank"], w["stage"])
+           for w in s_worker[:max(1, math.ceil(TOP_WORKER_SHARE * len(s_worker) - 1e-9))]]
+    m_w, m_s = _characterise(layout, graph, obs, top, mean_real, t_ideal)
 
     error_median = float(np.median(sim_error))
     error_p90 = float(np.percentile(sim_error, 90))
@@ -192,7 +159,7 @@ def analyse(
         sim_error_median=error_median,
         sim_error_p90=error_p90,
         steps=n_steps,
-        workers=int(scores.size),
+        workers=len(s_worker),
         steps_dropped=list(layout.dropped_steps),
         warnings=fit_warnings + list(layout.warnings) + list(graph.notes),
         step_time_real_s=real_mean,
@@ -202,6 +169,67 @@ def analyse(
         fit=fit,
         ideal_effective_s=obs.ideal_s,
     )
+
+
+def _per_optype_and_stage(
+    layout: Layout, graph: Graph, obs: Observed, t_ideal: float
+) -> tuple[dict[str, float], dict[int, float]]:
+    """S of each op type and of each pipeline stage, with only that group real (on every DP
+    rank), all groups replayed together."""
+    present = [int(c) for c in np.unique(layout.node_op)]
+    by_type = [layout.node_op == c for c in present]
+    by_stage = [layout.node_stage == s for s in range(layout.meta.pp_size)]
+    group_masks = np.stack(by_type + by_stage)[:, :, None]  # (groups, nodes, 1): every DP rank
+    shape = obs.effective_s.shape[1:]
+    s_groups = _replay_masks(graph, obs, group_masks, shape).mean(axis=-1) / t_ideal
+    s_optype = {ot.OPTYPES[c]: float(v) for c, v in zip(present, s_groups, strict=False)}
+    s_stage = {s: float(v) for s, v in enumerate(s_groups[len(present) :])}
+    return s_optype, s_stage
+
+
+def _per_worker(s_dp: dict[int, float], s_stage: dict[int, float]) -> list[dict[str, Any]]:
+    """Each worker (DP rank, stage) scored by the smaller of its rank's and its stage's S,
+    highest first (ties in worker order)."""
+    scores = np.minimum(
+        np.array([s_dp[d] for d in range(len(s_dp))])[None, :],
+        np.array([s_stage[s] for s in range(len(s_stage))])[:, None],
+    )
+    dp_size = scores.shape[1]
+    flat_order = np.lexsort((np.arange(scores.size), -scores.ravel()))
+    return [
+        {"dp_rank": int(i % dp_size), "stage": int(i // dp_size), "score": float(scores.flat[i])}
+        for i in flat_order
+    ]
+
+
+def _characterise(
+    layout: Layout,
+    graph: Graph,
+    obs: Observed,
+    top: list[tuple[int, int]],
+    mean_real: float,
+    t_ideal: float,
+) -> tuple[float, float]:
+    """(M_W, M_S): the share of the excess over the ideal run removed by putting the ``top``
+    workers back to ideal durations, and by putting the last pipeline stage's ops back (NaN
+    when there is no slowdown)."""
+    n_nodes, n_steps, dp_size = obs.effective_s.shape
+    pp_size = layout.meta.pp_size
+    chosen = np.zeros((pp_size, dp_size), dtype=bool)
+    for d, s in top:
+        chosen[s, d] = True
+    keep_real = np.stack(
+        [
+            ~chosen[layout.node_stage],
+            np.broadcast_to((layout.node_stage != pp_size - 1)[:, None], (n_nodes, dp_size)),
+        ]
+    )
+    t_removed = _replay_masks(graph, obs, keep_real, (n_steps, dp_size)).mean(axis=-1)
+    excess = mean_real - t_ideal
+    if excess <= NO_SLOWDOWN * t_ideal:
+        return math.nan, math.nan
+    m_w, m_s = ((mean_real - t_removed) / excess).tolist()
+    return m_w, m_s
 
 
 def _replay_masks(

@@ -36,23 +36,50 @@ def stage_schedule(spec: JobSpec, stage: int) -> list[Op]:
         raise ValueError(f"interleaved schedules need microbatches ({m}) divisible by pp ({p})")
     total = m * v
     warmup = min(total, (p - stage - 1) * 2 + (v - 1) * p if v > 1 else p - stage - 1)
-    last_g = p * v - 1
+    issued = _StageOps(spec, stage)
+    if spec.noop_p2p and stage == 0:
+        # The profiler records p2p calls that never reach the network: a backward send on
+        # the first stage before any compute, ...
+        issued.add(ot.BACKWARD_SEND)
+    for k in range(warmup):
+        issued.forward(k)
+    for i in range(total - warmup):
+        issued.forward(warmup + i)
+        issued.backward(i)
+    for i in range(total - warmup, total):
+        issued.backward(i)
+    if spec.noop_p2p and stage == p - 1:
+        # ... and a backward recv on the last stage after its last compute.
+        issued.add(ot.BACKWARD_RECV)
+    issued.step_end()
+    return issued.ops
 
-    def chunk_mb(k: int, backward: bool) -> tuple[int, int]:
+
+class _StageOps:
+    """One stage's ops as :func:`stage_schedule` issues them: a forward or backward pass of a
+    micro-batch with its p2p transfers, and the end of the step."""
+
+    def __init__(self, spec: JobSpec, stage: int) -> None:
+        self.spec, self.stage = spec, stage
+        self.p, self.v = spec.pp_size, spec.vpp_size
+        self.last_g = self.p * self.v - 1  # the last model chunk over all stages
+        self.ops: list[Op] = []
+        self.gathered: set[int] = set()  # chunks whose parameters were all-gathered
+        self.backwards_left = {c: spec.microbatches for c in range(self.v)}
+        self.overlap = spec.distributed_optimizer and spec.overlap_grad_reduce
+
+    def chunk_mb(self, k: int, backward: bool) -> tuple[int, int]:
+        """(model chunk, micro-batch) of the k-th forward or backward pass."""
+        p, v = self.p, self.v
         c = (k // p) % v if v > 1 else 0
         mb = (k // (p * v)) * p + k % p if v > 1 else k
         return (v - 1 - c if backward else c), mb
 
-    ops: list[Op] = []
-    gathered: set[int] = set()
-    backwards_left = {c: m for c in range(v)}
-    overlap = spec.distributed_optimizer and spec.overlap_grad_reduce
-
-    def add(code: int, c: int = -1, mb: int = -1) -> None:
-        prev = ops[-1] if ops else None
+    def add(self, code: int, c: int = -1, mb: int = -1) -> None:
+        prev = self.ops[-1] if self.ops else None
         if prev is None or prev.code not in ot.P2P or code not in ot.P2P:
             batched = False
-        elif v > 1:
+        elif self.v > 1:
             batched = False  # interleaved schedules are generated without batching
         else:
             # 1F1B: a send then a recv of the other direction ("send forward, recv backward").
@@ -61,58 +88,47 @@ def stage_schedule(spec: JobSpec, stage: int) -> list[Op]:
                 and code in (ot.FORWARD_RECV, ot.BACKWARD_RECV)
                 and ot.P2P_COMPUTE[code] != ot.P2P_COMPUTE[prev.code]
             )
-        ops.append(Op(code, c, mb, batched))
+        self.ops.append(Op(code, c, mb, batched))
 
-    def forward(k: int) -> None:
-        c, mb = chunk_mb(k, False)
-        g = c * p + stage
-        if spec.distributed_optimizer and c not in gathered:
-            gathered.add(c)
-            add(ot.PARAMS_ALL_GATHER, c)
+    def forward(self, k: int) -> None:
+        c, mb = self.chunk_mb(k, False)
+        g = c * self.p + self.stage
+        if self.spec.distributed_optimizer and c not in self.gathered:
+            self.gathered.add(c)
+            self.add(ot.PARAMS_ALL_GATHER, c)
         if g > 0:
-            add(ot.FORWARD_RECV, c, mb)
-        add(ot.FORWARD_COMPUTE, c, mb)
-        if g < last_g:
-            add(ot.FORWARD_SEND, c, mb)
+            self.add(ot.FORWARD_RECV, c, mb)
+        self.add(ot.FORWARD_COMPUTE, c, mb)
+        if g < self.last_g:
+            self.add(ot.FORWARD_SEND, c, mb)
 
-    def backward(k: int) -> None:
-        c, mb = chunk_mb(k, True)
-        g = c * p + stage
-        if g < last_g:
-            add(ot.BACKWARD_RECV, c, mb)
-        add(ot.BACKWARD_COMPUTE, c, mb)
+    def backward(self, k: int) -> None:
+        c, mb = self.chunk_mb(k, True)
+        g = c * self.p + self.stage
+        if g < self.last_g:
+            self.add(ot.BACKWARD_RECV, c, mb)
+        self.add(ot.BACKWARD_COMPUTE, c, mb)
         if g > 0:
-            add(ot.BACKWARD_SEND, c, mb)
-        backwards_left[c] -= 1
-        if overlap and backwards_left[c] == 0:
-            add(ot.GRADS_REDUCE_SCATTER, c)
+            self.add(ot.BACKWARD_SEND, c, mb)
+        self.backwards_left[c] -= 1
+        if self.overlap and self.backwards_left[c] == 0:
+            self.add(ot.GRADS_REDUCE_SCATTER, c)
 
-    if spec.noop_p2p and stage == 0:
-        # The profiler records p2p calls that never reach the network: a backward send on
-        # the first stage before any compute, ...
-        add(ot.BACKWARD_SEND)
-    for k in range(warmup):
-        forward(k)
-    for i in range(total - warmup):
-        forward(warmup + i)
-        backward(i)
-    for i in range(total - warmup, total):
-        backward(i)
-    if spec.noop_p2p and stage == p - 1:
-        add(ot.BACKWARD_RECV)  # ... and a backward recv on the last stage after its last compute
-    if spec.gc:
-        add(ot.GC)
-    add(ot.LAYERNORM_ALL_REDUCE)
-    if p > 1 and stage in (0, p - 1):
-        add(ot.EMBEDDING_ALL_REDUCE)
-    if not spec.distributed_optimizer or overlap:
-        add(ot.SEPARATE_ALL_REDUCE)
-    else:
-        for c in range(v):
-            add(ot.GRADS_REDUCE_SCATTER, c)
-    add(ot.CLIP)
-    add(ot.OPTIMIZER)
-    return ops
+    def step_end(self) -> None:
+        """GC, the gradient and embedding reductions, clipping and the optimizer."""
+        spec, p = self.spec, self.p
+        if spec.gc:
+            self.add(ot.GC)
+        self.add(ot.LAYERNORM_ALL_REDUCE)
+        if p > 1 and self.stage in (0, p - 1):
+            self.add(ot.EMBEDDING_ALL_REDUCE)
+        if not spec.distributed_optimizer or self.overlap:
+            self.add(ot.SEPARATE_ALL_REDUCE)
+        else:
+            for c in range(self.v):
+                self.add(ot.GRADS_REDUCE_SCATTER, c)
+        self.add(ot.CLIP)
+        self.add(ot.OPTIMIZER)
 
 
 def host_graph(
