@@ -232,14 +232,37 @@ class SimulatedCluster:
         return self._rng.lognormal(0.0, self.spec.jitter, shape)
 
     def _step(self, step: int, start: np.ndarray) -> tuple[StepOutput, np.ndarray]:
+        """One training step of every rank from its ``start``: data loading and GC, the
+        pipeline schedule, then the gradient all-reduce and the optimizer. Returns what the
+        ranks send about it and when each rank's step ended."""
         spec, layout = self.spec, self.layout
         emit = SpanEmitter()
         ops = OpRecorder(spec.dp, spec.tp) if spec.record_ops else None
         compute = self._compute_factor(step)
         link = self._link_factor(step)
         tokens = self._tokens(step)
-        token_factor = tokens / spec.tokens_per_microbatch
         busy = np.zeros(layout.world_size)  # compute time per rank, for utilisation
+        ready = self._load_batches(emit, step, start)
+        self._run_pipeline(emit, step, ready, compute, link, tokens / spec.tokens_per_microbatch,
+                           busy, ops)
+        end = self._finish_step(emit, ready, compute, link, busy, ops)
+        emit.add("train_step", np.arange(layout.world_size), start, end - start)
+
+        output = StepOutput(step=step)
+        output.spans = emit.batches(spec.job_id, layout, step)
+        output.span_count = sum(len(b) for b in output.spans)
+        output.steps = step_records(
+            spec.job_id, layout, spec.microbatches, step, start, end, tokens
+        )
+        output.metrics = self._metrics(step, start, end, busy, compute, link)
+        if ops is not None:
+            output.ops = ops.frame(step)
+        return output, end
+
+    def _load_batches(self, emit: SpanEmitter, step: int, start: np.ndarray) -> list[np.ndarray]:
+        """Each stage's ranks load their batch, then may pause for GC (a routine collection
+        now and then, and the injected pauses); returns when each stage's ranks are ready."""
+        spec, layout = self.spec, self.layout
         stall = np.zeros(layout.world_size)
         for f in self._active("dataloader-stall", step):
             stall[int(f["rank"])] += f["ms"] * _MS
@@ -247,7 +270,6 @@ class SimulatedCluster:
         for f in self._active("gc-pause", step):
             if (step - f.start) % int(f["every"]) == 0:
                 gc_extra[int(f["rank"])] += f["ms"] * _MS
-
         ready: list[np.ndarray] = []
         for grid in self._grids:
             t = start[grid]
@@ -260,21 +282,35 @@ class SimulatedCluster:
             paused = gc > 0
             emit.add("gc.collect", grid[paused], t[paused], gc[paused])
             ready.append(t + gc)
+        return ready
 
+    def _run_pipeline(
+        self,
+        emit: SpanEmitter,
+        step: int,
+        ready: list[np.ndarray],
+        compute: np.ndarray,
+        link: np.ndarray,
+        token_factor: np.ndarray,
+        busy: np.ndarray,
+        ops: OpRecorder | None,
+    ) -> None:
+        """Every stage's 1F1B schedule, an op as soon as its input has arrived from the
+        neighbouring stage; ``ready`` (per stage) advances as the ops run."""
         fwd_arrival: dict[tuple[int, int], np.ndarray] = {}
         bwd_arrival: dict[tuple[int, int], np.ndarray] = {}
-        position = [0] * spec.pp
+        position = [0] * self.spec.pp
         remaining = sum(len(s) for s in self._schedules)
         while remaining:
             progressed = False
-            for s in range(spec.pp):
+            for s in range(self.spec.pp):
                 schedule = self._schedules[s]
                 while position[s] < len(schedule):
                     kind, mb = schedule[position[s]]
                     forward = kind == "F"
                     src = s - 1 if forward else s + 1
                     arrivals = fwd_arrival if forward else bwd_arrival
-                    if 0 <= src < spec.pp and (s, mb) not in arrivals:
+                    if 0 <= src < self.spec.pp and (s, mb) not in arrivals:
                         break
                     ready[s] = self._run_op(
                         emit, s, mb, forward, ready[s], arrivals.pop((s, mb), None),
@@ -287,7 +323,19 @@ class SimulatedCluster:
             if not progressed:
                 raise RuntimeError(f"pipeline schedule deadlocked at step {step}")
 
-        end = np.empty(layout.world_size)
+    def _finish_step(
+        self,
+        emit: SpanEmitter,
+        ready: list[np.ndarray],
+        compute: np.ndarray,
+        link: np.ndarray,
+        busy: np.ndarray,
+        ops: OpRecorder | None,
+    ) -> np.ndarray:
+        """The data-parallel gradient all-reduce (it ends when its slowest member arrives, plus
+        the transfer) and the optimizer; returns when each rank's step ended."""
+        spec = self.spec
+        end = np.empty(self.layout.world_size)
         for s, grid in enumerate(self._grids):
             t = ready[s]
             ring = link[grid].max(axis=0)  # a ring runs at its slowest link
@@ -305,18 +353,7 @@ class SimulatedCluster:
                 ops.add("optimizer", s, done_all, done_all + optimizer)
             busy[grid] += optimizer
             end[grid] = done + optimizer
-        emit.add("train_step", np.arange(layout.world_size), start, end - start)
-
-        output = StepOutput(step=step)
-        output.spans = emit.batches(spec.job_id, layout, step)
-        output.span_count = sum(len(b) for b in output.spans)
-        output.steps = step_records(
-            spec.job_id, layout, spec.microbatches, step, start, end, tokens
-        )
-        output.metrics = self._metrics(step, start, end, busy, compute, link)
-        if ops is not None:
-            output.ops = ops.frame(step)
-        return output, end
+        return end
 
     def _run_op(
         self,
