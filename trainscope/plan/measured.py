@@ -211,6 +211,30 @@ def _age(seconds: float) -> str:
 
 
 def read_job_links(client: Any, job_id: str, *, now_ns: int | None = None) -> JobLinks:
+    """What the store holds about ``job_id``'s links: its topology and GPU placement, each
+    rank's NIC throughput, the pipeline sends that are clean pair measurements, and each rank's
+    forward and backward time. MeasuredError when there is nothing to plan with."""
+    dp, pp, tp, host_of, coords = _topology(client, job_id)
+    names, gpus_per_host, gpu_of_rank = _gpu_placement(client, job_id, host_of)
+    result = JobLinks(job_id, dp, pp, tp, names, gpus_per_host, gpu_of_rank, coords,
+                      now_ns=now_ns if now_ns is not None else time.time_ns())
+    _read_nic(client, result)
+    _read_pipeline_pairs(client, result)
+    _read_compute_times(client, result)
+    if not result.nic and not result.pairs:
+        raise MeasuredError(
+            f"job {job_id!r}: the store has no link measurements ({NIC_TX_BYTES_PER_S} "
+            "metric samples or pp_send summaries with bytes)")
+    if not result.nic:
+        raise MeasuredError(
+            f"job {job_id!r}: no {NIC_TX_BYTES_PER_S} samples; pipeline-send pairs alone do "
+            "not give a nominal bandwidth to plan with")
+    return result
+
+
+def _topology(client: Any, job_id: str) -> tuple[int, int, int, list[str], np.ndarray]:
+    """(dp, pp, tp, host of each rank, (dp_rank, pp_stage, tp_rank) of each rank) from the
+    job's latest topology, ranks in order."""
     topo = client.query(
         "SELECT dp_size, pp_size, tp_size, cp_size, ranks, hosts, dp_ranks, pp_stages, tp_ranks "
         "FROM topologies WHERE job_id = {job:String}",
@@ -229,7 +253,14 @@ def read_job_links(client: Any, job_id: str, *, now_ns: int | None = None) -> Jo
     host_of = [hosts[i] for i in order]
     coords = np.stack([np.asarray(dps)[order], np.asarray(pps)[order],
                        np.asarray(tps)[order]], axis=1)
+    return int(dp), int(pp), int(tp), host_of, coords
 
+
+def _gpu_placement(
+    client: Any, job_id: str, host_of: list[str]
+) -> tuple[list[str], int, np.ndarray]:
+    """(sorted host names, GPUs per host, global GPU index of each rank): a rank's GPU is the
+    device its metric samples name, else its position among its host's ranks."""
     device: dict[int, int] = {}
     for rank, dev in client.query(
         "SELECT rank, any(device) FROM metric_samples WHERE job_id = {job:String} "
@@ -237,6 +268,7 @@ def read_job_links(client: Any, job_id: str, *, now_ns: int | None = None) -> Jo
         parameters={"job": job_id},
     ).result_rows:
         device[int(rank)] = int(dev)
+    world = len(host_of)
     names = sorted(set(host_of))
     per_host: dict[str, list[int]] = {}
     for r in range(world):
@@ -250,49 +282,50 @@ def read_job_links(client: Any, job_id: str, *, now_ns: int | None = None) -> Jo
             gpu_of_rank[r] = names.index(host) * gpus_per_host + local
     if len(set(gpu_of_rank.tolist())) != world:
         raise MeasuredError(f"job {job_id!r}: two ranks claim the same GPU (metric devices)")
+    return names, gpus_per_host, gpu_of_rank
 
-    result = JobLinks(job_id, int(dp), int(pp), int(tp), names, gpus_per_host, gpu_of_rank,
-                      coords, now_ns=now_ns if now_ns is not None else time.time_ns())
+
+def _read_nic(client: Any, links: JobLinks) -> None:
+    """Each rank's median NIC throughput while transferring."""
     for rank, value, samples, newest in client.query(
         "SELECT rank, median(value), count(), max(ts_ns) FROM metric_samples "
         "WHERE job_id = {job:String} AND name = {name:String} AND rank >= 0 AND value > 0 "
         "GROUP BY rank",
-        parameters={"job": job_id, "name": NIC_TX_BYTES_PER_S},
+        parameters={"job": links.job_id, "name": NIC_TX_BYTES_PER_S},
     ).result_rows:
-        if 0 <= rank < world:
-            result.nic[int(rank)] = Measured(float(value), int(samples), int(newest))
-    rank_of = {(int(d), int(s), int(t)): r for r, (d, s, t) in enumerate(coords)}
+        if 0 <= rank < links.world:
+            links.nic[int(rank)] = Measured(float(value), int(samples), int(newest))
+
+
+def _read_pipeline_pairs(client: Any, links: JobLinks) -> None:
+    """Pipeline sends of ranks with one neighbouring stage, as (sender, receiver) pairs."""
+    rank_of = {(int(d), int(s), int(t)): r for r, (d, s, t) in enumerate(links.coords)}
     for rank, bytes_total, total_ns, windows, newest in client.query(
         "SELECT rank, sum(bytes_total), sum(total_ns), count(), max(window_end_ns) "
         "FROM function_summaries WHERE job_id = {job:String} AND name = 'pp_send' "
         "AND bytes_total > 0 AND total_ns > 0 GROUP BY rank",
-        parameters={"job": job_id},
+        parameters={"job": links.job_id},
     ).result_rows:
-        if not 0 <= rank < world:
+        if not 0 <= rank < links.world:
             continue
-        d, s, t = (int(x) for x in coords[rank])
+        d, s, t = (int(x) for x in links.coords[rank])
         # A stage sends forward to s + 1 and backward to s − 1; the summary mixes both, so
         # only the first and last stages (one neighbour each) give a clean pair.
-        peers = [rank_of.get((d, n, t)) for n in (s - 1, s + 1) if 0 <= n < pp]
+        peers = [rank_of.get((d, n, t)) for n in (s - 1, s + 1) if 0 <= n < links.pp]
         if len(peers) != 1 or peers[0] is None:
             continue
-        result.pairs[(int(rank), peers[0])] = Measured(
+        links.pairs[(int(rank), peers[0])] = Measured(
             float(bytes_total) / (float(total_ns) / 1e9), int(windows), int(newest))
+
+
+def _read_compute_times(client: Any, links: JobLinks) -> None:
+    """Each rank's mean time of one forward and one backward call."""
     for rank, name, total_ns, calls in client.query(
         "SELECT rank, name, sum(total_ns), sum(count) FROM function_summaries "
         "WHERE job_id = {job:String} AND name IN ('forward', 'backward') AND count > 0 "
         "GROUP BY rank, name",
-        parameters={"job": job_id},
+        parameters={"job": links.job_id},
     ).result_rows:
-        if 0 <= rank < world:
-            into = result.forward_s if name == "forward" else result.backward_s
+        if 0 <= rank < links.world:
+            into = links.forward_s if name == "forward" else links.backward_s
             into[int(rank)] = float(total_ns) / 1e9 / float(calls)
-    if not result.nic and not result.pairs:
-        raise MeasuredError(
-            f"job {job_id!r}: the store has no link measurements ({NIC_TX_BYTES_PER_S} "
-            "metric samples or pp_send summaries with bytes)")
-    if not result.nic:
-        raise MeasuredError(
-            f"job {job_id!r}: no {NIC_TX_BYTES_PER_S} samples; pipeline-send pairs alone do "
-            "not give a nominal bandwidth to plan with")
-    return result
