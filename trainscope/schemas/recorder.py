@@ -21,6 +21,18 @@ from trainscope.schemas.summaries import FunctionKey, summary_batches
 WINDOW_GRACE_S = 0.5
 
 
+def window_ns_of(window_s: float) -> int:
+    """A window length in nanoseconds, rounded as every producer and the engine round it, so
+    they all cut the same grid."""
+    return int(window_s * 1e9)
+
+
+def window_start_of(ts_ns: int, window_ns: int) -> int:
+    """The start of the epoch-grid window holding ``ts_ns``: a multiple of ``window_ns`` since
+    the Unix epoch, whatever process or host computes it."""
+    return ts_ns // window_ns * window_ns
+
+
 class _Durations:
     __slots__ = ("bytes_total", "durations_ns")
 
@@ -44,10 +56,10 @@ class WindowRecorder:
     @classmethod
     def for_window(cls, window_s: float) -> WindowRecorder:
         """A recorder of ``window_s`` windows with the producers' grace period."""
-        return cls(int(window_s * 1e9), int(min(WINDOW_GRACE_S, window_s / 4) * 1e9))
+        return cls(window_ns_of(window_s), int(min(WINDOW_GRACE_S, window_s / 4) * 1e9))
 
     def window_of(self, ts_ns: int) -> int:
-        return ts_ns // self.window_ns * self.window_ns
+        return window_start_of(ts_ns, self.window_ns)
 
     def add(
         self,

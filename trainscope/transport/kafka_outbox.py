@@ -1,12 +1,18 @@
-"""The bounded outbox of the Kafka bus: what ``publish`` accepted and Kafka has not settled.
+"""The Kafka bus's ledger of what ``publish`` accepted and Kafka has not settled yet.
+
+Not a producer's buffer: producers hand their records to the one outbox of the transport layer
+(:class:`trainscope.transport.outbox.Outbox`), which holds them, applies the drop policy, counts
+and retries. This ledger only tracks the messages between ``publish`` and Kafka's verdict, and
+drops nothing: its bounds (messages and bytes) make ``offer`` refuse with ``BusError``, at once,
+instead of letting a dead broker stall or bloat a training process; the producer's outbox keeps
+a refused message and sends it again later.
 
 Callers on any thread ``offer`` messages; the bus's event loop ``take``s them for the producer
 and ``settle``s each one exactly once: delivered when Kafka acknowledged it, failed otherwise
-(including when the bus gives up on a producer during an outage). Bounds (messages and bytes)
-make ``offer`` fail fast instead of letting a dead broker stall or bloat a training process.
+(including when the bus gives up on a producer during an outage).
 
-Counts (messages): ``published`` = ``delivered`` + ``failed`` + pending; ``rejected`` were
-refused by ``offer`` and never queued.
+Counts (messages): ``offered`` = ``delivered`` + ``failed`` + pending; ``rejected`` were
+refused by ``offer`` and never taken. (A producer's "published" is ``delivered`` here.)
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ class Entry:
     settled: bool = field(default=False)
 
 
-class Outbox:
+class PendingMessages:
+    """The Kafka bus's messages between ``publish`` and Kafka's verdict, with their bounds and
+    counts; it refuses when full and never drops (module docstring)."""
+
     def __init__(
         self,
         servers: str,
@@ -45,7 +54,7 @@ class Outbox:
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
         self.max_message_bytes = max_message_bytes
-        self.counts = {"published": 0, "delivered": 0, "failed": 0, "rejected": 0}
+        self.counts = {"offered": 0, "delivered": 0, "failed": 0, "rejected": 0}
         self.last_error = ""
         self._on_trouble = on_trouble  # the broker may have lost state: forget cached facts
         self._cond = threading.Condition()
@@ -86,7 +95,7 @@ class Outbox:
             self._queue.append(Entry(topic, value, key, on_done))
             self._pending += 1
             self._pending_bytes += size
-            self.counts["published"] += 1
+            self.counts["offered"] += 1
             wake = not self._draining
             self._draining = True
             return wake
@@ -159,3 +168,8 @@ class Outbox:
 
     def _last_error_note(self) -> str:
         return f" (last error: {self.last_error})" if self.last_error else ""
+
+
+# The name kafka.py imports; kept until that module (being reworked in another change) imports
+# PendingMessages, so that "Outbox" means only the producers' outbox (transport/outbox.py).
+Outbox = PendingMessages

@@ -106,7 +106,7 @@ def test_degraded_start_reports_each_missing_collector_once_and_keeps_publishing
     # What it could run, it ran and published.
     assert stats["collectors"]["host"]["status"] == "stopped"
     assert stats["windows"] >= 3 and stats["records_published"] > 0
-    assert stats["publish_errors"] == 0 and stats["dropped_records"] == 0
+    assert stats["publish_errors"] == 0 and stats["records_dropped"] == 0
 
 
 def test_a_failing_collector_is_isolated(tmp_path: Path) -> None:
@@ -138,17 +138,18 @@ def test_a_failing_collector_is_isolated(tmp_path: Path) -> None:
 def test_backlog_is_bounded_when_the_bus_refuses() -> None:
     bus = MemoryBus()
     bus.close()  # a real bus that refuses every publish
-    settings = AgentSettings(interval_s=0.01, window_s=0.01, max_backlog_messages=2)
+    settings = AgentSettings(interval_s=0.01, window_s=0.01, queue_size=6)
     agent = Agent(settings, bus, [HostCollector()])
     agent.start()
     stats = agent.run(max_windows=8)
     assert stats.messages_published == 0 and stats.publish_errors > 0
     # Every record the collector produced (one per series and interval, one window per
-    # interval here) was dropped and counted: some when the backlog overflowed, the rest
-    # when nothing could send them at shutdown.
+    # interval here) was lost and counted: dropped when the queue was full, failed when
+    # nothing could send them at shutdown.
     produced = stats.collectors["host"].stats.samples
     assert produced == 3 * stats.windows
-    assert stats.dropped_records == produced
+    assert stats.records_dropped > 0 and stats.records_failed == 6
+    assert stats.records_dropped + stats.records_failed == produced
 
 
 def test_window_aggregation_reducers_and_bound() -> None:
@@ -285,4 +286,4 @@ def test_sigterm_detaches_probes_and_reports_what_was_traced(fake_cuda: FakeCuda
     launches = ebpf["stats"]["events"]
     # Every launch was traced once; the process's context switches add sched events.
     assert launches >= 777
-    assert stats["records_published"] > 0 and stats["dropped_records"] == 0
+    assert stats["records_published"] > 0 and stats["records_dropped"] == 0

@@ -65,11 +65,11 @@ def _records_on_broker(url: str, group: str) -> tuple[Counter[str], set[int]]:
 
 def assert_counts_add_up(stats: dict[str, Any]) -> None:
     assert stats["records_sent"] == (
-        stats["records_acked"] + stats["records_failed"] + stats["records_in_flight"]
+        stats["records_acked"] + stats["records_send_failures"] + stats["records_in_flight"]
     ), stats
     assert stats["records_submitted"] == (
-        stats["records_acked"] + stats["records_dropped"] + stats["records_queued"]
-        + stats["records_in_flight"] + stats["records_unsent"] + stats["records_abandoned"]
+        stats["records_acked"] + stats["records_dropped"] + stats["records_failed"]
+        + stats["records_queued"]
     ), stats
 
 
@@ -116,8 +116,8 @@ def test_after_an_outage_everything_acked_is_on_the_topic(attach, fresh_kafka_br
     att.detach()
     final = att.stats()
     assert_counts_add_up(final)
-    assert final["records_abandoned"] == 0 and final["records_failed"] > 0
-    assert final["records_resent"] == final["records_failed"]  # each failed send went again
+    assert final["records_failed"] == 0 and final["records_send_failures"] > 0
+    assert final["records_resent"] == final["records_send_failures"]  # each went again
     assert final["errors_by_kind"].get("sender", 0) == 0
 
     on_topic, steps = _records_on_broker(broker.url, "outage-check")
@@ -151,7 +151,7 @@ def test_a_slow_broker_gets_everything_once_and_the_counts_say_so(attach) -> Non
         att.detach()
         final = att.stats()
         assert_counts_add_up(final)
-        assert final["records_failed"] == 0 and final["records_resent"] == 0, final
+        assert final["records_send_failures"] == 0 and final["records_resent"] == 0, final
         assert final["records_dropped"] == 0 and final["records_acked"] > 30
         on_topic, steps = _records_on_broker(f"kafka://127.0.0.1:{broker.port}", "slow-check")
     assert sum(on_topic.values()) == len(on_topic) == final["records_acked"]  # no duplicates

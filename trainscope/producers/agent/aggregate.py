@@ -7,7 +7,9 @@ value for cumulative counters. The reason mask also yields ``throttled_frac``, t
 readings with a throttling bit set, judged reading by reading: the OR over a window would call a
 GPU throttled after a single power-cap blip (idle and clock-setting bits never count).
 Function summaries of one function and rank merge exactly, and leave as one
-:class:`SummaryBatch` per job and rank.
+:class:`SummaryBatch` per job and rank. A window's summaries carry its bounds and its condensed
+readings its end (``ts_ns``): the stream job files a reading by the instant before its stamp,
+so both land in the same window of the epoch grid.
 """
 
 from __future__ import annotations

@@ -28,14 +28,26 @@ class AgentCollector:
         for name, doc, value in (
             ("intervals", "Collection intervals run.", stats.intervals),
             ("windows", "Windows published.", stats.windows),
-            ("records_published", "Records handed to the bus.", stats.records_published),
-            ("messages_published", "Bus messages handed to the bus.", stats.messages_published),
-            ("bytes_published", "Bytes handed to the bus.", stats.bytes_published),
-            ("publish_errors", "Publishes or flushes the bus refused.", stats.publish_errors),
-            ("records_dropped", "Records dropped (bounded series, backlog full, shutdown).",
-             stats.dropped_records),
+            ("records_submitted", "Condensed records handed to the outbox.",
+             stats.records_submitted),
+            ("records_published", "Records the bus acknowledged.", stats.records_published),
+            ("messages_published", "Bus messages the bus acknowledged.",
+             stats.messages_published),
+            ("bytes_published", "Bytes of the messages the bus acknowledged.",
+             stats.bytes_published),
+            ("publish_errors", "Failures to reach the bus, publish or flush (retried).",
+             stats.publish_errors),
+            ("records_dropped", "Records refused because the outbox was full (drop newest).",
+             stats.records_dropped),
+            ("records_failed", "Records given up: not acknowledged when the agent stopped.",
+             stats.records_failed),
+            ("readings_dropped", "Collector readings refused by the window's series bound.",
+             stats.readings_dropped),
         ):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        yield GaugeMetricFamily(PREFIX + "records_queued",
+                                "Records held for the bus now (waiting or in flight).",
+                                value=stats.records_queued)
         per_collector = {
             "collector_samples": ("Records each collector produced.", "samples"),
             "collector_events": ("Raw observations behind them.", "events"),

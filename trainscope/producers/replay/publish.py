@@ -1,33 +1,51 @@
-"""Publish replayed records on the bus the way a live rank would: batches keyed by job/rank."""
+"""Publish replayed records on the bus the way a live rank would: batches keyed by job/rank,
+through the same :class:`~trainscope.transport.outbox.Outbox` as every producer."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.records import SummaryBatch
-from trainscope.schemas.summaries import message_chunks
-from trainscope.transport.bus import EVENTS_TOPIC, Bus, rank_key
+from trainscope.transport.bus import Bus, BusError, rank_key
+from trainscope.transport.outbox import DEFAULT_BATCH_RECORDS, Outbox
 
 # Rows per message (a summary batch weighs its rows), as the live producer sends them.
-BATCH_RECORDS = 500
+BATCH_RECORDS = DEFAULT_BATCH_RECORDS
+DELIVERY_TIMEOUT_S = 30.0
 
 
-def publish_records(bus: Bus, job_id: str, records: Sequence[Any]) -> int:
-    """Publish records grouped per rank (one key per rank keeps a rank's order); returns the
-    number of records sent (a summary batch is one record)."""
+def publish_records(
+    bus: Bus, job_id: str, records: Sequence[Any], timeout_s: float = DELIVERY_TIMEOUT_S
+) -> int:
+    """Publish records grouped per rank (one key per rank keeps a rank's order) and wait for
+    the bus to acknowledge them; returns the number of records published, i.e. acknowledged (a
+    summary batch is one record). Raises :class:`BusError` when some were not acknowledged
+    within ``timeout_s``: a command reports that, unlike a live producer. ``bus`` stays the
+    caller's to close."""
     by_rank: dict[int, list[Any]] = {}
     for record in records:
         by_rank.setdefault(_rank(record), []).append(record)
-    sent = 0
+    # Room for all of them: the records are in memory already, and none may be dropped.
+    outbox = Outbox(
+        lambda: bus,
+        capacity=max(len(records), 1),
+        batch_records=BATCH_RECORDS,
+        backoff_max_s=2.0,
+        name="trainscope-replay",
+    )
+    outbox.start()
     for rank, items in sorted(by_rank.items()):
-        key = rank_key(job_id, rank)
-        for chunk in message_chunks(items, BATCH_RECORDS):
-            bus.publish(EVENTS_TOPIC, encode_batch(chunk), key=key)
-            sent += len(chunk)
-    bus.flush()
-    return sent
+        outbox.offer_many(items, rank_key(job_id, rank))
+    outbox.wait_idle(timeout_s)
+    outbox.close(timeout_s=1.0)
+    counts = outbox.stats()
+    if counts["acked"] < len(records):
+        raise BusError(
+            f"{len(records) - counts['acked']} of {len(records)} records were not acknowledged "
+            f"within {timeout_s:g}s ({counts['bus_errors']} bus errors)"
+        )
+    return int(counts["acked"])
 
 
 def _rank(record: Any) -> int:

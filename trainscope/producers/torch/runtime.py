@@ -29,6 +29,16 @@ FULL_LAYOUT_MAX_RANKS = 4096
 
 
 class Attachment:
+    """The PyTorch producer inside one training process: what ``attach()`` returns.
+
+    It owns the installed hooks (and their removal), the :class:`WindowRecorder` that condenses
+    spans per epoch-aligned window, the step tracker, the :class:`Sender` (this rank's outbox
+    and its thread), the control listener that turns on profiling on request, the profiler
+    controller and the guard that counts whatever failed inside trainscope. The training thread
+    only appends to the recorder and the sender's queue; ``stats()`` and ``detach()`` are the
+    user's handle.
+    """
+
     def __init__(self, options: Options, bus: Bus | str | None = None) -> None:
         self.options = options
         self.guard = Guard()
@@ -265,7 +275,15 @@ class Attachment:
         )
 
     def stats(self) -> dict[str, Any]:
-        """Counts of what was recorded, sent, dropped and what failed (never raises)."""
+        """Counts of what was recorded and what became of it (never raises).
+
+        In records, as the transport layer's outbox counts them for every producer:
+        ``records_submitted`` = ``records_acked`` (acknowledged by the broker: published) +
+        ``records_dropped`` (queue full) + ``records_failed`` (given up: ``records_unsent``
+        without a bus, ``records_abandoned`` at detach) + ``records_queued`` (held now, of which
+        ``records_in_flight`` await the broker's verdict); ``records_sent`` (sends, a retry
+        counts again) = ``records_acked`` + ``records_send_failures`` + ``records_in_flight``.
+        """
         sender = self.sender.stats()
         return {
             "job_id": self.options.job_id,
@@ -275,18 +293,19 @@ class Attachment:
             "steps": self.steps.step,
             "spans_recorded": self.recorder.recorded,
             "records_submitted": sender["submitted"],
-            "records_sent": sender["sent"],
             "records_acked": sender["acked"],
-            "records_failed": sender["failed"],
-            "records_resent": sender["resent"],
-            "records_in_flight": sender["in_flight"],
             "records_dropped": sender["dropped"],
-            "records_abandoned": sender["abandoned"],
+            "records_failed": sender["failed"],
             "records_queued": sender["queued"],
+            "records_in_flight": sender["in_flight"],
+            "records_unsent": sender["unsent"],
+            "records_abandoned": sender["abandoned"],
+            "records_sent": sender["sent"],
+            "records_send_failures": sender["send_failures"],
+            "records_resent": sender["resent"],
             "bus_up": sender["bus_up"],
             "bus_errors": sender["bus_errors"],
             "connects": sender["connects"],
-            "records_unsent": sender["unsent"],
             "errors": self.guard.total(),
             "errors_by_kind": dict(self.guard.errors),
             "profile": dict(self.profiler.counts),
