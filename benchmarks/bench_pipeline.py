@@ -51,7 +51,7 @@ from trainscope.detectors.multivariate import RankAnomalyDetector  # noqa: E402
 from trainscope.detectors.peer import PeerDiffDetector  # noqa: E402
 from trainscope.detectors.registry import DetectorRunner  # noqa: E402
 from trainscope.detectors.steptime import StepTimeDetector  # noqa: E402
-from trainscope.engine.pipeline import EmbeddedPipeline  # noqa: E402
+from trainscope.engine.embedded_job import EmbeddedStreamJob  # noqa: E402
 from trainscope.producers.agent.aggregate import WindowAggregator  # noqa: E402
 from trainscope.producers.simulate import (  # noqa: E402
     ClusterSpec,
@@ -109,7 +109,7 @@ def produce(ranks: int, steps: int) -> tuple[list[bytes], int, float]:
 def window_pass(payloads: list[bytes]) -> tuple[list, float]:
     """Decode + window + close, through the pipeline's own routing, with no detectors."""
     views: list = []
-    pipeline = EmbeddedPipeline([], window_s=15.0, on_window=lambda v, f: views.append(v))
+    pipeline = EmbeddedStreamJob([], window_s=15.0, on_window=lambda v, f: views.append(v))
     started = clock()
     for i in range(0, len(payloads), CHUNK):
         pipeline.process_records(
@@ -248,7 +248,7 @@ def engine_rate(payloads: list[bytes], repeats: int = 1) -> float:
     best of ``repeats`` passes (the machine is shared: the best pass is the least disturbed)."""
     best = 0.0
     for _ in range(repeats):
-        pipeline = EmbeddedPipeline([], window_s=WINDOW_S)
+        pipeline = EmbeddedStreamJob([], window_s=WINDOW_S)
         started = clock()
         for i in range(0, len(payloads), CHUNK):
             pipeline.process_records(
@@ -296,7 +296,7 @@ def summaries_pass(messages: Iterator[list[bytes]], sink: ClickHouseSink) -> Sum
         sink_thread_s += clock() - t1
         run.windows += 1
 
-    pipeline = EmbeddedPipeline([], window_s=WINDOW_S, on_window=on_window)
+    pipeline = EmbeddedStreamJob([], window_s=WINDOW_S, on_window=on_window)
     total_s = 0.0
     for payloads in messages:  # producing a window's messages is not timed
         started = clock()

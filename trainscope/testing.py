@@ -20,11 +20,11 @@ from trainscope.schemas.window import WindowView
 
 def sample_windows(steps: int = 60, seed: int = 5) -> list[WindowView]:
     """Closed windows of a small simulated job with a slow GPU, for contract checks."""
-    from trainscope.engine.pipeline import EmbeddedPipeline
+    from trainscope.engine.embedded_job import EmbeddedStreamJob
     from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 
     views: list[WindowView] = []
-    pipeline = EmbeddedPipeline([], window_s=5.0, on_window=lambda v, f: views.append(v))
+    pipeline = EmbeddedStreamJob([], window_s=5.0, on_window=lambda v, f: views.append(v))
     cluster = SimulatedCluster(ClusterSpec(dp=4, pp=2, tp=1, steps=steps, seed=seed,
                                            window_s=5.0),
                                parse_faults(["slow-gpu:rank=1,factor=1.5"]))

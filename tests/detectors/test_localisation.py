@@ -8,13 +8,13 @@ from trainscope.detectors.diagnosis import diagnose
 from trainscope.detectors.multivariate import RankAnomalyDetector
 from trainscope.detectors.peer import PeerDiffDetector
 from trainscope.detectors.steptime import StepTimeDetector
-from trainscope.engine.pipeline import EmbeddedPipeline
+from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 
 
 def diagnose_run(faults: list[str], steps: int = 120, seed: int = 11, **layout: int):
     spec = ClusterSpec(steps=steps, seed=seed, **({"dp": 4, "pp": 2, "tp": 2} | layout))
-    pipeline = EmbeddedPipeline(
+    pipeline = EmbeddedStreamJob(
         [PeerDiffDetector(), StepTimeDetector(), RankAnomalyDetector()], window_s=15.0
     )
     for records in SimulatedCluster(spec, parse_faults(faults)).batches():

@@ -9,7 +9,7 @@ import pytest
 
 from trainscope.detectors.base import ALERT_THRESHOLD
 from trainscope.detectors.mixture import MixtureDetector
-from trainscope.engine.pipeline import EmbeddedPipeline
+from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding, StepRecord
@@ -19,7 +19,7 @@ from trainscope.testing import check_detector
 
 def run(spec: ClusterSpec, faults: list[str], mark_step: int = 0) -> tuple[list[Finding], int, int]:
     """Findings, closed windows, and when the first rank started step ``mark_step`` (ns)."""
-    pipeline = EmbeddedPipeline(detectors=[MixtureDetector()], window_s=15)
+    pipeline = EmbeddedStreamJob(detectors=[MixtureDetector()], window_s=15)
     mark_ns = 2**63
     for records in SimulatedCluster(spec, faults=parse_faults(faults)).batches():
         for r in records:

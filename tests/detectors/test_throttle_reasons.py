@@ -32,7 +32,7 @@ from trainscope.detectors.base import WindowView
 from trainscope.detectors.features import throttling_shares
 from trainscope.detectors.mixture import MixtureDetector
 from trainscope.detectors.peer import PeerDiffDetector
-from trainscope.engine.pipeline import EmbeddedPipeline
+from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.producers.agent.aggregate import WindowAggregator
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.schemas import metrics as m
@@ -63,7 +63,7 @@ def slow_gpu_windows() -> tuple[WindowView, ...]:
     # One NVML reading a second per GPU, as the host agent samples.
     spec = ClusterSpec(steps=80, seed=11, dp=4, pp=2, tp=2, metric_interval_s=1.0)
     views: list[WindowView] = []
-    pipeline = EmbeddedPipeline([], window_s=15.0, on_window=lambda v, f: views.append(v))
+    pipeline = EmbeddedStreamJob([], window_s=15.0, on_window=lambda v, f: views.append(v))
     for records in SimulatedCluster(spec, parse_faults([f"slow-gpu:rank={SLOW},factor=1.4"])
                                     ).batches():
         pipeline.process_records(records)

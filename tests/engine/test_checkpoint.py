@@ -13,7 +13,7 @@ import pytest
 from trainscope.cli.demo_job import publish_step
 from trainscope.detectors.peer import PeerDiffDetector
 from trainscope.detectors.steptime import StepTimeDetector
-from trainscope.engine.bus_pipeline import Pipeline
+from trainscope.engine.bus_job import BusStreamJob
 from trainscope.engine.checkpoint import Checkpoint, decode, encode
 from trainscope.engine.windows import WindowEngine
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
@@ -58,13 +58,13 @@ class Windows:
         self.findings[key] = found
 
 
-def pipeline(bus: MemoryBus, group: str, windows: Windows, sink: object = None) -> Pipeline:
-    return Pipeline(bus, group=group, sink=sink, window_s=WINDOW_S, lateness_s=1.0,
+def pipeline(bus: MemoryBus, group: str, windows: Windows, sink: object = None) -> BusStreamJob:
+    return BusStreamJob(bus, group=group, sink=sink, window_s=WINDOW_S, lateness_s=1.0,
                     detectors=[PeerDiffDetector(), StepTimeDetector()], on_window=windows,
                     commit_interval_s=3600.0, job_idle_s=None)
 
 
-def drain(p: Pipeline) -> None:
+def drain(p: BusStreamJob) -> None:
     while p.poll_once(timeout_s=0.0):
         pass
     assert p.finish(drain=True)

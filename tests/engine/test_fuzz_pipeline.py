@@ -28,7 +28,7 @@ from trainscope.detectors.mixture import MixtureDetector
 from trainscope.detectors.multivariate import RankAnomalyDetector
 from trainscope.detectors.peer import PeerDiffDetector
 from trainscope.detectors.steptime import StepTimeDetector
-from trainscope.engine.bus_pipeline import Pipeline
+from trainscope.engine.bus_job import BusStreamJob
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.schemas.records import Finding
 from trainscope.sinks.clickhouse import ClickHouseSink, run_query
@@ -236,8 +236,8 @@ def detectors() -> list:
     return [PeerDiffDetector(), StepTimeDetector(), RankAnomalyDetector(), MixtureDetector()]
 
 
-def consume(bus: Bus, topic: str, **kwargs: object) -> Pipeline:
-    pipeline = Pipeline(bus, group=f"fuzz-{uuid.uuid4().hex[:8]}", topics=(topic,),
+def consume(bus: Bus, topic: str, **kwargs: object) -> BusStreamJob:
+    pipeline = BusStreamJob(bus, group=f"fuzz-{uuid.uuid4().hex[:8]}", topics=(topic,),
                         detectors=detectors(), window_s=WINDOW_S, **kwargs)
     pipeline.run(idle_timeout_s=0.0 if isinstance(bus, MemoryBus) else 5.0)
     pipeline.finish()

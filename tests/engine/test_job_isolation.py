@@ -11,7 +11,7 @@ from trainscope.detectors.mixture import MixtureDetector
 from trainscope.detectors.multivariate import RankAnomalyDetector
 from trainscope.detectors.peer import PeerDiffDetector
 from trainscope.detectors.steptime import StepTimeDetector
-from trainscope.engine.pipeline import EmbeddedPipeline
+from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.schemas.records import Finding
 
@@ -45,17 +45,17 @@ def keys(findings: list[Finding]) -> set[tuple[int, str, str, int]]:
 
 
 def findings_alone(job: int, steps: int) -> list[Finding]:
-    pipeline = EmbeddedPipeline(detectors(), window_s=WINDOW_S)
+    pipeline = EmbeddedStreamJob(detectors(), window_s=WINDOW_S)
     for records in cluster(job, steps).batches():
         pipeline.process_records(records)
     pipeline.finish()
     return pipeline.findings
 
 
-def findings_together(jobs: int, steps: int, **kwargs: int) -> tuple[EmbeddedPipeline,
+def findings_together(jobs: int, steps: int, **kwargs: int) -> tuple[EmbeddedStreamJob,
                                                                    dict[str, list[Finding]]]:
     """Every step of every job goes in one call, so records of all jobs interleave."""
-    pipeline = EmbeddedPipeline(detectors(), window_s=WINDOW_S, **kwargs)
+    pipeline = EmbeddedStreamJob(detectors(), window_s=WINDOW_S, **kwargs)
     streams = [cluster(job, steps).batches() for job in range(jobs)]
     for step in zip_longest(*streams, fillvalue=[]):
         pipeline.process_records([r for records in step for r in records])
@@ -82,8 +82,8 @@ def test_each_job_finds_what_it_finds_alone(jobs: int) -> None:
 
 
 def test_the_least_recently_seen_job_is_evicted_counted_and_logged(caplog) -> None:
-    pipeline = EmbeddedPipeline(detectors(), window_s=WINDOW_S, max_jobs=2)
-    with caplog.at_level(logging.WARNING, logger="trainscope.engine.pipeline"):
+    pipeline = EmbeddedStreamJob(detectors(), window_s=WINDOW_S, max_jobs=2)
+    with caplog.at_level(logging.WARNING, logger="trainscope.engine.core"):
         for job in range(3):  # one job after the other: the third pushes the first out
             for records in cluster(job, 40).batches():
                 pipeline.process_records(records)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from trainscope.cli.demo_job import publish_step
 from trainscope.detectors.peer import PeerDiffDetector
-from trainscope.engine.bus_pipeline import Pipeline
+from trainscope.engine.bus_job import BusStreamJob
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.transport.bus import DEAD_LETTER_TOPIC, EVENTS_TOPIC
 from trainscope.transport.memory import MemoryBus
@@ -14,7 +14,7 @@ def test_corrupted_message_is_rejected_counted_and_dead_lettered() -> None:
     bus = MemoryBus()
     cluster = SimulatedCluster(ClusterSpec(dp=4, pp=1, tp=1, steps=40, seed=3, window_s=5.0),
                                parse_faults(["dataloader-stall:rank=2,ms=300"]))
-    pipeline = Pipeline(bus, detectors=[PeerDiffDetector()], window_s=5.0)
+    pipeline = BusStreamJob(bus, detectors=[PeerDiffDetector()], window_s=5.0)
     published = 0
     for output in cluster.run():
         published += publish_step(bus, cluster, output, output.step == 0)

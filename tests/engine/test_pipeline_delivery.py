@@ -57,7 +57,7 @@ def test_sigkill_at_random_points_leaves_the_same_tables(
         deadline = time.monotonic() + 60
         # One run waits for its first commit, so that later runs start from a commit even on
         # a machine so loaded that every other kill lands before one.
-        started = "bus_pipeline: assigned partitions" if attempt != 3 else '"commits": 1,'
+        started = "bus_job: assigned partitions" if attempt != 3 else '"commits": 1,'
         while started not in p.err_text():
             assert p.process.poll() is None and time.monotonic() < deadline, p.err_text()
             time.sleep(0.05)

@@ -7,8 +7,8 @@ import time
 import msgspec
 import pytest
 
-from trainscope.engine.bus_pipeline import Pipeline
-from trainscope.engine.pipeline import EmbeddedPipeline
+from trainscope.engine.bus_job import BusStreamJob
+from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.records import FunctionSummary, MetricSample, SpanBatch, StepRecord
 from trainscope.sinks.clickhouse import ClickHouseSink, run_query
@@ -39,7 +39,7 @@ def dead_letters(sink: ClickHouseSink) -> list[tuple]:
 
 def test_the_reported_crashers_are_dead_lettered_and_the_stream_goes_on(sink) -> None:
     bus = MemoryBus(partitions=1)
-    pipeline = Pipeline(bus, detectors=[], window_s=5.0, sink=sink)
+    pipeline = BusStreamJob(bus, detectors=[], window_s=5.0, sink=sink)
     summary = FunctionSummary(job_id="z", rank=0, layer="gc", name="gc.collect",
                               window_start_ns=T0, window_end_ns=T0 + 5 * 10**9, count=1,
                               total_ns=5, min_ns=5, max_ns=5)
@@ -79,7 +79,7 @@ def test_the_reported_crashers_are_dead_lettered_and_the_stream_goes_on(sink) ->
 
 def test_one_bad_record_rejects_its_whole_message() -> None:
     bus = MemoryBus(partitions=1)
-    pipeline = Pipeline(bus, detectors=[], window_s=5.0)
+    pipeline = BusStreamJob(bus, detectors=[], window_s=5.0)
     good = spans("a", T0)
     bus.publish(EVENTS_TOPIC, encode_batch([good, StepRecord(job_id="a", rank=0, step=0,
                                                               start_ns=T0, duration_ns=-1)]))
@@ -93,7 +93,7 @@ def test_one_bad_record_rejects_its_whole_message() -> None:
 
 
 def test_an_unexpected_exception_while_decoding_dead_letters_the_message(monkeypatch) -> None:
-    from trainscope.engine import pipeline as module
+    from trainscope.engine import core as module
 
     real = module.decode_envelope
 
@@ -104,7 +104,7 @@ def test_an_unexpected_exception_while_decoding_dead_letters_the_message(monkeyp
 
     monkeypatch.setattr(module, "decode_envelope", fragile)
     bus = MemoryBus(partitions=1)
-    pipeline = Pipeline(bus, detectors=[], window_s=5.0)
+    pipeline = BusStreamJob(bus, detectors=[], window_s=5.0)
     bus.publish(EVENTS_TOPIC, b"boom")
     bus.publish(EVENTS_TOPIC, encode_batch([spans("a", T0)]))
     pipeline.poll_once(timeout_s=0.0)
@@ -118,7 +118,7 @@ def test_an_unexpected_exception_while_decoding_dead_letters_the_message(monkeyp
 
 
 def test_records_handed_over_directly_are_rejected_one_by_one(sink) -> None:
-    pipeline = EmbeddedPipeline([], window_s=5.0, sink=sink)
+    pipeline = EmbeddedStreamJob([], window_s=5.0, sink=sink)
     bad = StepRecord(job_id="a", rank=0, step=0, start_ns=T0, duration_ns=float("nan"))
     pipeline.process_records([spans("a", T0), bad, spans("a", T0 + 10**9)])
     pipeline.finish()
@@ -133,7 +133,7 @@ def test_records_handed_over_directly_are_rejected_one_by_one(sink) -> None:
 
 
 def test_a_poll_of_garbage_costs_one_dead_letter_insert(sink) -> None:
-    pipeline = EmbeddedPipeline([], window_s=5.0, sink=sink)
+    pipeline = EmbeddedStreamJob([], window_s=5.0, sink=sink)
     messages = [Message(EVENTS_TOPIC, 0, i, None, msgspec.msgpack.encode([i]))
                 for i in range(500)]
     pipeline.process_messages(messages)
@@ -143,7 +143,7 @@ def test_a_poll_of_garbage_costs_one_dead_letter_insert(sink) -> None:
 
 def test_an_engine_failure_sets_aside_only_that_jobs_messages(monkeypatch) -> None:
     bus = MemoryBus(partitions=1)
-    pipeline = Pipeline(bus, detectors=[], window_s=5.0)
+    pipeline = BusStreamJob(bus, detectors=[], window_s=5.0)
     real = pipeline.engine.add_spans
 
     def fragile(batches, source=0):

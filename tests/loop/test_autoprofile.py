@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from trainscope.engine.pipeline import EmbeddedPipeline, ProfileParts
+from trainscope.engine.core import ProfileParts
+from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.loop.autoprofile import AutoProfiler
 from trainscope.loop.policy import ProfilePolicy
 from trainscope.schemas.callpath import callpath_id
@@ -161,7 +162,7 @@ def test_the_parts_of_a_session_are_handed_over_once_whole() -> None:
     parts = tree(1, "r", EXTRA, per_part=2)
     assert len(parts) == 3
     seen: list[list[ProfileCallPaths]] = []
-    pipeline = EmbeddedPipeline([], on_profile=seen.append)
+    pipeline = EmbeddedStreamJob([], on_profile=seen.append)
     pipeline.process_records(parts[:2])
     assert seen == []
     pipeline.process_records(parts[2:])
@@ -176,11 +177,11 @@ def test_the_parts_of_a_session_are_handed_over_once_whole() -> None:
 _STORE = r"""
 import json, sys
 from trainscope.sinks.clickhouse import ClickHouseSink
-from trainscope.engine.pipeline import EmbeddedPipeline
+from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.schemas.codec import decode_batch
 sink = ClickHouseSink.open(sys.argv[1])
 parts = decode_batch(bytes.fromhex(sys.argv[2]))
-EmbeddedPipeline([], sink=sink).process_records(parts)
+EmbeddedStreamJob([], sink=sink).process_records(parts)
 rows = sink.client.query("SELECT rank, window_start_ns, name, layer, path, depth, total_ns, "
                          "steps FROM call_paths ORDER BY depth").result_rows
 print(json.dumps(rows))

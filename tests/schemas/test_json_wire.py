@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from record_samples import sample_records
 
-from trainscope.engine.pipeline import EmbeddedPipeline
+from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.schemas import (
     BadMessage,
     SpanBatch,
@@ -94,7 +94,7 @@ def test_the_embedded_pipeline_windows_json_like_msgpack() -> None:
                            start_ns=1767225600 * 10**9, send="spans")
         cluster = SimulatedCluster(spec, [])
         views = []
-        pipeline = EmbeddedPipeline(detectors=[], on_window=lambda v, _: views.append(v))
+        pipeline = EmbeddedStreamJob(detectors=[], on_window=lambda v, _: views.append(v))
         for offset, output in enumerate(cluster.run()):
             records = [*output.spans, *output.steps]
             if output.step == 0:

@@ -15,7 +15,7 @@ import pytest
 from alertmanager_proc import Alertmanager, WebhookReceiver, free_port, require_alertmanager
 
 from trainscope.cli.demo_job import publish_step
-from trainscope.engine.bus_pipeline import Pipeline
+from trainscope.engine.bus_job import BusStreamJob
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.sinks.alert_book import AlertBook
 from trainscope.sinks.alertmanager import AlertmanagerNotifier
@@ -32,7 +32,7 @@ class Job:
         self.job_id = job_id
         self.bus = MemoryBus()
         # A job that pauses between phases has its windows closed after 0.3 s of waiting.
-        self.pipeline = Pipeline(self.bus, window_s=WINDOW_S, on_window=hook, job_idle_s=0.3,
+        self.pipeline = BusStreamJob(self.bus, window_s=WINDOW_S, on_window=hook, job_idle_s=0.3,
                                  source_idle_s=0.2)
         self.end_ns = START_NS
         self.phases = 0

@@ -321,7 +321,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     import signal
 
     from trainscope.config.settings import from_context
-    from trainscope.engine.bus_pipeline import INPUT_TOPICS, Pipeline, summaries_lateness_s
+    from trainscope.engine.bus_job import INPUT_TOPICS, BusStreamJob, summaries_lateness_s
     from trainscope.sinks.clickhouse import ClickHouseSink
     from trainscope.store.client import StoreError
     from trainscope.transport.bus import BusError, open_bus
@@ -383,7 +383,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
             profiler.on_window(view, findings)
 
     try:
-        p = Pipeline(bus, group=group, topics=INPUT_TOPICS[input_kind], window_s=window_s,
+        p = BusStreamJob(bus, group=group, topics=INPUT_TOPICS[input_kind], window_s=window_s,
                      lateness_s=lateness_s, sink=sink,
                      on_window=on_window, commit_interval_s=commit_interval_s,
                      on_profile=profiler.on_profile if profiler is not None else None,

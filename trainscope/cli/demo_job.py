@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainscope.detectors.diagnosis import Suspect, diagnose
-from trainscope.engine.bus_pipeline import Pipeline
-from trainscope.engine.pipeline import PipelineStats
+from trainscope.engine.bus_job import BusStreamJob
+from trainscope.engine.core import PipelineStats
 from trainscope.producers.simulate import ClusterSpec, Fault, SimulatedCluster, StepOutput
 from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.records import Finding, Record
@@ -116,7 +116,7 @@ def run_demo(
     bus = open_bus(bus_url)
     group = f"trainscope-demo-{spec.job_id}-{time.time_ns()}"
     # A one-shot run: a sink that keeps failing costs a window (counted), not the whole run.
-    pipeline = Pipeline(
+    pipeline = BusStreamJob(
         bus, group=group, detectors=detectors, window_s=window_s, lateness_s=lateness_s,
         sink=sink, on_window=on_window, sink_retry_s=10.0,
     )

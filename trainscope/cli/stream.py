@@ -63,7 +63,7 @@ def faust(bus_url: str, store: Path | None, url: str | None, app_id: str, partit
     Prints its counts as one JSON line on stderr when it stops.
     """
     from trainscope.config.settings import from_context
-    from trainscope.engine.bus_pipeline import INPUT_TOPICS, summaries_lateness_s
+    from trainscope.engine.bus_job import INPUT_TOPICS, summaries_lateness_s
     from trainscope.engines.faust.app import (
         REBALANCE_TIMEOUT_S,
         SESSION_TIMEOUT_S,

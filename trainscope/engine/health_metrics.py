@@ -1,7 +1,7 @@
 """The stream job's health at ``/metrics``, in Prometheus text format.
 
 A custom ``prometheus_client`` collector over the pipeline's own counters
-(:class:`~trainscope.engine.pipeline.PipelineStats`, the detector runner's time per detector and
+(:class:`~trainscope.engine.core.PipelineStats`, the detector runner's time per detector and
 the Alertmanager notifier's counts): each scrape reads them as they are, so there is one set of
 counters, not a second copy kept in step. A scrape runs on the HTTP server's thread while the
 pipeline works; it only reads integers and copies small dicts.
@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from trainscope.engine.bus_pipeline import Pipeline
+    from trainscope.engine.core import StreamCore
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class PipelineCollector:
 
     def __init__(
         self,
-        pipeline: Pipeline,
+        pipeline: StreamCore,
         notifier_stats: Callable[[], NotifierStats] | None = None,
         auto_profile_counts: Callable[[], dict[str, int]] | None = None,
     ) -> None:

@@ -61,6 +61,20 @@ class SinkStats:
 
 
 class ClickHouseSink:
+    """The stream jobs' writer into a ClickHouse store: the
+    :class:`~trainscope.engine.sink.Sink` of ``trainscope pipeline``, the demo and the Faust
+    workers.
+
+    It owns one clickhouse-connect client (an embedded chDB directory or a server over HTTP) and
+    the store's tables: on construction it creates them, or checks that an existing store has
+    this layout. Each closed window goes in with one insert per table, its sketches as Arrow;
+    inserts are replay-safe (a re-sent block is deduplicated, equal keys collapse on merge), so
+    a window rebuilt after a restart may be written again. A failure is raised as
+    :class:`StoreError` with ClickHouse's first line (a failed write is counted in
+    ``stats.errors``); retrying
+    is the caller's business (the stream jobs retry with backoff).
+    """
+
     def __init__(self, client: Any, *, where: str = "at hand",
                  retention_days: int | None = None) -> None:
         """Creates the tables, or checks that the store's are in this layout (``where`` names

@@ -99,11 +99,11 @@ def _worker(rank: int, port: int, bus_url: str, job_id: str, fault: str, ready: 
 def _run_job(bus_url: str, fault: str) -> tuple[str, list[Finding], list[dict]]:
     from kafka_broker import free_port
 
-    from trainscope.engine.bus_pipeline import Pipeline
+    from trainscope.engine.bus_job import BusStreamJob
 
     job_id = f"e2e-{fault}-{uuid.uuid4().hex[:6]}"
     bus = open_bus(bus_url)
-    pipeline = Pipeline(bus, group=f"pipeline-{job_id}", window_s=WINDOW_S, lateness_s=3.0)
+    pipeline = BusStreamJob(bus, group=f"pipeline-{job_id}", window_s=WINDOW_S, lateness_s=3.0)
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(WORLD)]
     port = free_port()

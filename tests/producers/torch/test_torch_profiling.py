@@ -144,7 +144,7 @@ class BlockModel(TinyModel):
 def test_a_profile_publishes_its_call_path_tree_nested_as_a_trace_would_be(
     attach, memory_bus
 ) -> None:
-    from trainscope.engine.pipeline import ProfileParts
+    from trainscope.engine.core import ProfileParts
     from trainscope.producers.torch.profiling import call_path_parts
     from trainscope.schemas.records import ProfileCallPaths
 

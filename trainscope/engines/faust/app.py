@@ -7,7 +7,7 @@ Two agents per worker:
   keyed by its job, to the repartition topic ``<app>-by-job``. The source message is
   acknowledged only once the broker has the forward, so its offset is never committed before.
 * ``window`` reads the repartition topic and hands the messages to an
-  :class:`~trainscope.engine.pipeline.EmbeddedPipeline` — the same decode, validate, window,
+  :class:`~trainscope.engine.embedded_job.EmbeddedStreamJob` — the same decode, validate, window,
   detect and sink code the embedded engine runs. Its sources (watermarks) are the repartition
   topic's partitions.
 
@@ -57,7 +57,7 @@ import faust
 from faust.types import TP
 
 from trainscope.engine.delivery import SeenBatches
-from trainscope.engine.pipeline import EmbeddedPipeline
+from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.engines.faust import faust_private
 from trainscope.engines.faust.consumer import use_rebalance_safe_consumer
 from trainscope.schemas.records import Topology
@@ -325,7 +325,7 @@ class FaustWorkerJob:
         return self.pipeline.stats().as_dict()
 
 
-class _DeadLetteringPipeline(EmbeddedPipeline):
+class _DeadLetteringPipeline(EmbeddedStreamJob):
     def __init__(self, publish: Callable[[bytes, bytes], None], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._publish = publish

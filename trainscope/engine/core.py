@@ -1,8 +1,14 @@
-"""The embedded stream job: records → windows → detectors → sink, in one process.
+"""What every stream job does with its input: validate, window, detect, write, count.
 
-:class:`EmbeddedPipeline` takes records directly (the demo on the in-memory path, tests) or
-bus messages handed to it. Every stage counts what it
-received, emitted, dropped and rejected.
+:class:`StreamCore` is the window engine, the detector runner and the sink put together. The
+stream jobs are built on it, side by side:
+
+- :class:`~trainscope.engine.embedded_job.EmbeddedStreamJob` is handed records or messages
+  in-process (tests, the detector contract check, benchmarks, a Faust worker);
+- :class:`~trainscope.engine.bus_job.BusStreamJob` polls a bus consumer group and commits what
+  it has checkpointed.
+
+Every stage counts what it received, emitted, dropped and rejected (:class:`PipelineStats`).
 
 Bad input never stops the stream. A message that cannot be decoded, or any of whose records
 fails :mod:`trainscope.schemas.validate`, is rejected whole — none of its records reaches the
@@ -14,9 +20,6 @@ Jobs are isolated: the window engine keeps each job apart, and the detector runn
 job its own detector instances. At most ``max_jobs`` jobs are kept; beyond that the least
 recently seen job's open windows are closed and detected, and its state is forgotten
 (``PipelineStats.jobs_evicted``).
-
-The bus-fed stream job, with its commits, checkpoints and restarts, is
-:class:`trainscope.engine.bus_pipeline.Pipeline`.
 """
 
 from __future__ import annotations
@@ -25,15 +28,16 @@ import logging
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainscope.detectors.base import Detector
 from trainscope.detectors.registry import DEFAULT_MAX_JOBS, DetectorRunner, load
 from trainscope.engine.delivery import Backoff, PendingOffsets, SeenBatches
+from trainscope.engine.sink import DeadLetterRow, Sink
 from trainscope.engine.windows import WindowEngine, metric_window
-from trainscope.schemas.codec import BadMessage, decode_envelope, encode_batch
+from trainscope.schemas.codec import BadMessage, decode_envelope
 from trainscope.schemas.records import (
     ControlMessage,
     Finding,
@@ -92,9 +96,21 @@ class PipelineStats:
         return asdict(self)
 
 
-class EmbeddedPipeline:
-    """``sink_retry_s``: how long a failing sink write is retried (with backoff) before the
-    window is dropped and counted; ``None`` retries until :meth:`request_stop`'s deadline."""
+class StreamCore:
+    """The work every stream job shares: records in, windows closed, detectors run, results
+    written; the jobs differ only in how records reach it and when positions are committed.
+
+    It owns the :class:`WindowEngine`, the :class:`DetectorRunner` (one detector set per job),
+    the validator, the dead letters waiting for the sink, the positions of the messages that
+    feed open windows (``offsets``), the producer stamps seen (``seen``) and the counters. It
+    writes to ``sink`` if given; a failing write is retried with backoff for ``sink_retry_s``
+    (``None``: until :meth:`request_stop`'s deadline), then the window is dropped, counted,
+    and ``write_failed`` keeps positions from moving past it.
+
+    :meth:`window_source`, :meth:`dead_letter` and :meth:`logs_replaced` are where the jobs
+    built on it differ; by default a message's partition is its source, and rejected messages
+    and replaced logs need nothing beyond the sink.
+    """
 
     def __init__(
         self,
@@ -104,7 +120,7 @@ class EmbeddedPipeline:
         lateness_s: float = 5.0,
         source_idle_s: float = 10.0,
         job_idle_s: float | None = None,
-        sink: Any | None = None,
+        sink: Sink | None = None,
         sink_retry_s: float | None = 0.0,
         on_window: Callable[[WindowView, list[Finding]], None] | None = None,
         on_profile: Callable[[list[ProfileCallPaths]], None] | None = None,
@@ -125,7 +141,7 @@ class EmbeddedPipeline:
         self.validator = Validator(limits)
         self.max_jobs = max_jobs
         self._jobs: OrderedDict[str, None] = OrderedDict()  # least recently seen first
-        self._dead_letters: list[tuple[str, int, int, str, bytes]] = []
+        self._dead_letters: list[DeadLetterRow] = []
         self.sink = sink
         self.sink_retry_s = sink_retry_s
         self.job_idle_s = job_idle_s
@@ -141,43 +157,6 @@ class EmbeddedPipeline:
         self._stats = PipelineStats()
 
     # -- input ------------------------------------------------------------------------------
-
-    def process_records(self, records: Iterable[Record], source: Hashable = 0) -> None:
-        """Records handed over in-process (simulator, tests); each invalid one is rejected
-        alone, with its index in ``records``, to the dead-letter table."""
-        given = list(records)
-        self._stats.validate.received += len(given)
-        try:
-            self.validator.validate(given)  # the common case: all valid, one call
-        except InvalidRecord:
-            accepted = self._accept_one_by_one(given)
-        else:
-            accepted = given
-            self._stats.validate.emitted += len(given)
-        for job_id, exc in self._ingest(accepted, source).items():
-            for index, record in enumerate(given):
-                if getattr(record, "job_id", None) == job_id:
-                    self._dead_letters.append(
-                        ("", -1, -1, f"records[{index}] ({type(record).__name__}): window engine "
-                                     f"raised {type(exc).__name__}: {exc}", _encoded(record))
-                    )
-        self._flush_dead_letters()
-        self._handle(self.engine.close_ready())
-
-    def _accept_one_by_one(self, records: list[Record]) -> list[Record]:
-        accepted: list[Record] = []
-        for index, record in enumerate(records):
-            try:
-                self.validator.validate([record])
-            except InvalidRecord as exc:
-                self._stats.validate.rejected += 1
-                reason = f"records[{index}] ({exc.kind}): {exc.detail}"
-                log.warning("rejected %s; set aside as a dead letter", reason)
-                self._dead_letters.append(("", -1, -1, reason, _encoded(record)))
-                continue
-            self._stats.validate.emitted += 1
-            accepted.append(record)
-        return accepted
 
     def process_messages(self, messages: list[Message]) -> None:
         """Decode, validate, drop re-sent batches; the valid messages are windowed by source
@@ -295,9 +274,9 @@ class EmbeddedPipeline:
         parts = self._profile_parts.add(record)
         if parts is None:
             return
-        write = getattr(self.sink, "write_profile", None)
-        if write is not None:
-            self._write(lambda: write(parts))
+        sink = self.sink
+        if sink is not None:
+            self._write(lambda: sink.write_profile(parts))
         if self.on_profile is not None:
             try:
                 self.on_profile(parts)
@@ -324,8 +303,9 @@ class EmbeddedPipeline:
                 events.append(record)
             elif isinstance(record, Topology):
                 self.engine.add_topology(record)
-                if self.sink is not None:
-                    self._write(lambda r=record: self.sink.write_topology(r))
+                sink = self.sink
+                if sink is not None:
+                    self._write(lambda r=record, sink=sink: sink.write_topology(r))
         if events:
             spans.append(SpanBatch.from_events(events))
         self._stats.window.received += (
@@ -404,11 +384,12 @@ class EmbeddedPipeline:
 
     def _flush_dead_letters(self) -> None:
         """One insert per call rather than per message: a burst of garbage stays cheap."""
-        if not self._dead_letters or self.sink is None:
+        sink = self.sink
+        if not self._dead_letters or sink is None:
             self._dead_letters.clear()
             return
         rows, self._dead_letters = self._dead_letters, []
-        self._write(lambda: self.sink.write_dead_letters(rows))
+        self._write(lambda: sink.write_dead_letters(rows))
 
     def window_source(self, message: Message) -> Hashable:
         """The source whose progress ``message`` advances in the window engine: the partition
@@ -417,10 +398,10 @@ class EmbeddedPipeline:
         return (message.topic, message.partition)
 
     def dead_letter(self, message: Message, error: str) -> None:
-        """Where rejected messages go besides the sink; the bus pipeline republishes them."""
+        """Where rejected messages go besides the sink; the bus-fed job republishes them."""
 
     def logs_replaced(self, sources: list[tuple[str, int]]) -> None:
-        """Partitions whose log the broker probably lost; the bus pipeline re-reads them."""
+        """Partitions whose log the broker probably lost; the bus-fed job re-reads them."""
 
     # -- output -----------------------------------------------------------------------------
 
@@ -433,9 +414,10 @@ class EmbeddedPipeline:
             self._stats.detect.emitted += len(findings)
             self._stats.detector_errors = dict(self.runner.errors)
             self.findings.extend(findings)
-            if self.sink is not None:
+            sink = self.sink
+            if sink is not None:
                 self._stats.sink.received += 1
-                if self._write(lambda v=view, f=findings: self.sink.write_window(v, f)):
+                if self._write(lambda v=view, f=findings, sink=sink: sink.write_window(v, f)):
                     self._stats.sink.emitted += 1
             if self.on_window is not None:
                 self.on_window(view, findings)
@@ -477,8 +459,8 @@ class EmbeddedPipeline:
     def stopping(self) -> bool:
         return self._stop_deadline is not None
 
-    def finish(self) -> None:
-        """End of stream: close and process every open window."""
+    def drain(self) -> None:
+        """Close every open window, detect and write it (the end of the stream)."""
         self._handle(self.engine.close_all())
 
     def stats(self) -> PipelineStats:
@@ -528,12 +510,3 @@ def _events_as_batches(records: list[Record]) -> list[Record]:
         by_job.setdefault(event.job_id, []).append(event)
     rest: list[Record] = [r for r in records if not isinstance(r, SpanEvent)]
     return rest + [SpanBatch.from_events(e) for e in by_job.values()]
-
-
-def _encoded(record: Record) -> bytes:
-    try:
-        return encode_batch([record])
-    except Exception:  # a record built in Python may hold what msgpack cannot carry
-        return b""
-
-

@@ -1,5 +1,9 @@
 """The stream job fed by a bus consumer group: polls, commits, checkpoints, restarts.
 
+:class:`BusStreamJob` is what ``trainscope pipeline`` and the demo run. It is built on
+:class:`~trainscope.engine.core.StreamCore`, beside the in-process
+:class:`~trainscope.engine.embedded_job.EmbeddedStreamJob`.
+
 Delivery (see :mod:`trainscope.engine.delivery` and :mod:`trainscope.engine.checkpoint`):
 with each commit the pipeline stores a checkpoint in the store — its open windows as received,
 which windows are written, its detectors' state — and then commits the positions it covers, so
@@ -12,9 +16,9 @@ byte-identical rows, which the store's insert deduplication drops. A failed sink
 retried with backoff and never committed past. Batches a producer re-sent are dropped and
 counted.
 
-On :meth:`Pipeline.request_stop` (SIGTERM) the open windows are checkpointed, not closed, and a
-restarted pipeline finishes them; :meth:`Pipeline.finish` with ``drain=True`` closes and writes
-them instead (the end of the stream).
+On :meth:`BusStreamJob.request_stop` (SIGTERM) the open windows are checkpointed, not closed,
+and a restarted job finishes them; :meth:`BusStreamJob.finish` with ``drain=True`` closes and
+writes them instead (the end of the stream).
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from trainscope.engine.checkpoint import (
     decode,
     encode,
 )
+from trainscope.engine.core import PipelineStats, StreamCore
 from trainscope.engine.delivery import Backoff, Source
-from trainscope.engine.pipeline import EmbeddedPipeline, PipelineStats
 from trainscope.schemas.topics import SUMMARIES_TOPIC
 from trainscope.transport.bus import (
     DEAD_LETTER_TOPIC,
@@ -71,8 +75,8 @@ class SinkUnavailable(RuntimeError):
     """The sink kept failing until the pipeline had to stop; nothing past it was committed."""
 
 
-class Pipeline(EmbeddedPipeline):
-    """An EmbeddedPipeline fed by a bus consumer group, committing what it has checkpointed.
+class BusStreamJob(StreamCore):
+    """A :class:`StreamCore` fed by a bus consumer group, committing what it has checkpointed.
 
     Sink writes are retried until they succeed (or the stop deadline passes); bus failures are
     logged once and retried, never raised: a stream job outlives a broker outage.
@@ -150,11 +154,10 @@ class Pipeline(EmbeddedPipeline):
     # -- checkpoints ------------------------------------------------------------------------
 
     def _restore(self) -> None:
-        read = getattr(self.sink, "read_checkpoint", None)
-        if read is None:
+        if self.sink is None:
             return
         try:
-            blob = read(self.group)
+            blob = self.sink.read_checkpoint(self.group)
         except Exception as exc:
             log.warning("could not read the last checkpoint of %s: %s", self.group, exc)
             return
@@ -199,8 +202,8 @@ class Pipeline(EmbeddedPipeline):
     def _checkpoint(self, read: dict[Source, int]) -> bool:
         """Store a checkpoint; True if it holds the open windows (so ``read`` may be
         committed). Raises SinkUnavailable if it could not be stored."""
-        write = getattr(self.sink, "write_checkpoint", None)
-        if write is None:
+        sink = self.sink
+        if sink is None:
             return False
         checkpoint = Checkpoint(
             closed_before_ns=self.engine.closed_before_ns(),
@@ -230,7 +233,7 @@ class Pipeline(EmbeddedPipeline):
             # stamps restored from here would take those messages for re-sends.
             checkpoint.engine, checkpoint.positions, checkpoint.seen = None, {}, None
             blob = encode(checkpoint)
-        if not self._write(lambda: write(self.group, blob)):
+        if not self._write(lambda: sink.write_checkpoint(self.group, blob)):
             raise SinkUnavailable("could not write the checkpoint")
         self._stats.checkpoint_bytes = len(blob)
         self._open_in_checkpoint = with_open
@@ -366,7 +369,7 @@ class Pipeline(EmbeddedPipeline):
         was not called)."""
         self.request_stop()
         if drain or self.sink is None or self.max_open_bytes <= 0:
-            super().finish()
+            self.drain()
         self._commit_backoff.reset()
         while not self.commit():
             deadline = self._stop_deadline or 0.0
@@ -375,7 +378,7 @@ class Pipeline(EmbeddedPipeline):
             time.sleep(0.2)
             self._commit_backoff.reset()  # the stop deadline bounds the tries
         if not drain and not self._open_in_checkpoint and self.engine.open_windows():
-            super().finish()  # the snapshot did not fit: write them now rather than lose them
+            self.drain()  # the snapshot did not fit: write them now rather than lose them
             return self.commit() and not self.write_failed
         return not self.write_failed
 
