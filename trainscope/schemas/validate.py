@@ -5,6 +5,10 @@ Decoding proves a record has the right shape; it does not prove the values are u
 make a later stage allocate, overflow or mislead a detector. :class:`Validator` checks every
 field against :class:`Limits` before a record reaches the window engine.
 
+Every rule is written once, in :data:`RULES` (one :class:`~trainscope.schemas.rules.Kind` per
+record kind); :mod:`trainscope.schemas.rules` derives from it both the fast check and the check
+that explains a failure.
+
 Policy: a bus message is accepted or rejected **whole**. One bad record sets aside the entire
 message (with a reason naming the record index, field and value), so a message is never half
 applied and a dead letter can be replayed as the unit it was sent as.
@@ -12,22 +16,22 @@ applied and a dead letter can be replayed as the unit it was sent as.
 Ranks are checked against the job's world size once its :class:`Topology` is known (a topology
 earlier in the same message counts), and against ``Limits.max_ranks`` before that.
 
-Cost: the span columns of a whole poll are joined and checked in a few numpy passes (never a
-Python loop per event), and each row record passes one combined test; only a message that fails
-is walked field by field to name the problem. See :meth:`Validator.validate_many`.
+Cost: each record passes one compiled test of all its fields; the span and summary columns of a
+whole poll are joined and checked in a few numpy passes (never a Python loop per event); only a
+message that fails is walked rule by rule to name the problem. See
+:meth:`Validator.validate_many`.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
+from functools import lru_cache
 
 from trainscope.schemas.records import (
     SCHEMA_VERSION,
+    SPAN_COLUMNS,
     SUMMARY_COLUMNS,
     SUMMARY_SKETCH_COLUMNS,
     ControlMessage,
@@ -43,9 +47,29 @@ from trainscope.schemas.records import (
     SummaryBatch,
     Topology,
 )
+from trainscope.schemas.rules import (
+    I32_MAX,
+    I32_MIN,
+    I64_MAX,
+    LAST_RANK,
+    LATEST_NS,
+    U64_MAX,
+    Checks,
+    Diff,
+    Gaps,
+    Group,
+    Int,
+    Kind,
+    Len,
+    Limit,
+    Number,
+    Ordered,
+    Ref,
+    Row,
+    Text,
+    rank_bound,
+)
 
-_INT64_MAX = 2**63 - 1
-_UINT64_MAX = 2**64 - 1
 # The window engine packs a rank into 20 bits of its grouping key.
 RANK_CEILING = 1 << 20
 
@@ -75,6 +99,126 @@ class Limits:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
+# -- the rules, each written once -----------------------------------------------------------
+
+_ID_CHARS = Limit("max_id_chars")
+_DURATION = Limit("max_duration_ns")
+_FUNCTIONS = Limit("max_functions")
+
+
+def _time(name: str) -> Int:
+    return Int(name, Limit("min_time_ns"), LATEST_NS)
+
+
+def _duration(name: str) -> Int:
+    return Int(name, 0, _DURATION)
+
+
+_COMMON = (
+    Int("v", 1, SCHEMA_VERSION, reason="v={value} is not a schema version in [{lo}, {hi}]"),
+    Text("job_id", 1, _ID_CHARS),
+)
+_HOST = Text("host", 0, _ID_CHARS)
+_RANK = Int("rank", 0, LAST_RANK)
+_FUNCTION = (Text("layer", 1, _ID_CHARS), Text("name", 1, Limit("max_name_chars")))
+_CALLPATH = Int("callpath_id", 0, U64_MAX)
+_FUNCTION_COUNT = Int(Len("names"), None, _FUNCTIONS, reason="{value} functions, more than {hi}")
+_WINDOW = (_time("window_start_ns"), _time("window_end_ns"),
+           _duration(Diff("window length", "window_end_ns", "window_start_ns")))
+# A span's values: fields of a SpanEvent, columns of a SpanBatch.
+_SPAN = (_RANK, Int("step", -1, I32_MAX), _time("start_ns"), _duration("duration_ns"),
+         Int("bytes_moved", 0, I64_MAX), _CALLPATH)
+# A function summary's values: fields of a FunctionSummary, columns of a SummaryBatch (in
+# this order, a poll's joined min_ns, max_ns and count columns are freed soon after joining).
+_SUMMARY = (_RANK, _duration("min_ns"), _duration("max_ns"), Int("count", 0, I64_MAX),
+            Ordered("min_ns", "max_ns", when="count"), Int("total_ns", 0, I64_MAX),
+            Number("m2_ns2", 0.0), Int("bytes_total", 0, I64_MAX))
+_SKETCH = (Int("sketch_keys", I32_MIN, I32_MAX), Int("sketch_counts", 0, I64_MAX))
+_BUCKETS = Limit("max_sketch_buckets")
+_WORKER = (
+    Int("rank", 0, Ref("world_size", 1)),
+    Int("dp_rank", 0, Ref("dp_size", 1)),
+    Int("pp_stage", 0, Ref("pp_size", 1)),
+    Int("tp_rank", 0, Ref("tp_size", 1)),
+    Int("cp_rank", 0, Ref("cp_size", 1)),
+    Int("local_rank", 0, Limit("max_devices", 1)),
+    _HOST,
+)
+_CALL_PATH_ROW = (*_FUNCTION, Int("callpath", 1, U64_MAX), Int("parent", 0, U64_MAX),
+                  Int("count", 0, I64_MAX), Int("total_ns", 0, I64_MAX),
+                  Int("self_ns", 0, Row("total_ns")))
+
+RULES: dict[type, Kind] = {
+    SpanEvent: Kind(fields=(*_COMMON, *_SPAN, *_FUNCTION)),
+    SpanBatch: Kind(
+        fields=(*_COMMON, _HOST, _FUNCTION_COUNT),
+        groups=(Group("function {i}", (("layer", "layers"), ("name", "names")), _FUNCTION),),
+        columns=_SPAN, dtypes=SPAN_COLUMNS,
+    ),
+    StepRecord: Kind(fields=(
+        *_COMMON, _RANK, Int("step", 0, I32_MAX), _time("start_ns"), _duration("duration_ns"),
+        Int("samples", 0, I64_MAX), Int("tokens", 0, I64_MAX), Number("seq_len_mean", 0.0),
+        Int("seq_len_max", 0, I64_MAX),
+    )),
+    MetricSample: Kind(fields=(
+        *_COMMON, Int("rank", -1, LAST_RANK), _HOST, Int("device", -1, Limit("max_devices", 1)),
+        _time("ts_ns"), Text("name", 1, _ID_CHARS), Number("value"),
+    )),
+    FunctionSummary: Kind(
+        fields=(*_COMMON, *_SUMMARY, *_FUNCTION, _CALLPATH, *_WINDOW,
+                Int(Len("sketch_keys"), None, _BUCKETS,
+                    reason="sketch has {value} buckets, more than {hi}")),
+        groups=(Group(None, (("sketch_keys", "sketch_keys"), ("sketch_counts", "sketch_counts")),
+                      _SKETCH),),
+    ),
+    SummaryBatch: Kind(
+        fields=(*_COMMON, _HOST, *_WINDOW, _FUNCTION_COUNT),
+        groups=(Group("function {i}", (("layer", "layers"), ("name", "names"),
+                                       ("callpath_id", "callpaths")), (*_FUNCTION, _CALLPATH),
+                      memo=True),),
+        columns=(*_SUMMARY, *_SKETCH,
+                 Int(Gaps("sketch_offsets", "sketch"), None, _BUCKETS,
+                     reason="sketch of row {i} has {value} buckets, more than {hi}")),
+        dtypes={**SUMMARY_COLUMNS, **SUMMARY_SKETCH_COLUMNS},
+    ),
+    Topology: Kind(
+        fields=(*_COMMON,
+                Int("world_size", None, Limit("max_ranks"),
+                    reason="world size {value} (dp {r.dp_size} x pp {r.pp_size} x tp "
+                           "{r.tp_size} x cp {r.cp_size}) is more than {hi}"),
+                Int(Len("workers"), None, Ref("world_size"),
+                    reason="{value} workers for a world size of {hi}")),
+        groups=(Group("workers[{i}]", "workers", _WORKER),),
+        declares="world_size",
+    ),
+    Finding: Kind(fields=(*_COMMON, Number("score", 0.0, 1.0))),
+    ControlMessage: Kind(fields=(*_COMMON, Int("rank", -1, Limit("max_ranks", 1)))),
+    ProfileCallPaths: Kind(
+        fields=(*_COMMON, _RANK, Text("request_id", 0, _ID_CHARS), _time("started_ns"),
+                _time("stopped_ns"),
+                _duration(Diff("session length", "stopped_ns", "started_ns")),
+                Int("steps", 0, I32_MAX), Int("parts", 1, _FUNCTIONS),
+                Int(Len("callpaths"), None, _FUNCTIONS,
+                    reason="{value} call paths, more than {hi}")),
+        groups=(Group("call path {i}", (
+            ("layer", "layers"), ("name", "names"), ("callpath", "callpaths"),
+            ("parent", "parents"), ("count", "counts"), ("total_ns", "total_ns"),
+            ("self_ns", "self_ns")), _CALL_PATH_ROW),),
+    ),
+    FindingCallPath: Kind(fields=(*_COMMON, _RANK, Number("score", 0.0, 1.0))),
+}
+
+
+@lru_cache(maxsize=32)
+def checks_for(limits: Limits) -> dict[type, Checks]:
+    """Every kind's checks for these limits (compiled once: validators are made per job and per
+    test, limits rarely differ)."""
+    return {kind: Checks(rules, limits, _tag(kind)) for kind, rules in RULES.items()}
+
+
+# -- the validator ----------------------------------------------------------------------------
+
+
 class InvalidRecord(ValueError):
     """One record of a message failed a check; ``str()`` is the one-line dead-letter reason."""
 
@@ -85,8 +229,14 @@ class InvalidRecord(ValueError):
         super().__init__(f"records[{index}] ({kind}): {detail}")
 
 
-class _Bad(Exception):
-    """Raised by the checks of one record; becomes an :class:`InvalidRecord` with its index."""
+# Where the fast check rejects a record whose rules all pass one by one: never, unless the
+# two checks disagree (a bug; the record is rejected rather than let through unchecked).
+UNNAMED = "failed the combined check, yet no single rule names it (please report)"
+
+# A batch whose numeric columns wait for the poll-wide check, with its job's rank bound ...
+_Deferred = tuple[SpanBatch | SummaryBatch, int]
+# ... and, while its message is checked, its index and why the rank bound is what it is.
+_Waiting = tuple[int, SpanBatch | SummaryBatch, int, str]
 
 
 class Validator:
@@ -94,10 +244,12 @@ class Validator:
 
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits if limits is not None else Limits()
+        self._checks = checks_for(self.limits)
+        # The kinds whose fast check is all there is to them (no columns, no world size).
+        self._plain = {kind: c.ok for kind, c in self._checks.items()
+                       if not c.columnar and not c.declares}
         self._world_size: dict[str, int] = {}
-        self._dictionaries_ok: set[tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]] = set()
-        self._now_ns = self.limits.now_ns()
-        self._max_time_ns = self._now_ns + self.limits.max_future_ns
+        self._latest_ns = self.limits.now_ns() + self.limits.max_future_ns
 
     def world_size(self, job_id: str) -> int | None:
         return self._world_size.get(job_id)
@@ -130,435 +282,124 @@ class Validator:
         if a column is out of range are the messages checked again one by one, so that the
         reason names the right message and record and a rejected topology counts for nothing.
         """
-        self._now_ns = self.limits.now_ns()
-        self._max_time_ns = self._now_ns + self.limits.max_future_ns
+        self._latest_ns = self.limits.now_ns() + self.limits.max_future_ns
         before = dict(self._world_size)
-        errors: list[InvalidRecord | None] = []
-        deferred: list[tuple[_Columnar, int]] = []
-        for records in messages:
-            error = self._message(records, deferred)
-            errors.append(error)
+        deferred: list[_Deferred] = []
+        errors = [self._message(records, deferred) for records in messages]
         if deferred and not self._columns_ok(deferred):
             self._world_size = before
             errors = [self._message(records, None) for records in messages]
         return errors
 
-    def _message(self, records: Sequence[Record], deferred: list[tuple[_Columnar, int]] | None
+    def explain(self, records: Sequence[Record]) -> InvalidRecord | None:
+        """The reference verdict on one message: every rule of every record tried one at a
+        time, columns searched element by element, none of the combined tests.
+
+        Slow; what :meth:`validate_many` must agree with (the agreement test compares them).
+        World sizes are read, not remembered.
+        """
+        self._latest_ns = self.limits.now_ns() + self.limits.max_future_ns
+        declared: dict[str, int] = {}
+        for index, record in enumerate(records):
+            try:
+                checks = self._checks_of(record)
+                reason = checks.explain(record, declared, self._world_size, self._latest_ns)
+                if reason is None and checks.columnar:
+                    end, why = self._rank_bound(record.job_id, declared)
+                    reason = checks.column_reason(record, end, why, self._latest_ns)
+                if reason is None and checks.declares:
+                    declared[record.job_id] = getattr(record, checks.declares)
+            except Exception as exc:  # a record built in Python may hold any type at all
+                reason = f"unusable values ({type(exc).__name__}: {exc})"
+            if reason is not None:
+                return InvalidRecord(index, _kind(record), reason)
+        return None
+
+    def _message(self, records: Sequence[Record], deferred: list[_Deferred] | None
                  ) -> InvalidRecord | None:
         """Check one message; with ``deferred``, leave the numeric columns of span and summary
         batches to :meth:`_columns_ok`."""
         declared: dict[str, int] = {}
-        batches: list[tuple[_Columnar, int]] = []
-        metric_ok, step_ok = self._metric_ok, self._step_ok
+        batches: list[_Waiting] = []
+        world, latest_ns, plain = self._world_size, self._latest_ns, self._plain
         for index, record in enumerate(records):
+            # Most records are rows that pass: one dict lookup and one compiled test.
+            ok = plain.get(type(record))
             try:
-                # The high-volume records pass one combined test; only a failing one is
-                # walked field by field, to name what is wrong.
-                kind = type(record)
-                if kind is MetricSample:
-                    if metric_ok(record, declared):  # type: ignore[arg-type]
-                        continue
-                elif kind is StepRecord:
-                    if step_ok(record, declared):  # type: ignore[arg-type]
-                        continue
-                elif deferred is not None and (
-                    (kind is SpanBatch and self._batch_ok(record))  # type: ignore[arg-type]
-                    or (kind is SummaryBatch
-                        and self._summary_header_ok(record))  # type: ignore[arg-type]
-                ):
-                    if len(record):  # type: ignore[arg-type]
-                        batches.append((record, self._rank_bound(record.job_id, declared)[0]))
+                if ok is not None and ok(record, declared, world, latest_ns):
                     continue
-                self._check(record, declared)
-            except _Bad as exc:
-                return InvalidRecord(index, _kind(record), str(exc))
-            except Exception as exc:  # a record built in Python may hold any type at all
-                return InvalidRecord(
-                    index, _kind(record), f"unusable values ({type(exc).__name__}: {exc})"
-                )
+            except Exception:
+                pass  # the explaining check names the value that raised
+            waiting = batches if deferred is not None else None
+            reason = self._record(index, record, declared, waiting)
+            if reason is not None:
+                # A batch before it with a bad column is the message's first bad record.
+                return self._first_bad_batch(batches) or InvalidRecord(index, _kind(record),
+                                                                        reason)
         self._world_size.update(declared)
         if deferred is not None:
-            deferred.extend(batches)
+            deferred.extend((batch, end) for _, batch, end, _ in batches)
         return None
 
-    def _columns_ok(self, batches: list[tuple[_Columnar, int]]) -> bool:
-        """Every numeric column of every batch in range, in one pass per column."""
-        spans = [(b, bound) for b, bound in batches if type(b) is SpanBatch]
-        summaries = [(b, bound) for b, bound in batches if type(b) is SummaryBatch]
-        return (not spans or self._span_columns_ok(spans)) and (
-            not summaries or self._summary_columns_ok(summaries)
-        )
+    def _record(self, index: int, record: Record, declared: dict[str, int],
+                waiting: list[_Waiting] | None) -> str | None:
+        """One record that is not a plain row that passed: a batch (its columns checked now, or
+        left ``waiting``), a topology (declaring its world size), or a failure to explain."""
+        world, latest_ns = self._world_size, self._latest_ns
+        try:
+            checks = self._checks_of(record)
+            try:
+                passed = checks.ok(record, declared, world, latest_ns)
+            except Exception:
+                passed = False
+            if not passed:
+                return checks.explain(record, declared, world, latest_ns) or UNNAMED
+            if checks.columnar:
+                end, why = self._rank_bound(record.job_id, declared)
+                if waiting is not None:
+                    if len(record):  # type: ignore[arg-type]
+                        waiting.append((index, record, end, why))  # type: ignore[arg-type]
+                elif not checks.columns_ok([(record, end)], latest_ns):
+                    return checks.column_reason(record, end, why, latest_ns) or UNNAMED
+            if checks.declares:
+                declared[record.job_id] = getattr(record, checks.declares)
+        except Exception as exc:  # a record built in Python may hold any type at all
+            return f"unusable values ({type(exc).__name__}: {exc})"
+        return None
 
-    def _summary_columns_ok(self, batches: list[tuple[_Columnar, int]]) -> bool:
-        lim = self.limits
+    def _first_bad_batch(self, batches: list[_Waiting]) -> InvalidRecord | None:
+        for index, batch, end, why in batches:
+            checks = self._checks[type(batch)]
+            if not checks.columns_ok([(batch, end)], self._latest_ns):
+                reason = checks.column_reason(batch, end, why, self._latest_ns) or UNNAMED
+                return InvalidRecord(index, _kind(batch), reason)
+        return None
 
-        def joined(name: str) -> np.ndarray:
-            dtype = _SUMMARY_DTYPES[name]
-            return np.frombuffer(b"".join(getattr(b, name) for b, _ in batches), dtype=dtype)
+    def _columns_ok(self, batches: list[_Deferred]) -> bool:
+        """Every numeric column of every batch in range, a few numpy passes per column."""
+        by_kind: dict[type, list[_Deferred]] = {}
+        for batch, end in batches:
+            by_kind.setdefault(type(batch), []).append((batch, end))
+        return all(self._checks[kind].columns_ok(of_kind, self._latest_ns)
+                   for kind, of_kind in by_kind.items())
 
-        if not _ranks_below(joined("rank"), batches):
-            return False
-        count, low, high = joined("count"), joined("min_ns"), joined("max_ns")
-        m2 = joined("m2_ns2")
-        sketch_counts = joined("sketch_counts")
-        # Joined offsets: between two batches the difference is <= 0, never a bucket count.
-        buckets = np.diff(joined("sketch_offsets"))
-        return bool(
-            joined("total_ns").min() >= 0
-            and low.min() >= 0 and low.max() <= lim.max_duration_ns
-            and high.min() >= 0 and high.max() <= lim.max_duration_ns
-            and joined("bytes_total").min() >= 0
-            and np.isfinite(m2).all() and m2.min() >= 0
-            and not ((count > 0) & (low > high)).any()
-            and (len(buckets) == 0 or buckets.max() <= lim.max_sketch_buckets)
-            and (len(sketch_counts) == 0 or sketch_counts.min() >= 0)
-        )
-
-    def _span_columns_ok(self, batches: list[tuple[_Columnar, int]]) -> bool:
-        lim = self.limits
-
-        def joined(name: str, dtype: str) -> np.ndarray:
-            return np.frombuffer(b"".join(getattr(b, name) for b, _ in batches), dtype=dtype)
-
-        rank_ok = _ranks_below(joined("rank", "<i4"), batches)
-        start = joined("start_ns", "<i8")
-        duration = joined("duration_ns", "<i8")
-        moved = joined("bytes_moved", "<i8")  # empty columns (all zero) join as nothing
-        return (
-            rank_ok
-            and joined("step", "<i4").min() >= -1
-            and start.min() >= lim.min_time_ns
-            and start.max() <= self._max_time_ns
-            and duration.min() >= 0
-            and duration.max() <= lim.max_duration_ns
-            and (len(moved) == 0 or moved.min() >= 0)
-        )
-
-    # -- one record -----------------------------------------------------------------------
-
-    def _batch_ok(self, b: SpanBatch) -> bool:
-        """Everything but the numeric columns (see :meth:`_columns_ok`)."""
-        lim = self.limits
-        return (
-            1 <= b.v <= SCHEMA_VERSION
-            and 0 < len(b.job_id) <= lim.max_id_chars
-            and len(b.host) <= lim.max_id_chars
-            and len(b.names) <= lim.max_functions
-            and (not b.names or (
-                min(map(len, b.names)) > 0 and max(map(len, b.names)) <= lim.max_name_chars
-                and min(map(len, b.layers)) > 0 and max(map(len, b.layers)) <= lim.max_id_chars
-            ))
-        )
-
-    def _summary_header_ok(self, b: SummaryBatch) -> bool:
-        """Everything but the numeric columns (see :meth:`_columns_ok`); the function
-        dictionary is checked in full by :meth:`_summary_batch` the first time it is seen."""
-        lim = self.limits
-        return (
-            1 <= b.v <= SCHEMA_VERSION
-            and 0 < len(b.job_id) <= lim.max_id_chars
-            and len(b.host) <= lim.max_id_chars
-            and lim.min_time_ns <= b.window_start_ns <= self._max_time_ns
-            and lim.min_time_ns <= b.window_end_ns <= self._max_time_ns
-            and 0 <= b.window_end_ns - b.window_start_ns <= lim.max_duration_ns
-            and len(b.names) <= lim.max_functions
-            and (tuple(b.layers), tuple(b.names), tuple(b.callpaths)) in self._dictionaries_ok
-        )
-
-    def _metric_ok(self, s: MetricSample, declared: dict[str, int]) -> bool:
-        lim = self.limits
-        bound = declared.get(s.job_id) or self._world_size.get(s.job_id) or lim.max_ranks
-        return (
-            1 <= s.v <= SCHEMA_VERSION
-            and 0 < len(s.job_id) <= lim.max_id_chars
-            and -1 <= s.rank < bound
-            and len(s.host) <= lim.max_id_chars
-            and -1 <= s.device < lim.max_devices
-            and lim.min_time_ns <= s.ts_ns <= self._max_time_ns
-            and 0 < len(s.name) <= lim.max_id_chars
-            and math.isfinite(s.value)
-        )
-
-    def _step_ok(self, s: StepRecord, declared: dict[str, int]) -> bool:
-        lim = self.limits
-        bound = declared.get(s.job_id) or self._world_size.get(s.job_id) or lim.max_ranks
-        return (
-            1 <= s.v <= SCHEMA_VERSION
-            and 0 < len(s.job_id) <= lim.max_id_chars
-            and 0 <= s.rank < bound
-            and 0 <= s.step < 2**31
-            and lim.min_time_ns <= s.start_ns <= self._max_time_ns
-            and 0 <= s.duration_ns <= lim.max_duration_ns
-            and 0 <= s.samples <= _INT64_MAX
-            and 0 <= s.tokens <= _INT64_MAX
-            and 0.0 <= s.seq_len_mean < math.inf
-            and 0 <= s.seq_len_max <= _INT64_MAX
-        )
-
-    def _check(self, record: Record, declared: dict[str, int]) -> None:
-        """Every check of the record, raising :class:`_Bad` at the first that fails."""
-        if not 1 <= record.v <= SCHEMA_VERSION:
-            raise _Bad(f"v={record.v} is not a schema version in [1, {SCHEMA_VERSION}]")
-        self._text("job_id", record.job_id, self.limits.max_id_chars)
-        if isinstance(record, SpanBatch):
-            self._span_batch(record, declared)
-        elif isinstance(record, StepRecord):
-            self._step(record, declared)
-        elif isinstance(record, MetricSample):
-            self._metric(record, declared)
-        elif isinstance(record, SummaryBatch):
-            self._summary_batch(record, declared)
-        elif isinstance(record, FunctionSummary):
-            self._summary(record, declared)
-        elif isinstance(record, SpanEvent):
-            self._event(record, declared)
-        elif isinstance(record, Topology):
-            declared[record.job_id] = self._topology(record)
-        elif isinstance(record, Finding):
-            _number_in("score", record.score, 0.0, 1.0)
-        elif isinstance(record, ControlMessage):
-            _int_in("rank", record.rank, -1, self.limits.max_ranks - 1)
-        elif isinstance(record, ProfileCallPaths):
-            self._profile(record, declared)
-        elif isinstance(record, FindingCallPath):
-            self._rank(record.rank, record.job_id, declared)
-            _number_in("score", record.score, 0.0, 1.0)
+    def _checks_of(self, record: object) -> Checks:
+        checks = self._checks.get(type(record))
+        if checks is not None:
+            return checks
+        for kind in type(record).__mro__:
+            if kind in self._checks:
+                return self._checks[kind]
+        raise TypeError(f"{type(record).__name__} is not a record kind")
 
     def _rank_bound(self, job_id: str, declared: dict[str, int]) -> tuple[int, str]:
-        world = declared.get(job_id) or self._world_size.get(job_id)
-        if world is None:
-            return self.limits.max_ranks, f"no topology known for job {job_id!r}"
-        return world, f"job {job_id!r} declares a world size of {world}"
-
-    def _rank(self, value: int, job_id: str, declared: dict[str, int], *, host_level: bool = False
-              ) -> None:
-        bound, why = self._rank_bound(job_id, declared)
-        low = -1 if host_level else 0
-        if not low <= value < bound:
-            raise _Bad(f"rank={_short(value)} not in [{low}, {bound - 1}], {why}")
-
-    def _time(self, name: str, value: int) -> None:
-        _int_in(name, value, self.limits.min_time_ns, self._now_ns + self.limits.max_future_ns)
-
-    def _duration(self, name: str, value: int) -> None:
-        _int_in(name, value, 0, self.limits.max_duration_ns)
-
-    def _text(self, name: str, value: str, limit: int, *, empty_ok: bool = False) -> None:
-        if not value and not empty_ok:
-            raise _Bad(f"{name} is empty")
-        if len(value) > limit:
-            raise _Bad(f"{name} has {len(value)} characters, more than {limit} "
-                       f"(starts {_short(value[:20])})")
-
-    def _function(self, layer: str, name: str) -> None:
-        self._text("layer", layer, self.limits.max_id_chars)
-        self._text("name", name, self.limits.max_name_chars)
-
-    def _span_batch(self, batch: SpanBatch, declared: dict[str, int]) -> None:
-        self._text("host", batch.host, self.limits.max_id_chars, empty_ok=True)
-        if len(batch.names) > self.limits.max_functions:
-            raise _Bad(f"{len(batch.names)} functions, more than {self.limits.max_functions}")
-        for i, (layer, name) in enumerate(zip(batch.layers, batch.names, strict=True)):
-            try:
-                self._function(layer, name)
-            except _Bad as exc:
-                raise _Bad(f"function {i}: {exc}") from None
-        if not len(batch):
-            return
-        rank_bound, why = self._rank_bound(batch.job_id, declared)
-        _column_in(batch, "rank", 0, rank_bound - 1, why)
-        _column_in(batch, "step", -1, 2**31 - 1)
-        _column_in(batch, "start_ns", self.limits.min_time_ns,
-                   self._now_ns + self.limits.max_future_ns)
-        _column_in(batch, "duration_ns", 0, self.limits.max_duration_ns)
-        if batch.bytes_moved:
-            _column_in(batch, "bytes_moved", 0, _INT64_MAX)
-
-    def _event(self, event: SpanEvent, declared: dict[str, int]) -> None:
-        self._rank(event.rank, event.job_id, declared)
-        self._function(event.layer, event.name)
-        self._time("start_ns", event.start_ns)
-        self._duration("duration_ns", event.duration_ns)
-        _int_in("step", event.step, -1, 2**31 - 1)
-        _int_in("bytes_moved", event.bytes_moved, 0, _INT64_MAX)
-        _int_in("callpath_id", event.callpath_id, 0, _UINT64_MAX)
-
-    def _step(self, step: StepRecord, declared: dict[str, int]) -> None:
-        self._rank(step.rank, step.job_id, declared)
-        _int_in("step", step.step, 0, 2**31 - 1)
-        self._time("start_ns", step.start_ns)
-        self._duration("duration_ns", step.duration_ns)
-        _int_in("samples", step.samples, 0, _INT64_MAX)
-        _int_in("tokens", step.tokens, 0, _INT64_MAX)
-        _number_in("seq_len_mean", step.seq_len_mean, 0.0, math.inf)
-        _int_in("seq_len_max", step.seq_len_max, 0, _INT64_MAX)
-
-    def _metric(self, sample: MetricSample, declared: dict[str, int]) -> None:
-        self._rank(sample.rank, sample.job_id, declared, host_level=True)
-        self._text("host", sample.host, self.limits.max_id_chars, empty_ok=True)
-        _int_in("device", sample.device, -1, self.limits.max_devices - 1)
-        self._time("ts_ns", sample.ts_ns)
-        self._text("name", sample.name, self.limits.max_id_chars)
-        _number_in("value", sample.value, -math.inf, math.inf)
-
-    def _summary(self, summary: FunctionSummary, declared: dict[str, int]) -> None:
-        self._rank(summary.rank, summary.job_id, declared)
-        self._function(summary.layer, summary.name)
-        _int_in("callpath_id", summary.callpath_id, 0, _UINT64_MAX)
-        self._time("window_start_ns", summary.window_start_ns)
-        self._time("window_end_ns", summary.window_end_ns)
-        self._duration("window length", summary.window_end_ns - summary.window_start_ns)
-        _int_in("count", summary.count, 0, _INT64_MAX)
-        _int_in("total_ns", summary.total_ns, 0, _INT64_MAX)
-        _number_in("m2_ns2", summary.m2_ns2, 0.0, math.inf)
-        self._duration("min_ns", summary.min_ns)
-        self._duration("max_ns", summary.max_ns)
-        if summary.count and summary.min_ns > summary.max_ns:
-            raise _Bad(f"min_ns={summary.min_ns} is above max_ns={summary.max_ns}")
-        _int_in("bytes_total", summary.bytes_total, 0, _INT64_MAX)
-        if len(summary.sketch_keys) > self.limits.max_sketch_buckets:
-            raise _Bad(f"sketch has {len(summary.sketch_keys)} buckets, more than "
-                       f"{self.limits.max_sketch_buckets}")
-        for i, (key, count) in enumerate(zip(summary.sketch_keys, summary.sketch_counts,
-                                              strict=True)):
-            _int_in(f"sketch_keys[{i}]", key, -(2**31), 2**31 - 1)
-            _int_in(f"sketch_counts[{i}]", count, 0, _INT64_MAX)
-
-    def _summary_batch(self, batch: SummaryBatch, declared: dict[str, int]) -> None:
-        """The row summary's checks, one numpy pass per column (decoding already checked that
-        the columns agree in length and that function indices and counts are in range)."""
-        self._text("host", batch.host, self.limits.max_id_chars, empty_ok=True)
-        self._time("window_start_ns", batch.window_start_ns)
-        self._time("window_end_ns", batch.window_end_ns)
-        self._duration("window length", batch.window_end_ns - batch.window_start_ns)
-        if len(batch.names) > self.limits.max_functions:
-            raise _Bad(f"{len(batch.names)} functions, more than {self.limits.max_functions}")
-        # Every rank sends the same function dictionary window after window: check each
-        # distinct one once (bounded, like the window engine's cache of them).
-        dictionary = (tuple(batch.layers), tuple(batch.names), tuple(batch.callpaths))
-        if dictionary not in self._dictionaries_ok:
-            for i, (layer, name, path) in enumerate(zip(*dictionary, strict=True)):
-                try:
-                    self._function(layer, name)
-                    _int_in("callpath_id", path, 0, _UINT64_MAX)
-                except _Bad as exc:
-                    raise _Bad(f"function {i}: {exc}") from None
-            if len(self._dictionaries_ok) >= _MAX_DICTIONARIES:
-                self._dictionaries_ok.clear()
-            self._dictionaries_ok.add(dictionary)
-        if not len(batch):
-            return
-        rank_bound, why = self._rank_bound(batch.job_id, declared)
-        _column_in(batch, "rank", 0, rank_bound - 1, why)
-        _column_in(batch, "total_ns", 0, _INT64_MAX)
-        _column_in(batch, "min_ns", 0, self.limits.max_duration_ns)
-        _column_in(batch, "max_ns", 0, self.limits.max_duration_ns)
-        _column_in(batch, "bytes_total", 0, _INT64_MAX)
-        m2 = batch.column("m2_ns2")
-        if not (np.isfinite(m2).all() and m2.min() >= 0):
-            i = int(np.flatnonzero(~np.isfinite(m2) | (m2 < 0))[0])
-            raise _Bad(f"m2_ns2[{i}]={float(m2[i])!r} is not a finite number >= 0")
-        inverted = (batch.column("count") > 0) & (batch.column("min_ns") > batch.column("max_ns"))
-        if inverted.any():
-            i = int(np.flatnonzero(inverted)[0])
-            raise _Bad(f"min_ns[{i}]={int(batch.column('min_ns')[i])} is above "
-                       f"max_ns[{i}]={int(batch.column('max_ns')[i])}")
-        buckets = np.diff(batch.column("sketch_offsets"))
-        if buckets.max() > self.limits.max_sketch_buckets:
-            i = int(np.argmax(buckets))
-            raise _Bad(f"sketch of row {i} has {int(buckets[i])} buckets, more than "
-                       f"{self.limits.max_sketch_buckets}")
-        if len(batch.sketch_counts):
-            _column_in(batch, "sketch_counts", 0, _INT64_MAX)
-
-    def _profile(self, p: ProfileCallPaths, declared: dict[str, int]) -> None:
-        """A profile session's call-path tree (rare and small: checked row by row)."""
-        lim = self.limits
-        self._rank(p.rank, p.job_id, declared)
-        self._text("request_id", p.request_id, lim.max_id_chars, empty_ok=True)
-        self._time("started_ns", p.started_ns)
-        self._time("stopped_ns", p.stopped_ns)
-        self._duration("session length", p.stopped_ns - p.started_ns)
-        _int_in("steps", p.steps, 0, 2**31 - 1)
-        _int_in("parts", p.parts, 1, lim.max_functions)
-        if len(p) > lim.max_functions:
-            raise _Bad(f"{len(p)} call paths, more than {lim.max_functions}")
-        rows = zip(p.callpaths, p.parents, p.layers, p.names, p.counts, p.total_ns, p.self_ns,
-                   strict=True)
-        for i, (cp, parent, layer, name, count, total, own) in enumerate(rows):
-            try:
-                self._function(layer, name)
-                _int_in("callpath", cp, 1, _UINT64_MAX)
-                _int_in("parent", parent, 0, _UINT64_MAX)
-                _int_in("count", count, 0, _INT64_MAX)
-                _int_in("total_ns", total, 0, _INT64_MAX)
-                _int_in("self_ns", own, 0, total)
-            except _Bad as exc:
-                raise _Bad(f"call path {i}: {exc}") from None
-
-    def _topology(self, topology: Topology) -> int:
-        world = topology.world_size
-        if world > self.limits.max_ranks:
-            raise _Bad(f"world size {_short(world)} (dp {topology.dp_size} x pp "
-                       f"{topology.pp_size} x tp {topology.tp_size} x cp {topology.cp_size}) "
-                       f"is more than {self.limits.max_ranks}")
-        if len(topology.workers) > world:
-            raise _Bad(f"{len(topology.workers)} workers for a world size of {world}")
-        for i, w in enumerate(topology.workers):
-            try:
-                _int_in("rank", w.rank, 0, world - 1)
-                _int_in("dp_rank", w.dp_rank, 0, topology.dp_size - 1)
-                _int_in("pp_stage", w.pp_stage, 0, topology.pp_size - 1)
-                _int_in("tp_rank", w.tp_rank, 0, topology.tp_size - 1)
-                _int_in("cp_rank", w.cp_rank, 0, topology.cp_size - 1)
-                _int_in("local_rank", w.local_rank, 0, self.limits.max_devices - 1)
-                self._text("host", w.host, self.limits.max_id_chars, empty_ok=True)
-            except _Bad as exc:
-                raise _Bad(f"workers[{i}]: {exc}") from None
-        return world
+        return rank_bound(job_id, declared, self._world_size, self.limits.max_ranks)
 
 
-# Function dictionaries of summary batches remembered as valid (cleared when full).
-_MAX_DICTIONARIES = 4096
-_SUMMARY_DTYPES = {**SUMMARY_COLUMNS, **SUMMARY_SKETCH_COLUMNS}
-_Columnar = SpanBatch | SummaryBatch
-
-
-def _ranks_below(rank: np.ndarray, batches: list[tuple[_Columnar, int]]) -> bool:
-    """Every rank >= 0 and below its batch's bound (the job's world size, or the limit)."""
-    if rank.min() < 0:
-        return False
-    bounds = {bound for _, bound in batches}
-    if len(bounds) == 1:
-        return bool(rank.max() < bounds.pop())
-    limit = np.repeat([bound for _, bound in batches], [len(b) for b, _ in batches])
-    return bool((rank < limit).all())
-
-
-def _int_in(name: str, value: int, lo: int, hi: int) -> None:
-    if not lo <= value <= hi:
-        raise _Bad(f"{name}={_short(value)} not in [{lo}, {hi}]")
-
-
-def _number_in(name: str, value: float, lo: float, hi: float) -> None:
-    if not math.isfinite(value) or not lo <= value <= hi:
-        raise _Bad(f"{name}={value!r} is not a finite number in [{lo}, {hi}]")
-
-
-def _column_in(batch: SpanBatch | SummaryBatch, name: str, lo: int, hi: int, why: str = "") -> None:
-    column = batch.column(name)
-    if column.min() >= lo and column.max() <= hi:
-        return
-    i = int(np.flatnonzero((column < lo) | (column > hi))[0])
-    suffix = f", {why}" if why else ""
-    raise _Bad(f"{name}[{i}]={int(column[i])} not in [{lo}, {hi}]{suffix}")
+def _tag(kind: type) -> str:
+    config = getattr(kind, "__struct_config__", None)
+    return str(config.tag) if config is not None else kind.__name__
 
 
 def _kind(record: object) -> str:
-    config = getattr(type(record), "__struct_config__", None)
-    return str(config.tag) if config is not None else type(record).__name__
-
-
-def _short(value: object, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return _tag(type(record))
