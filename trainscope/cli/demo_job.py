@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from trainscope.detectors.base import Detector
 from trainscope.detectors.diagnosis import Suspect, diagnose
 from trainscope.engine.bus_job import BusStreamJob
 from trainscope.engine.core import PipelineStats
@@ -26,6 +27,9 @@ from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.records import Finding, Record
 from trainscope.schemas.window import WindowView
 from trainscope.transport.bus import EVENTS_TOPIC, METRICS_TOPIC, Bus, open_bus, rank_key
+
+if TYPE_CHECKING:
+    from trainscope.sinks.clickhouse import ClickHouseSink
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +99,10 @@ def run_demo(
     faults: list[Fault],
     *,
     bus_url: str = "memory",
-    sink: Any | None = None,
+    sink: ClickHouseSink | None = None,
     window_s: float = 15.0,
     lateness_s: float = 5.0,
-    detectors: list[Any] | None = None,
+    detectors: list[Detector] | None = None,
     threshold: float = 0.5,
     on_step: Callable[[int], None] | None = None,
     on_window: Callable[[WindowView, list[Finding]], None] | None = None,
@@ -116,63 +120,19 @@ def run_demo(
     bus = open_bus(bus_url)
     group = f"trainscope-demo-{spec.job_id}-{time.time_ns()}"
     # A one-shot run: a sink that keeps failing costs a window (counted), not the whole run.
-    pipeline = BusStreamJob(
+    job = BusStreamJob(
         bus, group=group, detectors=detectors, window_s=window_s, lateness_s=lateness_s,
         sink=sink, on_window=on_window, sink_retry_s=10.0,
     )
     started = time.perf_counter()
-    events = 0
-    summaries = 0
-    published = 0
+    sent = _Sent(ops_sink)
     notes: list[str] = []
     try:
         if bus_url.startswith("memory"):
-            for output in cluster.run():
-                published += publish_step(bus, cluster, output, output.step == 0)
-                events += output.span_count
-                summaries += sum(len(b) for b in output.summaries)
-                if ops_sink is not None and output.ops is not None:
-                    ops_sink(output.ops)
-                while pipeline.poll_once(timeout_s=0.0):
-                    pass
-                if on_step:
-                    on_step(output.step)
+            _run_in_memory(bus, cluster, job, sent, on_step)
         else:
-            done = threading.Event()
-            failure: list[BaseException] = []
-
-            def produce() -> None:
-                nonlocal events, summaries, published
-                try:
-                    for output in cluster.run():
-                        published += publish_step(bus, cluster, output, output.step == 0)
-                        events += output.span_count
-                        summaries += sum(len(b) for b in output.summaries)
-                        if ops_sink is not None and output.ops is not None:
-                            ops_sink(output.ops)
-                        if on_step:
-                            on_step(output.step)
-                    bus.flush()
-                except BaseException as exc:  # reported by the main thread
-                    failure.append(exc)
-                finally:
-                    done.set()
-
-            producer = threading.Thread(target=produce, name="demo-producer", daemon=True)
-            producer.start()
-            pipeline.run(
-                until=lambda: done.is_set() and pipeline.messages >= published,
-                max_seconds=kafka_timeout_s,
-            )
-            producer.join(timeout=5)
-            if failure:
-                raise failure[0]
-            if pipeline.messages < published:
-                notes.append(
-                    f"consumed {pipeline.messages} of {published} published messages before "
-                    f"the {kafka_timeout_s:.0f} s limit"
-                )
-        pipeline.finish()
+            notes = _run_on_kafka(bus, cluster, job, sent, on_step, kafka_timeout_s)
+        job.finish()
     finally:
         bus.close()
     elapsed = time.perf_counter() - started
@@ -180,14 +140,73 @@ def run_demo(
         job_id=spec.job_id,
         ranks=cluster.layout.world_size,
         steps=spec.steps,
-        events=events,
-        summaries=summaries,
-        messages=published,
-        windows=pipeline.windows,
+        events=sent.events,
+        summaries=sent.summaries,
+        messages=sent.messages,
+        windows=job.windows,
         elapsed_s=elapsed,
-        findings=pipeline.findings,
-        suspects=diagnose(pipeline.findings, threshold),
-        stats=pipeline.stats(),
-        sink_rows=getattr(getattr(sink, "stats", None), "rows_written", 0),
+        findings=job.findings,
+        suspects=diagnose(job.findings, threshold),
+        stats=job.stats(),
+        sink_rows=sink.stats.rows_written if sink is not None else 0,
         notes=notes,
     )
+
+
+class _Sent:
+    """What the simulated ranks published so far (read by the consuming thread on Kafka)."""
+
+    def __init__(self, ops_sink: Callable[[Any], None] | None) -> None:
+        self.ops_sink = ops_sink
+        self.events = 0  # span events the ranks measured
+        self.summaries = 0
+        self.messages = 0
+
+    def publish(self, bus: Bus, cluster: SimulatedCluster, output: StepOutput) -> None:
+        self.messages += publish_step(bus, cluster, output, output.step == 0)
+        self.events += output.span_count
+        self.summaries += sum(len(b) for b in output.summaries)
+        if self.ops_sink is not None and output.ops is not None:
+            self.ops_sink(output.ops)
+
+
+def _run_in_memory(bus: Bus, cluster: SimulatedCluster, job: BusStreamJob, sent: _Sent,
+                   on_step: Callable[[int], None] | None) -> None:
+    """Producer and pipeline take turns in this thread: each step is consumed as it is sent."""
+    for output in cluster.run():
+        sent.publish(bus, cluster, output)
+        while job.poll_once(timeout_s=0.0):
+            pass
+        if on_step:
+            on_step(output.step)
+
+
+def _run_on_kafka(bus: Bus, cluster: SimulatedCluster, job: BusStreamJob, sent: _Sent,
+                  on_step: Callable[[int], None] | None, timeout_s: float) -> list[str]:
+    """The producer in a thread of its own, the pipeline consuming here until it has read
+    every message published or ``timeout_s`` passed; returns notes on what was not read."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            for output in cluster.run():
+                sent.publish(bus, cluster, output)
+                if on_step:
+                    on_step(output.step)
+            bus.flush()
+        except BaseException as exc:  # reported by the main thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    producer = threading.Thread(target=produce, name="demo-producer", daemon=True)
+    producer.start()
+    job.run(until=lambda: done.is_set() and job.messages >= sent.messages, max_seconds=timeout_s)
+    producer.join(timeout=5)
+    if failure:
+        raise failure[0]
+    if job.messages < sent.messages:
+        return [f"consumed {job.messages} of {sent.messages} published messages before the "
+                f"{timeout_s:.0f} s limit"]
+    return []

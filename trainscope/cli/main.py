@@ -20,7 +20,7 @@ from trainscope import __version__
 # name → "module:attribute" of a click command
 _LAZY = {
     "demo": "trainscope.cli.demo:demo",
-    "pipeline": "trainscope.cli.demo:pipeline",
+    "pipeline": "trainscope.cli.pipeline:pipeline",
     "stream": "trainscope.cli.stream:stream",
     "whatif": "trainscope.cli.whatif:whatif",
     "plan": "trainscope.cli.plan:plan",
