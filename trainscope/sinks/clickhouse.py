@@ -29,10 +29,9 @@ from trainscope.schemas.records import (
 )
 from trainscope.schemas.window import WindowView
 from trainscope.sinks.store_layout import check_layout, record_layout, set_retention
-from trainscope.store.client import (  # noqa: F401  moved; kept for code written against the old place
+from trainscope.store.client import (
     StoreError,
     _first_line,
-    check_read_only_sql,
     connect,
     default_store_dir,
 )

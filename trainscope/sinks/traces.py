@@ -9,8 +9,7 @@ import msgspec
 import pandas as pd
 
 from trainscope.schemas.records import SCHEMA_VERSION, StepRecord, SummaryBatch
-from trainscope.sinks.clickhouse import (  # noqa: F401  CALL_PATH_COLUMNS moved; kept here
-    CALL_PATH_COLUMNS,
+from trainscope.sinks.clickhouse import (
     ClickHouseSink,
 )
 

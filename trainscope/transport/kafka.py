@@ -39,7 +39,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 
 from trainscope.transport import aiokafka_private
 from trainscope.transport.kafka_consumer import KafkaConsumer, start_consumer
-from trainscope.transport.kafka_outbox import Entry, Outbox
+from trainscope.transport.kafka_pending import Entry, PendingMessages
 from trainscope.transport.kafka_support import (
     EventLoopThread,
     create_topics,
@@ -133,7 +133,7 @@ class KafkaBus:
         # A group (re)join waits on the order of the session timeout (half of it on Tansu), so
         # keep it short; 6 s is the smallest a stock Kafka broker accepts.
         self.session_timeout_ms = session_timeout_ms
-        self._outbox = Outbox(
+        self._outbox = PendingMessages(
             self.bootstrap_servers,
             max_pending,
             max_pending_bytes,

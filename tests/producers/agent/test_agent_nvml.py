@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from trainscope.producers.agent.base import NO_GPU, NO_NVML_LIBRARY, CollectorUnavailable
-from trainscope.producers.agent.nvml import NvmlSampler, decode_throttle_reasons
+from trainscope.producers.agent.nvml import NvmlSampler
+from trainscope.producers.agent.throttle import decode_throttle_reasons
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import MetricSample
 

@@ -31,11 +31,6 @@ from trainscope.producers.agent.base import (
     CollectorStats,
     CollectorUnavailable,
 )
-from trainscope.producers.agent.throttle import (  # noqa: F401 (re-exported)
-    THROTTLE_REASON_NAMES,
-    THROTTLING_MASK,
-    decode_throttle_reasons,
-)
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import MetricSample
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from trainscope.config import env
 from trainscope.config.env import (
-    DEFAULT_WINDOW_S,  # moved; kept for code written against the old place
+    DEFAULT_WINDOW_S,
 )
 
 DEFAULT_QUEUE_SIZE = 10_000

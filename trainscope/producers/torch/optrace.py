@@ -14,15 +14,9 @@ import threading
 from typing import TYPE_CHECKING
 
 from trainscope.schemas.topics import OPTRACE_TOPIC
-
-# OPTRACE_TOPIC, CHUNK_OPS, OpTraceBatch, encode_records and decode_optrace moved to schemas;
-# importable here too, for code written against the old place.
-from trainscope.schemas.whatif import (  # noqa: F401
-    CHUNK_OPS,
-    OpTraceBatch,
+from trainscope.schemas.whatif import (
     OpTraceJob,
     OpTraceRecord,
-    decode_optrace,
     encode_records,
 )
 

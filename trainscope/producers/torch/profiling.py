@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trainscope.schemas.callpath import (  # moved; kept for code written against the old place
+from trainscope.schemas.callpath import (
     callpath_id,
     collective_or,
     enclosing_depth,

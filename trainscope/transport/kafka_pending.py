@@ -169,7 +169,3 @@ class PendingMessages:
     def _last_error_note(self) -> str:
         return f" (last error: {self.last_error})" if self.last_error else ""
 
-
-# The name kafka.py imports; kept until that module (being reworked in another change) imports
-# PendingMessages, so that "Outbox" means only the producers' outbox (transport/outbox.py).
-Outbox = PendingMessages
