@@ -41,10 +41,10 @@ def optrace(trace: Path, meta: Path, job_id: str | None, bus_url: str) -> None:
         bus = open_bus(bus_url)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--bus") from None
+    from trainscope.producers.replay.publish import publish_encoded
+
     try:
-        for key, payload in payloads:
-            bus.publish(OPTRACE_TOPIC, payload, key=key)
-        bus.flush()
+        publish_encoded(bus, OPTRACE_TOPIC, payloads)
     except BusError as exc:
         raise click.ClickException(f"could not publish to {bus_url}: {exc}") from None
     finally:

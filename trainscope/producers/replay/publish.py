@@ -26,23 +26,48 @@ def publish_records(
     by_rank: dict[int, list[Any]] = {}
     for record in records:
         by_rank.setdefault(_rank(record), []).append(record)
+
+    def fill(outbox: Outbox) -> None:
+        for rank, items in sorted(by_rank.items()):
+            outbox.offer_many(items, rank_key(job_id, rank))
+
+    return _deliver_all(bus, len(records), fill, timeout_s)
+
+
+def publish_encoded(
+    bus: Bus,
+    topic: str,
+    messages: Sequence[tuple[bytes | None, bytes]],
+    timeout_s: float = DELIVERY_TIMEOUT_S,
+) -> int:
+    """Publish messages already encoded (``(key, payload)``, e.g. an op trace's chunks) through
+    the same outbox and wait for their acknowledgements; returns how many were acknowledged,
+    raises :class:`BusError` as :func:`publish_records` does."""
+
+    def fill(outbox: Outbox) -> None:
+        for key, payload in messages:
+            outbox.offer_encoded(topic, key, payload, records=1)
+
+    return _deliver_all(bus, len(messages), fill, timeout_s)
+
+
+def _deliver_all(bus: Bus, total: int, fill: Any, timeout_s: float) -> int:
     # Room for all of them: the records are in memory already, and none may be dropped.
     outbox = Outbox(
         lambda: bus,
-        capacity=max(len(records), 1),
+        capacity=max(total, 1),
         batch_records=BATCH_RECORDS,
         backoff_max_s=2.0,
         name="trainscope-replay",
     )
     outbox.start()
-    for rank, items in sorted(by_rank.items()):
-        outbox.offer_many(items, rank_key(job_id, rank))
+    fill(outbox)
     outbox.wait_idle(timeout_s)
     outbox.close(timeout_s=1.0)
     counts = outbox.stats()
-    if counts["acked"] < len(records):
+    if counts["acked"] < total:
         raise BusError(
-            f"{len(records) - counts['acked']} of {len(records)} records were not acknowledged "
+            f"{total - counts['acked']} of {total} records were not acknowledged "
             f"within {timeout_s:g}s ({counts['bus_errors']} bus errors)"
         )
     return int(counts["acked"])
