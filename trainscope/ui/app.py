@@ -69,42 +69,68 @@ def create_app(queries: DashboardQueries, *, source: str, refresh_s: float = 10.
     """``refresh_s``: how often a running job's page reloads its data."""
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     templates.env.filters["iso"] = _iso
-    plotly = plotly_js()
+    pages = _Pages(queries, templates, source=source, refresh_s=refresh_s, plotly=plotly_js())
+    return Starlette(routes=[
+        Route("/", pages.index),
+        Route("/jobs/{job_id:path}", pages.job_page),
+        Route("/api/jobs", pages.api_jobs),
+        # Job ids may hold a slash ("team/run-7"): matched as a path, up to the last segment.
+        Route("/api/jobs/{job_id:path}/overview", pages.api_overview),
+        Route("/api/jobs/{job_id:path}/heatmap", pages.api_heatmap),
+        Route("/api/jobs/{job_id:path}/breakdown", pages.api_breakdown),
+        Route("/static/plotly.min.js", pages.plotly_bundle),
+        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
+    ])
 
-    def need_job(job_id: str) -> dict[str, Any]:
-        job = queries.job(job_id)
+
+class _Pages:
+    """The dashboard's request handlers, over one store's queries."""
+
+    def __init__(self, queries: DashboardQueries, templates: Jinja2Templates, *, source: str,
+                 refresh_s: float, plotly: Path) -> None:
+        self.queries = queries
+        self.templates = templates
+        self.source = source
+        self.refresh_s = refresh_s
+        self.plotly = plotly
+
+    def _need_job(self, job_id: str) -> dict[str, Any]:
+        job = self.queries.job(job_id)
         if job is None:
             raise HTTPException(404, f"Error: no job {job_id!r} in the store")
         return job
 
-    def need_known(job_id: str) -> None:
-        if not queries.known(job_id):
+    def _need_known(self, job_id: str) -> None:
+        if not self.queries.known(job_id):
             raise HTTPException(404, f"Error: no job {job_id!r} in the store")
 
-    def index(request: Request) -> Response:
-        return templates.TemplateResponse(request, "jobs.html", {
-            "jobs": queries.jobs(), "source": source, "threshold": queries.threshold,
+    def index(self, request: Request) -> Response:
+        return self.templates.TemplateResponse(request, "jobs.html", {
+            "jobs": self.queries.jobs(), "source": self.source,
+            "threshold": self.queries.threshold,
         })
 
-    def job_page(request: Request) -> Response:
+    def job_page(self, request: Request) -> Response:
         # The header comes with the overview the page fetches: the job's figures are
         # queried once per page, not twice.
         job_id = request.path_params["job_id"]
-        need_known(job_id)
-        return templates.TemplateResponse(request, "job.html", {
-            "job_id": job_id, "source": source, "threshold": queries.threshold,
-            "config": _script_json({"job_id": job_id, "threshold": queries.threshold,
-                                    "refresh_s": refresh_s,
+        self._need_known(job_id)
+        threshold = self.queries.threshold
+        return self.templates.TemplateResponse(request, "job.html", {
+            "job_id": job_id, "source": self.source, "threshold": threshold,
+            "config": _script_json({"job_id": job_id, "threshold": threshold,
+                                    "refresh_s": self.refresh_s,
                                     "from_ms": _int_or_none(request, "from_ns", 10**6),
                                     "to_ms": _int_or_none(request, "to_ns", 10**6)}),
         })
 
-    def api_jobs(request: Request) -> Response:
-        return _json(queries.jobs())
+    def api_jobs(self, request: Request) -> Response:
+        return _json(self.queries.jobs())
 
-    def api_overview(request: Request) -> Response:
+    def api_overview(self, request: Request) -> Response:
         job_id = request.path_params["job_id"]
-        job = need_job(job_id)
+        job = self._need_job(job_id)
+        queries = self.queries
         whatif = queries.whatif(job_id)
         if whatif is not None:
             whatif["S_worker"] = json.loads(whatif.pop("S_worker_json") or "[]")
@@ -122,40 +148,28 @@ def create_app(queries: DashboardQueries, *, source: str, refresh_s: float = 10.
             "whatif": whatif,
         })
 
-    def api_heatmap(request: Request) -> Response:
+    def api_heatmap(self, request: Request) -> Response:
         job_id = request.path_params["job_id"]
-        need_known(job_id)
+        self._need_known(job_id)
         layer = request.query_params.get("layer", "")
         name = request.query_params.get("name", "")
-        axis, cells = queries.heatmap(job_id, layer, name)
+        axis, cells = self.queries.heatmap(job_id, layer, name)
         # The cells come as JSON from ClickHouse; only the axis is added around them.
         head = json.dumps(_clean(axis))[:-1]
         body = head + (', ' if axis else '') + '"cells": ' + cells.decode() + "}"
         return Response(body, media_type="application/json")
 
-    def api_breakdown(request: Request) -> Response:
+    def api_breakdown(self, request: Request) -> Response:
         job_id = request.path_params["job_id"]
-        need_known(job_id)
+        self._need_known(job_id)
         rank = _int(request, "rank")
         from_ms, to_ms = _int(request, "from_ms"), _int(request, "to_ms")
-        return _json({"rank": rank, "rows": queries.breakdown(job_id, rank, from_ms * 10**6,
-                                                              to_ms * 10**6)})
+        rows = self.queries.breakdown(job_id, rank, from_ms * 10**6, to_ms * 10**6)
+        return _json({"rank": rank, "rows": rows})
 
-    def plotly_bundle(request: Request) -> Response:
-        return FileResponse(plotly, media_type="text/javascript",
+    def plotly_bundle(self, request: Request) -> Response:
+        return FileResponse(self.plotly, media_type="text/javascript",
                             headers={"Cache-Control": "max-age=86400"})
-
-    return Starlette(routes=[
-        Route("/", index),
-        Route("/jobs/{job_id:path}", job_page),
-        Route("/api/jobs", api_jobs),
-        # Job ids may hold a slash ("team/run-7"): matched as a path, up to the last segment.
-        Route("/api/jobs/{job_id:path}/overview", api_overview),
-        Route("/api/jobs/{job_id:path}/heatmap", api_heatmap),
-        Route("/api/jobs/{job_id:path}/breakdown", api_breakdown),
-        Route("/static/plotly.min.js", plotly_bundle),
-        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
-    ])
 
 
 def _script_json(value: Any) -> str:

@@ -35,7 +35,7 @@ from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SUMMARIES
 
 # Multiplied by the inverse, exactly as trainscope.schemas.sketch.bucket_keys does.
 _INV_LN_GAMMA = repr(1.0 / math.log(GAMMA))
-# The largest rank the embedded window engine takes (trainscope.engine.windows).
+# The largest rank the embedded window engine takes (trainscope.engine.keys.MAX_RANK).
 _MAX_RANK = (1 << 20) - 1
 
 
@@ -196,22 +196,31 @@ def sink_tables(config: JobConfig) -> list[str]:
 
 
 def views(config: JobConfig) -> list[str]:
-    window = _interval(config.window_ms)
-    window_ns = config.window_ns
-    window_ms = config.window_ms
-
-    def _late(alias: str) -> str:
-        """The message's window has fired (the watermark passed its last millisecond): the
-        window operators, whose watermark is never ahead of this one, would drop its events
-        silently, so they go to the dead letters here instead."""
-        return (f"CURRENT_WATERMARK({alias}.ts) IS NOT NULL AND TO_TIMESTAMP_LTZ({alias}.t_ms - "
-                f"MOD({alias}.t_ms, {window_ms}) + {window_ms} - 1, 3) <= "
-                f"CURRENT_WATERMARK({alias}.ts)")
+    """The views between the source tables and the inserts: deduplicated messages, one row per
+    span event and per step record, and the first two levels of the cascaded windows."""
     return [
-        # A batch a producer re-sent (the same producer id and sequence number) is read once,
-        # as the embedded pipeline does; unstamped batches (producer id 0) are never dropped.
-        # The state is one key per batch, kept for table.exec.state.ttl.
-        """CREATE TEMPORARY VIEW events_once AS
+        _EVENTS_ONCE,
+        _span_rows(config),
+        _step_rows(config),
+        _bucket_rows(config),
+        _summary_rows(config),
+        _step_records(config),
+    ]
+
+
+def _late(alias: str, window_ms: int) -> str:
+    """The message's window has fired (the watermark passed its last millisecond): the window
+    operators, whose watermark is never ahead of this one, would drop its events silently, so
+    they go to the dead letters instead."""
+    return (f"CURRENT_WATERMARK({alias}.ts) IS NOT NULL AND TO_TIMESTAMP_LTZ({alias}.t_ms - "
+            f"MOD({alias}.t_ms, {window_ms}) + {window_ms} - 1, 3) <= "
+            f"CURRENT_WATERMARK({alias}.ts)")
+
+
+# A batch a producer re-sent (the same producer id and sequence number) is read once, as the
+# embedded pipeline does; unstamped batches (producer id 0) are never dropped. The state is one
+# key per batch, kept for table.exec.state.ttl.
+_EVENTS_ONCE = """CREATE TEMPORARY VIEW events_once AS
 SELECT t_ms, spans, steps, records, `partition`, `offset`, ts FROM (
   SELECT *, ROW_NUMBER() OVER (PARTITION BY batch_key ORDER BY pt) AS copy_number FROM (
     SELECT *, CASE WHEN COALESCE(producer_id, 0) = 0
@@ -220,19 +229,21 @@ SELECT t_ms, spans, steps, records, `partition`, `offset`, ts FROM (
     FROM events
   )
 )
-WHERE copy_number = 1""",
-        # One row per span event: no Python, the arrays are unnested by the JVM. An event is
-        # [rank, fn, step, start_ns, duration_ns, bytes_moved, callpath_id] (json_wire); the
-        # call path id is the signed integer of its 64 bits until the output.
-        # A field the JSON format could not read is NULL (json.ignore-parse-errors): such an
-        # event, or one the embedded engine would reject, gets a `problem` and goes to the
-        # dead letters instead of a window.
-        f"""CREATE TEMPORARY VIEW span_rows AS
+WHERE copy_number = 1"""
+
+
+def _span_rows(config: JobConfig) -> str:
+    """One row per span event: no Python, the arrays are unnested by the JVM. An event is
+    [rank, fn, step, start_ns, duration_ns, bytes_moved, callpath_id] (json_wire); the call
+    path id is the signed integer of its 64 bits until the output. A field the JSON format
+    could not read is NULL (json.ignore-parse-errors): such an event, or one the embedded
+    engine would reject, gets a ``problem`` and goes to the dead letters instead of a window."""
+    return f"""CREATE TEMPORARY VIEW span_rows AS
 SELECT e.ts, e.`partition`, e.`offset`, s.job_id, CAST(ev[1] AS INT) AS `rank`,
   s.layers[CAST(ev[2] AS INT) + 1] AS layer, s.names[CAST(ev[2] AS INT) + 1] AS name,
   ev[7] AS callpath_bits, ev[4] AS start_ns, ev[5] AS duration_ns, ev[6] AS bytes_moved,
   CASE
-    WHEN {_late('e')} THEN 'late: its window had closed'
+    WHEN {_late('e', config.window_ms)} THEN 'late: its window had closed'
     WHEN ev IS NULL OR CARDINALITY(ev) <> 7 THEN 'not an array of 7 integers'
     WHEN ev[1] IS NULL OR ev[2] IS NULL OR ev[3] IS NULL OR ev[4] IS NULL OR ev[5] IS NULL
       OR ev[6] IS NULL OR ev[7] IS NULL THEN 'a field is not an integer'
@@ -245,22 +256,28 @@ SELECT e.ts, e.`partition`, e.`offset`, s.job_id, CAST(ev[1] AS INT) AS `rank`,
   CAST(ev AS STRING) AS event
 FROM events_once AS e
 CROSS JOIN UNNEST(e.spans) AS s(job_id, layers, names, events)
-CROSS JOIN UNNEST(s.events) AS x(ev)""",
-        # Step records likewise; their optional fields default as in StepRecord.
-        f"""CREATE TEMPORARY VIEW step_rows AS
+CROSS JOIN UNNEST(s.events) AS x(ev)"""
+
+
+def _step_rows(config: JobConfig) -> str:
+    """Step records like span events; their optional fields default as in StepRecord."""
+    return f"""CREATE TEMPORARY VIEW step_rows AS
 SELECT e.ts, e.`partition`, e.`offset`, st.job_id, st.`rank`, st.step, st.start_ns,
   st.duration_ns, COALESCE(st.samples, 0) AS samples, COALESCE(st.tokens, 0) AS tokens,
   COALESCE(st.seq_len_mean, 0.0) AS seq_len_mean, COALESCE(st.seq_len_max, 0) AS seq_len_max,
-  CASE WHEN {_late('e')} THEN 'late: its window had closed'
+  CASE WHEN {_late('e', config.window_ms)} THEN 'late: its window had closed'
     WHEN st.job_id IS NULL OR st.`rank` IS NULL OR st.step IS NULL OR st.start_ns IS NULL
     OR st.duration_ns IS NULL THEN 'job_id, rank, step, start_ns or duration_ns missing or '
       || 'not of its type'
   END AS problem
 FROM events_once AS e
 CROSS JOIN UNNEST(e.steps) AS st(job_id, `rank`, step, start_ns, duration_ns, samples,
-  tokens, seq_len_mean, seq_len_max)""",
-        # Level 1: per event window and sketch bucket.
-        f"""CREATE TEMPORARY VIEW bucket_rows AS
+  tokens, seq_len_mean, seq_len_max)"""
+
+
+def _bucket_rows(config: JobConfig) -> str:
+    """Level 1: per event window and sketch bucket."""
+    return f"""CREATE TEMPORARY VIEW bucket_rows AS
 SELECT window_start AS l1_start, window_end AS l1_end, window_time AS l1_time, job_id, `rank`,
   layer, name, callpath_bits, event_start_ns, bucket,
   COUNT(*) AS n, SUM(duration_ns) AS total_ns,
@@ -268,14 +285,18 @@ SELECT window_start AS l1_start, window_end AS l1_end, window_time AS l1_time, j
   MIN(duration_ns) AS min_ns, MAX(duration_ns) AS max_ns, SUM(bytes_moved) AS bytes_total
 FROM (
   SELECT *, CAST(CEIL(LN(CAST(GREATEST(duration_ns, 1) AS DOUBLE)) * {_INV_LN_GAMMA}) AS INT)
-    AS bucket, start_ns - MOD(start_ns, {window_ns}) AS event_start_ns
-  FROM TABLE(TUMBLE(TABLE span_rows, DESCRIPTOR(ts), {window}))
+    AS bucket, start_ns - MOD(start_ns, {config.window_ns}) AS event_start_ns
+  FROM TABLE(TUMBLE(TABLE span_rows, DESCRIPTOR(ts), {_interval(config.window_ms)}))
   WHERE problem IS NULL
 )
 GROUP BY window_start, window_end, window_time, job_id, `rank`, layer, name, callpath_bits,
-  event_start_ns, bucket""",
-            # Level 2: the function summaries (cascaded on level 1's window_time).
-        f"""CREATE TEMPORARY VIEW summary_rows AS
+  event_start_ns, bucket"""
+
+
+def _summary_rows(config: JobConfig) -> str:
+    """Level 2: the function summaries (cascaded on level 1's window_time)."""
+    window_ns = config.window_ns
+    return f"""CREATE TEMPORARY VIEW summary_rows AS
 SELECT window_time AS l2_time, job_id, `rank`, event_start_ns,
   CAST(ROW('summary', 1, job_id, `rank`, layer, name,
     CASE WHEN callpath_bits < 0
@@ -287,18 +308,20 @@ SELECT window_time AS l2_time, job_id, `rank`, event_start_ns,
       / CAST(SUM(n) AS DOUBLE), 0.0),
     MIN(min_ns), MAX(max_ns), SUM(bytes_total), ARRAY_AGG(bucket), ARRAY_AGG(n))
     AS {SUMMARY_ROW}) AS summary
-FROM TABLE(TUMBLE(TABLE bucket_rows, DESCRIPTOR(l1_time), {window}))
+FROM TABLE(TUMBLE(TABLE bucket_rows, DESCRIPTOR(l1_time), {_interval(config.window_ms)}))
 GROUP BY window_start, window_end, window_time, job_id, `rank`, layer, name, callpath_bits,
-  event_start_ns""",
-        # Steps: windowed like spans; a step re-sent within the window is kept once.
-        f"""CREATE TEMPORARY VIEW step_records AS
+  event_start_ns"""
+
+
+def _step_records(config: JobConfig) -> str:
+    """Steps, windowed like spans; a step re-sent within the window is kept once."""
+    return f"""CREATE TEMPORARY VIEW step_records AS
 SELECT window_time AS l2_time, job_id, `rank`,
   CAST(ROW('step', 1, job_id, `rank`, step, start_ns, MAX(duration_ns), MAX(samples),
     MAX(tokens), MAX(seq_len_mean), MAX(seq_len_max)) AS {STEP_ROW}) AS step_record
-FROM TABLE(TUMBLE(TABLE step_rows, DESCRIPTOR(ts), {window}))
+FROM TABLE(TUMBLE(TABLE step_rows, DESCRIPTOR(ts), {_interval(config.window_ms)}))
 WHERE problem IS NULL
-GROUP BY window_start, window_end, window_time, job_id, `rank`, step, start_ns""",
-]
+GROUP BY window_start, window_end, window_time, job_id, `rank`, step, start_ns"""
 
 
 def inserts(config: JobConfig) -> list[str]:
