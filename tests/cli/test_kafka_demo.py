@@ -40,6 +40,35 @@ def test_kafka_demo_gives_the_same_top_finding(kafka_broker) -> None:
 
 @pytest.mark.kafka
 @pytest.mark.slow
+def test_the_demo_on_a_shared_broker_diagnoses_its_own_job_only(
+    fresh_kafka_broker, tmp_path: Path
+) -> None:
+    """A broker that already carries two other jobs over the same hours, one of them with a
+    fault of its own: the demo reads past them and reports exactly what it reports alone."""
+    url = fresh_kafka_broker.url
+    common = ["--dp", "8", "--pp", "4", "--tp", "2", "--steps", "120", "--start-s", "1767225600"]
+    others = [
+        start_publisher(url, *common, "--job-id", "other-healthy", "--seed", "3",
+                        out=tmp_path / "healthy.out"),
+        start_publisher(url, *common, "--job-id", "other-faulty", "--seed", "4",
+                        "--fault", "slow-gpu:rank=5,factor=2.0", out=tmp_path / "faulty.out"),
+    ]
+    for index, other in enumerate(others):
+        assert other.wait(timeout=300) == 0, (tmp_path / ("healthy.out", "faulty.out")[index])
+    shared = run("--bus", url)
+    alone = run()
+    assert [(f["rank"], f["category"]) for f in shared["findings"]] == [
+        (f["rank"], f["category"]) for f in alone["findings"]]
+    assert (shared["events"], shared["summaries"], shared["windows"]) == (
+        alone["events"], alone["summaries"], alone["windows"])
+    table = subprocess.run([sys.executable, "-m", "trainscope.cli.main",
+                            *[a for a in ARGS if a != "--json"], "--bus", url],
+                           capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "other-" not in table, table
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
 def test_pipeline_process_over_kafka_drops_nothing_and_diagnoses_like_memory(
     fresh_kafka_broker, tmp_path: Path
 ) -> None:

@@ -20,8 +20,9 @@ import click
 
 from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SUMMARIES_TOPIC
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-JOB_FILE = REPO_ROOT / "trainscope" / "streams" / "flink" / "job.py"
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+REPO_ROOT = PACKAGE_DIR.parent
+JOB_FILE = PACKAGE_DIR / "engines" / "flink" / "job.py"
 # Where infra/setup-flink-env.sh puts the environment unless TRAINSCOPE_FLINK_VENV says otherwise.
 FLINK_VENV_VARIABLE = "TRAINSCOPE_FLINK_VENV"
 

@@ -264,6 +264,11 @@ class BusStreamJob(StreamCore):
             messages = kept
         super().process_messages(messages)
 
+    @property
+    def watched_messages(self) -> int:
+        """Messages read of the jobs this run watches (all of them without ``only_jobs``)."""
+        return self.messages - self._stats.other_jobs_skipped
+
     def poll_once(self, timeout_s: float = 0.2, max_records: int = 20_000) -> int:
         messages: list[Message] = []
         waited = time.monotonic()

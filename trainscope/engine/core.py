@@ -90,6 +90,8 @@ class PipelineStats:
     checkpoint_skipped: int = 0  # messages re-read after a restart that its checkpoint held
     commit_failures: int = 0
     poll_failures: int = 0
+    # Messages of jobs a run does not watch (``only_jobs``), skipped undecoded; not in decode.
+    other_jobs_skipped: int = 0
     profile_parts: int = 0  # call-path trees of on-demand profiles (parts) received
 
     def as_dict(self) -> dict[str, Any]:
@@ -127,6 +129,7 @@ class StreamCore:
         limits: Limits | None = None,
         max_jobs: int = DEFAULT_MAX_JOBS,
         clock: Callable[[], float] = time.monotonic,
+        only_jobs: frozenset[str] | None = None,
     ) -> None:
         if detectors is None:
             loaded = load()
@@ -140,6 +143,11 @@ class StreamCore:
         self.runner = DetectorRunner(detectors, max_jobs=max_jobs)
         self.validator = Validator(limits)
         self.max_jobs = max_jobs
+        # A run that watches some jobs of a shared bus (the demo) skips the others' messages by
+        # their key (job/rank), before decoding; their positions still count as handled.
+        self._only_jobs = (
+            None if only_jobs is None else frozenset(job.encode() for job in only_jobs)
+        )
         self._jobs: OrderedDict[str, None] = OrderedDict()  # least recently seen first
         self._dead_letters: list[DeadLetterRow] = []
         self.sink = sink
@@ -158,6 +166,12 @@ class StreamCore:
 
     # -- input ------------------------------------------------------------------------------
 
+    def _is_watched(self, message: Message) -> bool:
+        if message.key is None:
+            return True  # unkeyed: cannot tell, so it is decoded and windowed like any other
+        job = message.key.rpartition(b"/")[0]
+        return job in self._only_jobs if self._only_jobs is not None else True
+
     def process_messages(self, messages: list[Message]) -> None:
         """Decode, validate, drop re-sent batches; the valid messages are windowed by source
         (partition), and every message's offset is recorded with the windows it feeds."""
@@ -166,6 +180,10 @@ class StreamCore:
         # Producer id, sequence and payload digest of each decoded batch (see SeenBatches).
         stamps: dict[int, tuple[int, int, int]] = {}
         for message in messages:
+            if self._only_jobs is not None and not self._is_watched(message):
+                self._stats.other_jobs_skipped += 1
+                handled.append((message, None))
+                continue
             self._stats.decode.received += 1
             try:
                 batch = decode_envelope(message.value)
