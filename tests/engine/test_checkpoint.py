@@ -179,3 +179,39 @@ def test_a_checkpoint_of_other_window_length_is_refused_with_the_reason() -> Non
 def test_an_unreadable_checkpoint_says_so() -> None:
     with pytest.raises(ValueError, match="unreadable checkpoint"):
         decode(b"\x00garbage")
+
+
+def test_a_checkpoint_of_the_streams_layout_restores_its_open_windows() -> None:
+    """A job upgraded from 0.1.0 (``trainscope.streams``) reads its last checkpoint: its open
+    windows close with the rows they held, and the stamps seen and positions are kept
+    (tests/data/checkpoint-0.1.0/make.py wrote it with that version)."""
+    import json
+
+    from trainscope.detectors.registry import DetectorRunner
+
+    data = Path(__file__).parents[1] / "data" / "checkpoint-0.1.0"
+    checkpoint = decode((data / "checkpoint.bin").read_bytes())
+    assert isinstance(checkpoint, Checkpoint)
+    assert isinstance(checkpoint.runner, DetectorRunner)
+    assert checkpoint.seen is not None and not checkpoint.seen.first_time(7, 1, 12345)
+    assert checkpoint.positions == {("trainscope.events", 0): 123}
+    assert checkpoint.engine is not None
+    engine = WindowEngine(window_s=15.0)
+    assert engine.restore(checkpoint.engine) == 3
+    closed = [
+        {"window_start_ns": v.window_start_ns, "summaries": len(v.summaries),
+         "total_ns": int(v.summaries["total_ns"].sum()), "steps": len(v.steps),
+         "metrics": len(v.metrics),
+         "ranks": sorted(int(r) for r in v.summaries["rank"].unique())}
+        for v in engine.close_all()
+    ]
+    assert closed == json.loads((data / "expected.json").read_text())
+
+
+def test_a_checkpoint_naming_an_unknown_old_class_is_refused_with_its_name() -> None:
+    import zlib
+
+    # A pickle of one class reference (opcode GLOBAL), to a module that no longer exists.
+    blob = zlib.compress(b"ctrainscope.streams.gone\nStranger\n.")
+    with pytest.raises(ValueError, match=r"trainscope\.streams\.gone\.Stranger"):
+        decode(blob)

@@ -21,6 +21,7 @@ short commit interval): that checkpoint falls back to the rule of
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import pickle
 import zlib
@@ -29,6 +30,8 @@ from typing import Any
 
 from trainscope.detectors.registry import DetectorRunner
 from trainscope.engine.delivery import SeenBatches, Source
+from trainscope.engine.keys import FunctionTable
+from trainscope.engine.state import JobState
 from trainscope.schemas.records import Topology
 
 log = logging.getLogger(__name__)
@@ -64,13 +67,64 @@ def encode(checkpoint: Checkpoint) -> bytes:
     return zlib.compress(blob, 1)
 
 
+class _JobOfStreamsLayout:
+    """A job's window state as the ``trainscope.streams`` layout (0.1.0, before the engine had a
+    package of its own) pickled it; :func:`_upgrade_engine` turns it into a :class:`JobState`."""
+
+    __dict__: dict[str, Any]
+
+
+# Where the classes a checkpoint pickles lived in the trainscope.streams layout. A checkpoint
+# holds a running job's open windows while the bus's positions already cover them, so a job
+# upgraded across the move must read the old one, or those windows would be lost.
+_STREAMS_LAYOUT: dict[tuple[str, str], tuple[str, str] | type] = {
+    ("trainscope.streams.checkpoint", "Checkpoint"): ("trainscope.engine.checkpoint", "Checkpoint"),
+    ("trainscope.streams.delivery", "SeenBatches"): ("trainscope.engine.delivery", "SeenBatches"),
+    ("trainscope.streams.windows", "_Job"): _JobOfStreamsLayout,
+    ("trainscope.streams.windows", "_Window"): ("trainscope.engine.state", "OpenWindow"),
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        moved = _STREAMS_LAYOUT.get((module, name))
+        if isinstance(moved, type):
+            return moved
+        if moved is not None:
+            module, name = moved
+        elif module.startswith("trainscope.streams."):
+            raise ValueError(f"{module}.{name} of the trainscope.streams layout has no new place")
+        return super().find_class(module, name)
+
+
+def _upgrade_engine(snapshot: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not snapshot:
+        return snapshot
+    jobs = snapshot.get("jobs", {})
+    for job_id, job in list(jobs.items()):
+        if isinstance(job, _JobOfStreamsLayout):
+            old = job.__dict__
+            jobs[job_id] = JobState(
+                base=old["base"],
+                closed_before=old["closed_before"],
+                restored_before=old["restored_before"],
+                functions=FunctionTable(
+                    ids=old["functions"], layer=old["fn_layer"], name=old["fn_name"],
+                    callpath=old["fn_callpath"],
+                ),
+                topology=old.get("topology"),
+            )
+    return snapshot
+
+
 def decode(blob: bytes) -> Checkpoint:
     """Raises ValueError for a checkpoint this version cannot read."""
     try:
-        state = pickle.loads(zlib.decompress(blob))
+        state = _Unpickler(io.BytesIO(zlib.decompress(blob))).load()
     except Exception as exc:
         raise ValueError(f"unreadable checkpoint: {type(exc).__name__}: {exc}") from None
     if isinstance(state, Checkpoint):
+        state.engine = _upgrade_engine(state.engine)
         return state
     if isinstance(state, dict):  # version 1: written windows and detectors only
         runner = state.get("runner")
