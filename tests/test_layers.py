@@ -166,6 +166,7 @@ ALLOWED: dict[str, dict[str, str]] = {
         "transport": "topic names and the bus message the Faust agents hand to the engine",
         "engine": "Faust's agents drive the same window engine and stream job as the embedded "
         "runner, with its deduplication of re-sent batches",
+        "detectors": "a worker is built with the detectors it runs (their protocol only)",
     },
     "engine": {
         "schemas": "the engine turns records into WindowViews",
@@ -182,6 +183,7 @@ PUBLIC: dict[tuple[str, str], frozenset[str]] = {
         {"trainscope.detectors.base", "trainscope.detectors.registry"}
     ),
     ("loop", "detectors"): frozenset({"trainscope.detectors.base"}),
+    ("engines.faust", "detectors"): frozenset({"trainscope.detectors.base"}),
 }
 
 

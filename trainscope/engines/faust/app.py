@@ -56,8 +56,10 @@ from typing import Any
 import faust
 from faust.types import TP
 
+from trainscope.detectors.base import Detector
 from trainscope.engine.delivery import SeenBatches
 from trainscope.engine.embedded_job import EmbeddedStreamJob
+from trainscope.engine.sink import Sink
 from trainscope.engines.faust import faust_private
 from trainscope.engines.faust.consumer import use_rebalance_safe_consumer
 from trainscope.schemas.records import Topology
@@ -378,8 +380,8 @@ async def _all_partitions(app: faust.App, topics: tuple[str, ...]) -> list[tuple
     return sources
 
 
-def build_app(options: FaustOptions, sink: Any | None,
-              detectors: list[Any] | None = None) -> tuple[faust.App, FaustWorkerJob]:
+def build_app(options: FaustOptions, sink: Sink | None,
+              detectors: list[Detector] | None = None) -> tuple[faust.App, FaustWorkerJob]:
     """The Faust app of one worker process, writing to ``sink``."""
     app = faust.App(
         options.app_id,
