@@ -58,6 +58,15 @@ TRAINSCOPE_CLICKHOUSE_USER = "TRAINSCOPE_CLICKHOUSE_USER"
 TRAINSCOPE_CLICKHOUSE_PASSWORD = "TRAINSCOPE_CLICKHOUSE_PASSWORD"
 """Password for the ClickHouse server; only ever read from the environment."""
 
+TRAINSCOPE_STORE_READ_TOKEN = "TRAINSCOPE_STORE_READ_TOKEN"
+"""A token the owner of an embedded store requires of every reader of its read endpoint (see
+trainscope.store.live), and that readers of a store owned by another process send (as
+ClickHouse's password or the ``X-ClickHouse-Key`` header). Unset: no token, loopback only."""
+
+TRAINSCOPE_STORE_READ_BIND = "TRAINSCOPE_STORE_READ_BIND"
+"""Address the owner's read endpoint listens on. Default ``127.0.0.1``; the port is free-picked
+and written into the store directory (``trainscope-endpoint.json``). ``off``: no endpoint."""
+
 # -- Kafka security: TLS and SASL for every Kafka client (settings in the kafka:// URL's query
 # win over these). Secrets (the two passwords) come only from here or from a file. -----------
 
