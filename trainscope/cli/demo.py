@@ -103,6 +103,7 @@ def demo(
 ) -> None:
     """Run a simulated training job through the whole pipeline and diagnose it."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from trainscope.cli.demo_job import run_demo
@@ -142,7 +143,10 @@ def demo(
             key = (f.rank, f.pp_stage, f.category)
             if f.score >= threshold and key not in seen:
                 seen.add(key)
-                out.print(f"[bold red]ALERT[/] [{f.score:.2f}] {f.message}", highlight=False)
+                # The job's id as the pipeline prints it: on a shared bus lines of several
+                # demos (or a demo and a pipeline) must not be mistaken for one another.
+                text = escape(f"[{f.score:.2f}] {view.job_id}: {f.message}")
+                out.print(f"[bold red]ALERT[/] {text}", highlight=False)
 
     progress = Progress(
         TextColumn("[bold]simulating[/] {task.fields[layout]}"), BarColumn(), MofNCompleteColumn(),
@@ -221,5 +225,7 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
         console.print(table)
         console.print(f"[bold]Prime suspect:[/] {result.suspects[0].message}", highlight=False)
     if store is not None:
-        console.print(f"store: {store}  (try: trainscope sql \"SELECT category, count() "
-                      f"FROM findings GROUP BY category\" --store {store})")
+        # Windows, not finding rows: several detectors may report one rank in one window.
+        console.print(f"store: {store}  (try: trainscope sql \"SELECT rank, category, "
+                      f"uniqExact(window_start_ns) AS windows FROM findings GROUP BY rank, "
+                      f"category ORDER BY windows DESC\" --store {store})", highlight=False)

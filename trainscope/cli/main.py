@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from trainscope import __version__
+from trainscope.cli.extras import MissingExtra, missing_extra, missing_store_backend
 
 # name → "module:attribute" of a click command
 _LAZY = {
@@ -31,6 +32,10 @@ _LAZY = {
     "ui": "trainscope.cli.ui:ui",
 }
 
+
+# The lazy commands that are groups of subcommands: their messages name the subcommand too.
+_GROUPS = frozenset({"stream", "replay"})
+_COMMAND_KEY = "trainscope.command"
 
 _CHATTY_LIBRARIES = frozenset({"aiokafka", "kafka", "urllib3", "clickhouse_connect"})
 
@@ -59,6 +64,40 @@ class _LazyGroup(click.Group):
             return command
         module, attr = _LAZY[name].split(":")
         return getattr(importlib.import_module(module), attr)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        # Remembered for invoke(): the words that name the command in a missing-extra line.
+        ctx.meta[_COMMAND_KEY] = _command_path(self, ctx, args)
+        return super().resolve_command(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        # Every command, its module's imports and the ones it makes lazily while it runs: a
+        # missing optional package is one line naming what to install, never a traceback.
+        try:
+            return super().invoke(ctx)
+        except ImportError as exc:
+            missing = missing_extra(ctx.meta.get(_COMMAND_KEY, ""), exc)
+            if missing is None:
+                raise
+            raise missing from None
+        except click.ClickException as exc:
+            missing = (None if isinstance(exc, MissingExtra)
+                       else missing_store_backend(ctx.meta.get(_COMMAND_KEY, ""), exc))
+            if missing is None:
+                raise
+            raise missing from None
+
+
+def _command_path(group: click.Group, ctx: click.Context, args: list[str]) -> str:
+    """``replay kineto`` from the arguments: the command, and its subcommand if it has some."""
+    words = [a for a in args if not a.startswith("-")][:2]
+    if not words or words[0] not in group.list_commands(ctx):
+        return words[0] if words else ""
+    if words[0] in _GROUPS and len(words) > 1:
+        return " ".join(words)
+    return words[0]
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

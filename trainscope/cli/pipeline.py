@@ -119,6 +119,13 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     """
     import signal
 
+    if bus_url.strip().lower() in ("memory", "memory://"):
+        # An in-memory bus lives inside one process; no producer can publish to this one.
+        raise click.ClickException(
+            "--bus memory: nothing could ever arrive on an in-memory bus of its own; give "
+            "--bus kafka://HOST:PORT (or run `trainscope demo`, which runs its producers and "
+            "stream job in one process)")
+
     from trainscope.config.settings import from_context
     from trainscope.engine.bus_job import INPUT_TOPICS, BusStreamJob, summaries_lateness_s
     from trainscope.transport.bus import BusError

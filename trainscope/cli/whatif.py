@@ -72,8 +72,12 @@ def whatif(
     """
     from rich.console import Console
 
+    from trainscope.cli.extras import require
     from trainscope.schemas.optrace import TraceError
 
+    if heatmap is not None:
+        # The heatmap is drawn after the whole analysis: say it cannot be before doing the work.
+        require("whatif", "matplotlib")
     err = Console(stderr=True)
     try:
         _run(err, trace_path, meta_path, job_id, store_dir, url, as_json, heatmap, timeline)

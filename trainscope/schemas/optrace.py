@@ -88,8 +88,17 @@ def read_meta(path: str | Path) -> JobMeta:
     except OSError as exc:
         raise TraceError(f"{path}: cannot read metadata ({exc.strerror})") from exc
     except yaml.YAMLError as exc:
-        raise TraceError(f"{path}: not valid YAML ({exc})") from exc
+        raise TraceError(f"{path}: not valid YAML ({_yaml_problem(exc)})") from exc
     return JobMeta.from_mapping(data, str(path))
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """PyYAML's error on one line: its own text spans several, with a caret under the spot."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem and mark is not None:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def read_table(path: str | Path) -> pd.DataFrame:

@@ -147,7 +147,42 @@ def _open(path: Path) -> _Counting:
         magic = probe.read(2)
     # Closed by whoever reads it (every reader closes it in a finally block).
     raw: IO[bytes] = gzip.open(path, "rb") if magic == b"\x1f\x8b" else path.open("rb")  # noqa: SIM115
-    return _Counting(raw, path)
+    stream = _Counting(raw, path)
+    if magic != b"\x1f\x8b":
+        try:
+            _check_json_start(path)
+        except KinetoError:
+            raw.close()
+            raise
+    return stream
+
+
+# First bytes of the files people hand us by mistake: an op trace (Parquet) or its metadata.
+_NOT_JSON_MAGIC = {b"PAR1": "a Parquet file", b"PK\x03\x04": "a ZIP archive"}
+
+
+def _check_json_start(path: Path) -> None:
+    """A trace is a JSON object: say so for any other file, before the JSON parser's error
+    (which calls every bad byte an incomplete document, so it would read as a truncated trace).
+    """
+    with path.open("rb") as probe:
+        head = probe.read(256)
+    for magic, kind in _NOT_JSON_MAGIC.items():
+        if head.startswith(magic):
+            raise KinetoError(f"{path}: not JSON: it is {kind}; replay kineto reads Chrome/Kineto "
+                              f"JSON traces (.json or .json.gz)")
+    first = head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
+    if first and first not in b"{[":
+        looks = " (it looks like YAML)" if _looks_like_yaml(head) else ""
+        raise KinetoError(f"{path}: not JSON{looks}: a trace starts with '{{', this file with "
+                          f"{first.decode('latin-1')!r}; replay kineto reads Chrome/Kineto JSON "
+                          f"traces (.json or .json.gz)")
+
+
+def _looks_like_yaml(head: bytes) -> bool:
+    text = head.decode("utf-8", "replace").lstrip()
+    first_line = text.splitlines()[0] if text else ""
+    return text.startswith(("---", "%YAML")) or (":" in first_line and '"' not in first_line[:1])
 
 
 def _json_error(path: Path, stream: _Counting, exc: Exception) -> KinetoError:
