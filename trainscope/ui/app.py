@@ -14,6 +14,7 @@ import math
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlencode
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -36,8 +37,19 @@ def plotly_js() -> Path:
     return path
 
 
-def _iso(ns: int) -> str:
+def _iso(ns: int | None) -> str | None:
+    if ns is None:  # a job known from its what-if result only has no data times
+        return None
     return datetime.fromtimestamp(ns / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def job_url(job_id: str) -> str:
+    """The job page's address. Job ids come from producers and may hold "/", "#", "?" or "..":
+    every character is quoted. A browser resolves a path segment that is "." or ".." (quoted
+    or not) before it sends the request, so those two ids go in the query instead."""
+    if job_id in (".", ".."):
+        return "/job?" + urlencode({"id": job_id})
+    return "/jobs/" + quote(job_id, safe="")
 
 
 def _clean(value: Any) -> Any:
@@ -69,15 +81,23 @@ def create_app(queries: DashboardQueries, *, source: str, refresh_s: float = 10.
     """``refresh_s``: how often a running job's page reloads its data."""
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     templates.env.filters["iso"] = _iso
+    templates.env.filters["job_url"] = job_url
     pages = _Pages(queries, templates, source=source, refresh_s=refresh_s, plotly=plotly_js())
     return Starlette(routes=[
         Route("/", pages.index),
         Route("/jobs/{job_id:path}", pages.job_page),
         Route("/api/jobs", pages.api_jobs),
+        Route("/api/dead-letters", pages.api_dead_letters),
         # Job ids may hold a slash ("team/run-7"): matched as a path, up to the last segment.
         Route("/api/jobs/{job_id:path}/overview", pages.api_overview),
         Route("/api/jobs/{job_id:path}/heatmap", pages.api_heatmap),
         Route("/api/jobs/{job_id:path}/breakdown", pages.api_breakdown),
+        # The same with the job id in the query (?id=…), which carries any id, "." and ".."
+        # included (see job_url); the job page's script asks these.
+        Route("/job", pages.job_page),
+        Route("/api/job/overview", pages.api_overview),
+        Route("/api/job/heatmap", pages.api_heatmap),
+        Route("/api/job/breakdown", pages.api_breakdown),
         Route("/static/plotly.min.js", pages.plotly_bundle),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ])
@@ -94,6 +114,11 @@ class _Pages:
         self.refresh_s = refresh_s
         self.plotly = plotly
 
+    @staticmethod
+    def _job_id(request: Request) -> str:
+        job_id = request.path_params.get("job_id", request.query_params.get("id", ""))
+        return str(job_id)
+
     def _need_job(self, job_id: str) -> dict[str, Any]:
         job = self.queries.job(job_id)
         if job is None:
@@ -106,19 +131,21 @@ class _Pages:
 
     def index(self, request: Request) -> Response:
         return self.templates.TemplateResponse(request, "jobs.html", {
-            "jobs": self.queries.jobs(), "source": self.source,
+            "jobs": self.queries.jobs(), "dead_letters": self.queries.dead_letters(),
+            "source": self.source,
             "threshold": self.queries.threshold,
         })
 
     def job_page(self, request: Request) -> Response:
         # The header comes with the overview the page fetches: the job's figures are
         # queried once per page, not twice.
-        job_id = request.path_params["job_id"]
+        job_id = self._job_id(request)
         self._need_known(job_id)
         threshold = self.queries.threshold
         return self.templates.TemplateResponse(request, "job.html", {
             "job_id": job_id, "source": self.source, "threshold": threshold,
             "config": _script_json({"job_id": job_id, "threshold": threshold,
+                                    "whatif_command": _whatif_command(job_id),
                                     "refresh_s": self.refresh_s,
                                     "from_ms": _int_or_none(request, "from_ns", 10**6),
                                     "to_ms": _int_or_none(request, "to_ns", 10**6)}),
@@ -127,8 +154,13 @@ class _Pages:
     def api_jobs(self, request: Request) -> Response:
         return _json(self.queries.jobs())
 
+    def api_dead_letters(self, request: Request) -> Response:
+        """``{count, last_ns, last_error}``; a count of 0 when none was rejected."""
+        return _json(self.queries.dead_letters() or {"count": 0, "last_ns": None,
+                                                      "last_error": None})
+
     def api_overview(self, request: Request) -> Response:
-        job_id = request.path_params["job_id"]
+        job_id = self._job_id(request)
         job = self._need_job(job_id)
         queries = self.queries
         whatif = queries.whatif(job_id)
@@ -139,6 +171,7 @@ class _Pages:
         for f in findings:
             f["first"], f["last"] = _iso(f.pop("first_ns")), _iso(f.pop("last_ns"))
         job["first"], job["last"] = _iso(job.pop("first_ns")), _iso(job.pop("last_ns"))
+        job["whatif_at"] = _iso(job.pop("whatif_at_ns"))
         return _json({
             "job": job,
             "steps": queries.step_times(job_id),
@@ -149,7 +182,7 @@ class _Pages:
         })
 
     def api_heatmap(self, request: Request) -> Response:
-        job_id = request.path_params["job_id"]
+        job_id = self._job_id(request)
         self._need_known(job_id)
         layer = request.query_params.get("layer", "")
         name = request.query_params.get("name", "")
@@ -160,7 +193,7 @@ class _Pages:
         return Response(body, media_type="application/json")
 
     def api_breakdown(self, request: Request) -> Response:
-        job_id = request.path_params["job_id"]
+        job_id = self._job_id(request)
         self._need_known(job_id)
         rank = _int(request, "rank")
         from_ms, to_ms = _int(request, "from_ms"), _int(request, "to_ms")
@@ -177,6 +210,13 @@ def _script_json(value: Any) -> str:
     from producers) must not end the element."""
     text = json.dumps(value)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _whatif_command(job_id: str) -> str:
+    """The command that would fill the what-if section, its job id quoted for a shell."""
+    import shlex
+
+    return f"trainscope whatif --trace OPS.parquet --meta META.yaml --job {shlex.quote(job_id)}"
 
 
 def _int_or_none(request: Request, name: str, divisor: int) -> int | None:

@@ -1,7 +1,11 @@
 """The dashboard's questions, each one ClickHouse query: Python only passes parameters and
-turns rows into dicts. Every query is bounded in what it returns (steps are bucketed to at most
-``MAX_POINTS`` points, the heatmap to ``MAX_COLUMNS`` time columns), so a 1,024-rank job that
-ran for hours gives a page of the same size as a small one.
+turns rows into dicts (and merges what each table knows of a job into its row of the jobs
+list). Every query is bounded in what it returns (steps are bucketed to at most ``MAX_POINTS``
+points, the heatmap to ``MAX_COLUMNS`` time columns), so a 1,024-rank job that ran for hours
+gives a page of the same size as a small one.
+
+A table the store lacks (no ``trainscope whatif`` ran on it, or nothing was written yet) reads
+as empty, never as an error.
 
 No ``FINAL``: every table deduplicates re-delivered batches at insert, so plain aggregates are
 exact (see the README's guarantees).
@@ -10,7 +14,7 @@ exact (see the README's guarantees).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 MAX_POINTS = 1500
@@ -22,18 +26,24 @@ RUNNING_WITHIN_S = 120  # a job that sent a step this recently is shown as runni
 _WINDOW_NS = """(SELECT coalesce(nullIf(min(window_end_ns - window_start_ns), 0), 15000000000)
                  FROM function_summaries WHERE job_id = {job:String})"""
 
-JOBS = """
-WITH steps AS (
-    SELECT job_id, min(start_ns) AS first_ns, max(start_ns + duration_ns) AS last_ns,
-           max(step) AS last_step, uniqExact(rank) AS ranks
-    FROM step_records WHERE {only:String} = '' OR job_id = {only:String} GROUP BY job_id
-),
-last_window AS (
+# The jobs a store knows, from each table that names them: a pipeline store has step records and
+# findings, a store that only ``trainscope whatif`` wrote has what-if results only. Asked one table
+# at a time, so a table the store lacks leaves its part empty (see ``DashboardQueries._query``).
+STEP_JOBS = """
+SELECT job_id, min(start_ns) AS first_ns, max(start_ns + duration_ns) AS last_ns,
+       max(step) AS last_step, uniqExact(rank) AS ranks,
+       if(toUnixTimestamp64Nano(now64(9)) - last_ns < {running_ns:Int64}, 'running', 'ended')
+           AS status
+FROM step_records WHERE {only:String} = '' OR job_id = {only:String} GROUP BY job_id
+"""
+
+FINDING_JOBS = """
+WITH last_window AS (
     SELECT job_id, max(window_start_ns) AS window_start_ns FROM findings
     WHERE {only:String} = '' OR job_id = {only:String} GROUP BY job_id
 ),
 open AS (
-    SELECT f.job_id, uniqExact(f.rank, f.pp_stage, f.category) AS open_findings,
+    SELECT f.job_id AS job_id, uniqExact(f.rank, f.pp_stage, f.category) AS open_findings,
            groupUniqArray(f.category) AS open_categories
     FROM findings AS f
     INNER JOIN last_window AS w
@@ -47,17 +57,28 @@ suspects AS (
     WHERE score >= {threshold:Float64} AND ({only:String} = '' OR job_id = {only:String})
     GROUP BY job_id
 )
-SELECT s.job_id AS job_id, s.first_ns AS first_ns, s.last_ns AS last_ns,
-       s.last_step AS last_step, s.ranks AS ranks,
-       if(toUnixTimestamp64Nano(now64(9)) - s.last_ns < {running_ns:Int64}, 'running', 'ended')
-           AS status,
-       coalesce(o.open_findings, 0) AS open_findings,
-       coalesce(o.open_categories, []) AS open_categories,
-       coalesce(x.suspects, 0) AS suspects
-FROM steps AS s
-LEFT JOIN open AS o ON s.job_id = o.job_id
-LEFT JOIN suspects AS x ON s.job_id = x.job_id
-ORDER BY s.last_ns DESC
+SELECT w.job_id AS job_id, coalesce(o.open_findings, 0) AS open_findings,
+       coalesce(o.open_categories, []) AS open_categories, coalesce(x.suspects, 0) AS suspects
+FROM last_window AS w
+LEFT JOIN open AS o ON w.job_id = o.job_id
+LEFT JOIN suspects AS x ON w.job_id = x.job_id
+"""
+
+WHATIF_JOBS = """
+SELECT job_id, max(analysed_at_ns) AS whatif_at_ns FROM whatif_results
+WHERE {only:String} = '' OR job_id = {only:String} GROUP BY job_id
+"""
+
+# What a job row holds when a table says nothing of the job.
+_NO_STEPS = {"first_ns": None, "last_ns": None, "last_step": None, "ranks": 0,
+             "status": "no steps"}
+_NO_FINDINGS = {"open_findings": 0, "open_categories": [], "suspects": 0}
+
+# Messages the pipeline rejected (they carry no job id that could be trusted).
+DEAD_LETTERS = """
+SELECT count() AS count, max(received_ns) AS last_ns,
+       argMax(error, received_ns) AS last_error
+FROM dead_letters HAVING count > 0
 """
 
 # Step time per step (mean over ranks and slowest rank), bucketed to at most MAX_POINTS points.
@@ -211,9 +232,10 @@ SELECT * FROM whatif_results WHERE job_id = {job:String}
 ORDER BY analysed_at_ns DESC LIMIT 1
 """
 
-EXISTS = """
-SELECT count() > 0 AS known FROM (SELECT 1 FROM step_records WHERE job_id = {job:String} LIMIT 1)
-"""
+# Whether a table names the job: any of the tables of ``_JOB_TABLES`` makes a job known.
+EXISTS = [f"""
+SELECT count() > 0 AS known FROM (SELECT 1 FROM {table} WHERE job_id = {{job:String}} LIMIT 1)
+""" for table in ("step_records", "findings", "whatif_results")]
 
 
 HEATMAP_STEPS, HEATMAP_FUNCTION = (
@@ -232,21 +254,46 @@ class DashboardQueries:
         self._lock = threading.Lock()
 
     def _rows(self, sql: str, **parameters: Any) -> list[dict[str, Any]]:
-        with self._lock:
-            result = self.client.query(sql, parameters=parameters)
+        result = self._query(lambda: self.client.query(sql, parameters=parameters))
+        if result is None:
+            return []
         names: Sequence[str] = result.column_names
         return [dict(zip(names, row, strict=True)) for row in result.result_rows]
 
-    def _json_columns(self, sql: str, **parameters: Any) -> bytes:
+    def _json_columns(self, sql: str, columns: int, **parameters: Any) -> bytes:
         """The result as JSON columns, serialised by ClickHouse: a rank × time matrix has
         ~250k cells, and building them as Python objects would cost more than the query."""
-        with self._lock:
-            return bytes(self.client.raw_query(sql, parameters=parameters,
-                                               fmt="JSONCompactColumns"))
+        raw = self._query(lambda: self.client.raw_query(sql, parameters=parameters,
+                                                        fmt="JSONCompactColumns"))
+        return b"[" + b",".join([b"[]"] * columns) + b"]" if raw is None else bytes(raw)
+
+    def _query(self, run: Callable[[], Any]) -> Any:
+        """``run()`` under the lock; None when it reads a table the store does not have. Each
+        writer creates its own tables (the pipeline's, ``trainscope whatif``'s), so a store
+        lacks those of the writers that never ran on it, and this reader may not create them:
+        a missing table holds no rows."""
+        try:
+            with self._lock:
+                return run()
+        except Exception as exc:
+            if "UNKNOWN_TABLE" in str(exc) or "doesn't exist" in str(exc):
+                return None
+            raise
 
     def jobs(self, only: str = "") -> list[dict[str, Any]]:
-        return self._rows(JOBS, threshold=self.threshold, running_ns=RUNNING_WITHIN_S * 10**9,
-                          only=only)
+        """Every job any table names, the newest data first (what-if-only jobs last)."""
+        params = {"only": only, "threshold": self.threshold,
+                  "running_ns": RUNNING_WITHIN_S * 10**9}
+        jobs: dict[str, dict[str, Any]] = {}
+        for sql in (STEP_JOBS, FINDING_JOBS, WHATIF_JOBS):
+            for row in self._rows(sql, **params):
+                jobs.setdefault(row["job_id"], {"job_id": row["job_id"]}).update(row)
+        for job in jobs.values():
+            for key, default in (*_NO_STEPS.items(), *_NO_FINDINGS.items(),
+                                 ("whatif_at_ns", None)):
+                job.setdefault(key, default)
+        return sorted(jobs.values(), key=lambda j: (j["last_ns"] is None, -(j["last_ns"] or 0),
+                                                    -(j["whatif_at_ns"] or 0), j["job_id"]))
 
     def job(self, job_id: str) -> dict[str, Any] | None:
         if not job_id:
@@ -254,8 +301,14 @@ class DashboardQueries:
         return next(iter(self.jobs(only=job_id)), None)
 
     def known(self, job_id: str) -> bool:
-        """Whether the store has step records of the job (cheaper than :meth:`job`)."""
-        return bool(job_id) and bool(self._rows(EXISTS, job=job_id)[0]["known"])
+        """Whether any table names the job (cheaper than :meth:`job`)."""
+        return bool(job_id) and any(
+            row["known"] for sql in EXISTS for row in self._rows(sql, job=job_id)
+        )
+
+    def dead_letters(self) -> dict[str, Any] | None:
+        """How many messages the pipeline rejected, and the newest one's reason."""
+        return next(iter(self._rows(DEAD_LETTERS)), None)
 
     def step_times(self, job_id: str) -> list[dict[str, Any]]:
         return self._rows(STEP_TIMES, job=job_id, max_points=MAX_POINTS)
@@ -273,12 +326,7 @@ class DashboardQueries:
         return findings
 
     def _call_paths(self, job_id: str) -> list[dict[str, Any]]:
-        try:
-            return self._rows(FINDING_CALL_PATHS, job=job_id)
-        except Exception as exc:  # a store from before the table existed (read-only: no DDL)
-            if "UNKNOWN_TABLE" in str(exc) or "doesn't exist" in str(exc):
-                return []
-            raise
+        return self._rows(FINDING_CALL_PATHS, job=job_id)
 
     def functions(self, job_id: str) -> list[dict[str, Any]]:
         return self._rows(FUNCTIONS, job=job_id)
@@ -291,11 +339,11 @@ class DashboardQueries:
         """
         if not name:
             axis = self._rows(HEATMAP_STEPS_AXIS, job=job_id, max_columns=MAX_COLUMNS)
-            cells = self._json_columns(HEATMAP_STEPS, job=job_id, max_columns=MAX_COLUMNS)
+            cells = self._json_columns(HEATMAP_STEPS, 3, job=job_id, max_columns=MAX_COLUMNS)
         else:
             params = {"job": job_id, "layer": layer, "name": name, "max_columns": MAX_COLUMNS}
             axis = self._rows(HEATMAP_FUNCTION_AXIS, **params)
-            cells = self._json_columns(HEATMAP_FUNCTION, **params)
+            cells = self._json_columns(HEATMAP_FUNCTION, 3, **params)
         return (axis[0] if axis else {"t0_ms": None, "bucket_ms": None}), cells
 
     def breakdown(self, job_id: str, rank: int, from_ns: int, to_ns: int) -> list[dict[str, Any]]:
