@@ -35,6 +35,7 @@ from trainscope.store.client import (
     connect,
     default_store_dir,
 )
+from trainscope.store.live import ReadEndpoint, serve_reads
 
 # The columns of call_paths in the order of trainscope.traces.cct.call_path_rows.
 CALL_PATH_COLUMNS = (
@@ -71,7 +72,9 @@ class ClickHouseSink:
     a window rebuilt after a restart may be written again. A failure is raised as
     :class:`StoreError` with ClickHouse's first line (a failed write is counted in
     ``stats.errors``); retrying
-    is the caller's business (the stream jobs retry with backoff).
+    is the caller's business (the stream jobs retry with backoff). Opened on an embedded store
+    (:meth:`open`), it serves the store's read endpoint until closed (see
+    :mod:`trainscope.store.live`), so other processes can query the store it owns.
     """
 
     def __init__(self, client: Any, *, where: str = "at hand",
@@ -81,6 +84,7 @@ class ClickHouseSink:
         tables are kept (0: forever); ``None`` leaves the store's setting as it is."""
         self.client = client
         self.stats = SinkStats()
+        self.reads: ReadEndpoint | None = None
         new_store = check_layout(client, where) is None
         for ddl in all_ddl():
             self._command(ddl)
@@ -96,8 +100,12 @@ class ClickHouseSink:
     ) -> ClickHouseSink:
         client = connect(store, url, settings=settings)
         default_dir = settings.store_dir if settings is not None else default_store_dir()
-        where = redact_url(url) if url else str(Path(store or default_dir).resolve())
-        return cls(client, where=where, retention_days=retention_days)
+        where = redact_url(url) if url else str(Path(store or default_dir).expanduser().resolve())
+        sink = cls(client, where=where, retention_days=retention_days)
+        if not url:
+            # This process now owns the embedded store: others can read it only through us.
+            sink.reads = serve_reads(where)
+        return sink
 
     def _command(self, sql: str) -> None:
         try:
@@ -243,6 +251,9 @@ class ClickHouseSink:
         return bytes.fromhex(rows[0][0]) if rows else None
 
     def close(self) -> None:
+        if self.reads is not None:
+            self.reads.stop()
+            self.reads = None
         close = getattr(self.client, "close", None)
         if close is not None:
             close()

@@ -52,11 +52,20 @@ def connect(
     path = store_path(store, create=create)
     owner = other_owner(path)
     if owner is not None:
+        if readonly:
+            return _connect_live(clickhouse_connect, path, owner)
         raise StoreError(_in_use(path, owner))
     try:
         return clickhouse_connect.get_client(dsn=f"chdb://{path}", settings=session)
     except Exception as exc:
         raise StoreError(f"cannot open store {path}: {_first_line(exc)}") from None
+
+
+def embedded_path(client: Any) -> Path | None:
+    """The store directory of a client that opened an embedded store in this process (its
+    owner), else ``None`` (a server, or another owner's read endpoint)."""
+    uri = str(getattr(client, "uri", ""))
+    return Path(uri.removeprefix("chdb://")) if uri.startswith("chdb://") else None
 
 
 def store_path(store: Path | str | None, *, create: bool) -> Path:
@@ -111,12 +120,44 @@ def _credentials(settings: Settings | None) -> tuple[str, str]:
         env.TRAINSCOPE_CLICKHOUSE_PASSWORD, "")
 
 
-def _in_use(path: Path, pid: int) -> str:
+def _connect_live(clickhouse_connect: Any, path: Path, owner: int) -> Any:
+    """A client of the read endpoint that the store's owner serves (see trainscope.store.live);
+    the owner runs each query read-only whatever the client asks."""
+    from trainscope.store.live import read_endpoint
+
+    found = read_endpoint(path)
+    if found is None or (owner and found.pid != owner):
+        raise StoreError(_in_use(path, owner, serves=False))
+    token = os.environ.get(env.TRAINSCOPE_STORE_READ_TOKEN, "")
+    if found.token_required and not token:
+        raise StoreError(
+            f"store {path} is owned by process {found.pid}, whose read endpoint {found.url} "
+            f"requires a token: set {env.TRAINSCOPE_STORE_READ_TOKEN}")
+    try:
+        # compress=False: the endpoint answers uncompressed on loopback anyway; no session:
+        # nothing a session could hold (settings) is accepted there.
+        return clickhouse_connect.get_client(
+            host=found.host, port=found.port, username="default", password=token,
+            compress=False, autogenerate_session_id=False)
+    except Exception as exc:
+        raise StoreError(
+            f"store {path} is owned by process {found.pid}; its read endpoint {found.url} "
+            f"did not answer: {_first_line(exc, [token])}") from None
+
+
+def _in_use(path: Path, pid: int, *, serves: bool = True) -> str:
     who = f"process {pid}" if pid else "another process"
+    if serves:
+        return (
+            f"store {path} is in use by {who} (an embedded store has a single owner, e.g. a "
+            f"running `trainscope pipeline`): other processes can only read it; stop that "
+            f"process and retry"
+        )
     return (
-        f"store {path} is in use by {who} (an embedded store has a single owner, e.g. a "
-        f"running `trainscope pipeline`): query it through a ClickHouse server with --url, "
-        f"or stop that process and retry"
+        f"store {path} is in use by {who}, which serves no read endpoint (an embedded store "
+        f"has a single owner; `trainscope pipeline` and `trainscope ui` serve reads to other "
+        f"commands unless {env.TRAINSCOPE_STORE_READ_BIND}=off): restart it with that unset, "
+        f"query a ClickHouse server with --url, or stop that process and retry"
     )
 
 
