@@ -33,7 +33,8 @@ def ui(store: Path | None, url: str | None, port: int, bind: str, threshold: flo
     """
     import uvicorn
 
-    from trainscope.store.client import StoreError, connect, default_store_dir
+    from trainscope.store.client import StoreError, connect, default_store_dir, embedded_path
+    from trainscope.store.live import serve_reads
     from trainscope.ui.app import create_app
     from trainscope.ui.queries import DashboardQueries
 
@@ -44,11 +45,17 @@ def ui(store: Path | None, url: str | None, port: int, bind: str, threshold: flo
         client = connect(store, url, readonly=True, create=False)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from None
+    owned = embedded_path(client)
+    reads = serve_reads(owned) if owned is not None else None  # others read through us
     source = url or str(Path(store or default_store_dir()).expanduser())
     app = create_app(DashboardQueries(client, threshold=threshold), source=source,
                      refresh_s=refresh_s)
     click.echo(f"trainscope ui on http://{bind}:{port}/ ({source})", err=True)
-    uvicorn.run(app, host=bind, port=port, log_level="warning")
+    try:
+        uvicorn.run(app, host=bind, port=port, log_level="warning")
+    finally:
+        if reads is not None:
+            reads.stop()
 
 
 def _check_free(bind: str, port: int) -> None:
