@@ -159,17 +159,22 @@ function drawWhatif(w) {
                {margin: {t: 10, r: 10}, xaxis: {title: "DP rank", dtick: 1}, yaxis: {title: "stage", dtick: 1}});
 }
 
+// Functions that appear while a job runs are added on each refresh; the metric the top finding
+// names is picked on the first load only, so a refresh never overrides the user's choice.
 function fillMetrics(functions, findings) {
   const select = document.getElementById("metric");
-  if (select.options.length) return;
-  const named = findings.find(f => f.function_name && f.function_name.includes("/"));
-  select.add(new Option("step time", ""));
-  for (const f of functions) {
-    if (f.layer === "step") continue;
-    const value = `${f.layer}/${f.name}`;
-    select.add(new Option(value, value, false, named && named.function_name === value));
+  const first = !select.options.length;
+  if (first) {
+    select.add(new Option("step time", ""));
+    select.addEventListener("change", () => loadHeatmap());
   }
-  select.addEventListener("change", () => loadHeatmap());
+  const have = new Set([...select.options].map(o => o.value));
+  const named = first && findings.find(f => f.function_name && f.function_name.includes("/"));
+  for (const f of functions) {
+    const value = `${f.layer}/${f.name}`;
+    if (f.layer === "step" || have.has(value)) continue;
+    select.add(new Option(value, value, false, Boolean(named) && named.function_name === value));
+  }
 }
 
 async function loadHeatmap() {
