@@ -1,4 +1,4 @@
-// The job page: fetches its figures from /api/jobs/<job>/… and draws them with Plotly.
+// The job page: fetches its figures from /api/job/<part>?id=<job> and draws them with Plotly.
 "use strict";
 const CFG = window.TRAINSCOPE;
 const state = { suspects: [], metric: null, bucketMs: 0 };
