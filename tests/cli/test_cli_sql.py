@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from trainscope.config import env
-from trainscope.sinks import clickhouse
+from trainscope.store import client as store_client
 
 MAKE_STORE = """
 import sys
@@ -200,8 +200,8 @@ def test_server_clients_are_opened_read_only(monkeypatch) -> None:
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(clickhouse_connect, "get_client", lambda **kw: calls.append(kw) or kw)
     monkeypatch.setenv(env.TRAINSCOPE_CLICKHOUSE_PASSWORD, "hunter2")
-    clickhouse.connect(url="http://127.0.0.1:8123", readonly=True)
-    clickhouse.connect(url="http://127.0.0.1:8123")
+    store_client.connect(url="http://127.0.0.1:8123", readonly=True)
+    store_client.connect(url="http://127.0.0.1:8123")
     assert calls[0]["settings"] == {"readonly": 1} and calls[0]["password"] == "hunter2"
     assert calls[1]["settings"] is None
 
@@ -219,7 +219,7 @@ def test_server_clients_are_opened_read_only(monkeypatch) -> None:
 )
 def test_into_outfile_detection_ignores_quotes_and_comments(sql: str, refused: bool) -> None:
     if refused:
-        with pytest.raises(clickhouse.StoreError, match="INTO OUTFILE"):
-            clickhouse.check_read_only_sql(sql)
+        with pytest.raises(store_client.StoreError, match="INTO OUTFILE"):
+            store_client.check_read_only_sql(sql)
     else:
-        clickhouse.check_read_only_sql(sql)
+        store_client.check_read_only_sql(sql)
