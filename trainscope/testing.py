@@ -3,7 +3,7 @@
 It runs a small simulated job through the embedded pipeline, so it sits above producers, the
 stream engine and the detectors rather than among the detectors. It is one of the two modules at
 the top of the package (with ``__init__``) because ``trainscope.testing`` is the import path the
-README gives plugin authors, the one place outside ``cli/`` where composition is public API.
+docs give plugin authors, the one place outside ``cli/`` where composition is public API.
 
 Run it in a plugin's own test suite::
 

@@ -8,6 +8,7 @@ own setting, enforced by the engine in both cases.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -149,16 +150,19 @@ def test_create_starts_an_empty_store(tmp_path: Path) -> None:
 
 
 @pytest.mark.kafka
-def test_a_store_owned_by_a_running_pipeline_gives_one_line_that_says_what_to_do(
+def test_a_store_whose_owner_serves_no_reads_gives_one_line_that_says_what_to_do(
     fresh_kafka_broker, tmp_path: Path,
 ) -> None:
+    """An owner started with its read endpoint off: the refusal names the process and the ways
+    out. (With the endpoint on, the default, sql reads the live store: tests/store.)"""
     # A broker of its own: on the shared one the pipeline would read other tests' jobs and,
     # stopped, write their windows, so the store's contents would say nothing.
     store = tmp_path / "store"
     pipeline = subprocess.Popen(
         [sys.executable, "-m", "trainscope.cli.main", "pipeline", "--bus", fresh_kafka_broker.url,
          "--store", str(store), "--group", f"sql-lock-{time.monotonic_ns()}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, env.TRAINSCOPE_STORE_READ_BIND: "off"})
     try:
         assert pipeline.stderr is not None
         assert pipeline.stderr.readline().startswith("consuming ")  # it owns the store now
@@ -167,9 +171,11 @@ def test_a_store_owned_by_a_running_pipeline_gives_one_line_that_says_what_to_do
         pipeline.terminate()
         pipeline.wait(timeout=30)
     assert line == (
-        f"Error: store {store.resolve()} is in use by process {pipeline.pid} (an embedded store "
-        f"has a single owner, e.g. a running `trainscope pipeline`): query it through a "
-        f"ClickHouse server with --url, or stop that process and retry"
+        f"Error: store {store.resolve()} is in use by process {pipeline.pid}, which serves no "
+        f"read endpoint (an embedded store has a single owner; `trainscope pipeline` and "
+        f"`trainscope ui` serve reads to other commands unless "
+        f"{env.TRAINSCOPE_STORE_READ_BIND}=off): restart it with that unset, query a ClickHouse "
+        f"server with --url, or stop that process and retry"
     )
     assert findings_count(store) == 0  # once the pipeline stopped, the store opens
 

@@ -103,9 +103,9 @@ def test_missing_file_is_a_one_line_error(tmp_path) -> None:
     assert "nope.yaml: cannot read" in line
 
 
-def test_the_readme_example_is_what_the_command_prints() -> None:
+def test_the_documented_example_is_what_the_command_prints() -> None:
     root = Path(__file__).resolve().parents[2]
-    readme = (root / "README.md").read_text(encoding="utf-8")
+    readme = (root / "docs" / "planning.md").read_text(encoding="utf-8")
     block = readme.split("$ trainscope plan examples/plan-64gpu.yaml\n", 1)[1].split("```")[0]
     rows = [line for line in block.splitlines() if line[:3].strip().isdigit()]
     assert len(rows) == 3

@@ -150,8 +150,8 @@ def sql(query: str, store: Path | None, create: bool, url: str | None, fmt: str)
     ts_ns) and a DateTime64 of the same name without _ns (start, window_start, ts), e.g.
     toStartOfMinute(start). Queries run with
     ClickHouse's readonly=1: no writes, no DDL, no setting changes, no table functions that
-    read files, URLs or other servers. A store that a running pipeline owns cannot be opened
-    by another process: query it through a ClickHouse server with --url.
+    read files, URLs or other servers. A store that a running pipeline (or demo, or ui) owns
+    is read through the owner's read-only endpoint, found in the store directory.
     """
     from trainscope.config.settings import from_context
     from trainscope.sinks.clickhouse import ClickHouseSink, run_query

@@ -35,8 +35,8 @@ def plan(plan_file: Path, top_k: int | None, as_json: bool, seed: int, job_id: s
          show_rejected: bool) -> None:
     """Recommend (dp, pp, tp, micro-batch) and a rank → GPU placement for PLAN_FILE's model.
 
-    PLAN_FILE is YAML with a `model` and a `cluster` section (and optional `search`); see the
-    README section "Planning a configuration". Configurations that do not fit in GPU memory
+    PLAN_FILE is YAML with a `model` and a `cluster` section (and optional `search`); see
+    docs/planning.md. Configurations that do not fit in GPU memory
     are never recommended. Step times are those of the critical-path model of the 1F1B
     schedule on the given (or measured) links; placements come from simulated annealing.
     With --from-job, the cluster's hosts, GPUs per host and network bandwidths are replaced

@@ -29,7 +29,7 @@ def ui(store: Path | None, url: str | None, port: int, bind: str, threshold: flo
     function breakdowns, findings and what-if results.
 
     The store is opened with ClickHouse's readonly=1. An embedded store that a running pipeline
-    owns cannot be opened by another process: serve from a ClickHouse server with --url.
+    owns is read through the pipeline's read-only endpoint, so a running job can be watched.
     """
     import uvicorn
 

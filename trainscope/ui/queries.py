@@ -8,7 +8,7 @@ A table the store lacks (no ``trainscope whatif`` ran on it, or nothing was writ
 as empty, never as an error.
 
 No ``FINAL``: every table deduplicates re-delivered batches at insert, so plain aggregates are
-exact (see the README's guarantees).
+exact (see docs/stream-job.md, the stream job's guarantees).
 """
 
 from __future__ import annotations
