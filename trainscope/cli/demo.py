@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -103,14 +105,11 @@ def demo(
 ) -> None:
     """Run a simulated training job through the whole pipeline and diagnose it."""
     from rich.console import Console
-    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from trainscope.cli.demo_job import run_demo
     from trainscope.config.settings import from_context
     from trainscope.producers.simulate import ClusterSpec, FaultSpecError, parse_faults
-    from trainscope.sinks.clickhouse import ClickHouseSink
-    from trainscope.store.client import StoreError
     from trainscope.transport.bus import BusError
 
     settings = from_context()
@@ -127,26 +126,9 @@ def demo(
                        start_ns=start_s * 10**9)
     err = Console(stderr=True)
     out = Console(stderr=as_json)
-    sink = None
-    if not no_store:
-        store = store or settings.store_dir
-        try:
-            sink = ClickHouseSink.open(store, settings=settings, retention_days=retention_days)
-        except StoreError as exc:
-            raise click.ClickException(str(exc)) from None
-
-    seen: set[tuple[int, int, str]] = set()
-
-    def on_window(view, findings) -> None:
-        # Of one suspect's findings in a window, announce one that names the function.
-        for f in sorted(findings, key=lambda f: not f.function):
-            key = (f.rank, f.pp_stage, f.category)
-            if f.score >= threshold and key not in seen:
-                seen.add(key)
-                # The job's id as the pipeline prints it: on a shared bus lines of several
-                # demos (or a demo and a pipeline) must not be mistaken for one another.
-                text = escape(f"[{f.score:.2f}] {view.job_id}: {f.message}")
-                out.print(f"[bold red]ALERT[/] {text}", highlight=False)
+    store = None if no_store else (store or settings.store_dir)
+    sink = _open_sink(store, settings, retention_days)
+    on_window = _alert_printer(out, threshold)
 
     progress = Progress(
         TextColumn("[bold]simulating[/] {task.fields[layout]}"), BarColumn(), MofNCompleteColumn(),
@@ -176,7 +158,40 @@ def demo(
     if as_json:
         click.echo(json.dumps(result.as_json()))
         return
-    _print_diagnosis(out, result, store if sink else None, threshold)
+    _print_diagnosis(out, result, store, threshold)
+
+
+def _open_sink(store: Path | None, settings: Any, retention_days: int | None) -> Any:
+    """The store's writer, or None without a store; a store that cannot be opened is one line."""
+    from trainscope.sinks.clickhouse import ClickHouseSink
+    from trainscope.store.client import StoreError
+
+    if store is None:
+        return None
+    try:
+        return ClickHouseSink.open(store, settings=settings, retention_days=retention_days)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _alert_printer(out: Any, threshold: float) -> Callable[[Any, list[Any]], None]:
+    """The ``on_window`` callback that prints one ALERT line per new suspect."""
+    from rich.markup import escape
+
+    seen: set[tuple[int, int, str]] = set()
+
+    def on_window(view: Any, findings: list[Any]) -> None:
+        # Of one suspect's findings in a window, announce one that names the function.
+        for f in sorted(findings, key=lambda f: not f.function):
+            key = (f.rank, f.pp_stage, f.category)
+            if f.score >= threshold and key not in seen:
+                seen.add(key)
+                # The job's id as the pipeline prints it: on a shared bus lines of several
+                # demos (or a demo and a pipeline) must not be mistaken for one another.
+                text = escape(f"[{f.score:.2f}] {view.job_id}: {f.message}")
+                out.print(f"[bold red]ALERT[/] {text}", highlight=False)
+
+    return on_window
 
 
 def _write_optrace(directory: Path, frames: list, meta: dict[str, int]) -> None:
