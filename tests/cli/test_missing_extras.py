@@ -99,3 +99,47 @@ def test_every_mapped_extra_installs_the_module() -> None:
     for module, named in MODULE_EXTRAS.items():
         for extra in named:
             assert dist.get(module, module) in listed(extra), (module, extra)
+
+
+ATTACH_WITHOUT_TORCH = """
+import importlib.abc, sys, threading
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "torch":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Refuse())
+import trainscope
+try:
+    trainscope.attach(bus="kafka://127.0.0.1:1", job_id="j", rank=0, world_size=1)
+except ImportError as exc:
+    # Failed before anything started: no sender thread is left behind.
+    print(type(exc).__name__, exc.name, threading.active_count(), exc, sep="|")
+"""
+
+
+def test_attach_without_torch_fails_fast_in_one_line(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", ATTACH_WITHOUT_TORCH], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ("ImportError|torch|1|trainscope.attach() needs PyTorch in "
+                                   "this environment: pip install torch"), done.stdout
+
+
+def test_a_torch_import_error_in_a_command_is_one_line() -> None:
+    from trainscope.cli.extras import missing_extra
+    from trainscope.producers.torch.api import TORCH_MISSING
+
+    missing = missing_extra("profile", ImportError(TORCH_MISSING, name="torch"))
+    assert missing is not None
+    assert missing.format_message() == "trainscope profile needs torch: pip install torch"
+
+
+def test_profile_does_not_need_torch(tmp_path: Path) -> None:
+    """``trainscope profile`` only sends a request over the bus; the rank it names profiles
+    itself with its own torch. Without torch here it gets as far as the (unreachable) bus."""
+    done = run_hidden("torch", "profile", "--job", "j", "--rank", "0", "--bus",
+                      "kafka://127.0.0.1:1", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and "torch" not in done.stderr, done.stderr
+    assert "could not send the request" in done.stderr, done.stderr

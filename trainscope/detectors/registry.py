@@ -13,6 +13,7 @@ its own deep copy of each detector, so a plugin keeps per-job state without know
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 import time
 from collections import OrderedDict
@@ -73,7 +74,24 @@ def load(
     for name in wanted:
         try:
             factory = registered[name].load()
+            missing = _missing_package(registered[name], factory)
+            if missing is not None:
+                # Not a bug: an optional package is not installed. The caller shows this one
+                # line (the engine logs it, `trainscope detectors` prints it), so no traceback
+                # or per-window "raised and is isolated" later, when the model is first built.
+                result.errors[name] = missing
+                log.debug("detector %s not loaded: %s", name, missing)
+                continue
             detector = factory()
+        except ModuleNotFoundError as exc:  # a module that imports the package at its top
+            needs = exc.name.partition(".")[0] if exc.name else ""
+            if not needs or needs == "trainscope":
+                result.errors[name] = f"{type(exc).__name__}: {exc}"
+                log.warning("detector plugin %s failed to load and is skipped: %s", name, exc)
+            else:
+                result.errors[name] = _install_line(needs)
+                log.debug("detector %s not loaded: %s", name, result.errors[name])
+            continue
         except Exception as exc:  # a plugin's bug must not take the pipeline down
             result.errors[name] = f"{type(exc).__name__}: {exc}"
             log.warning("detector plugin %s failed to load and is skipped: %s", name, exc)
@@ -96,6 +114,42 @@ def load(
                 continue
         result.detectors.append(detector)
     return result
+
+
+# Packages a built-in detector imports only when it first builds its model, so loading its
+# module succeeds without them; a plugin may say the same with a ``requires`` class attribute.
+BUILTIN_REQUIRES: dict[str, tuple[str, ...]] = {
+    "trainscope.detectors.multivariate": ("river",),
+}
+# The extra that installs a detector's package: the stream job is what runs detectors.
+DETECTOR_EXTRA = "stream"
+
+
+def _install_line(module: str) -> str:
+    """``needs river: pip install 'trainscope[stream]'``, or ``pip install NAME`` for a package
+    no extra of trainscope installs."""
+    from trainscope.cli.extras import MODULE_EXTRAS
+
+    extras = MODULE_EXTRAS.get(module, ())
+    if not extras:
+        return f"needs {module}, which is not installed: pip install {module}"
+    extra = DETECTOR_EXTRA if DETECTOR_EXTRA in extras else extras[0]
+    return f"needs {module}, which is not installed: pip install 'trainscope[{extra}]'"
+
+
+def _missing_package(entry_point: EntryPoint, factory: object) -> str | None:
+    """The one line for the first package the detector needs that is not installed, if any."""
+    declared = getattr(factory, "requires", ())
+    needs = [*BUILTIN_REQUIRES.get(entry_point.module, ()),
+             *((declared,) if isinstance(declared, str) else tuple(declared))]
+    for module in needs:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a finder that refuses the name outright
+            found = False
+        if not found:
+            return _install_line(module)
+    return None
 
 
 DEFAULT_MAX_JOBS = 256

@@ -37,6 +37,7 @@ def attach(**options: Any) -> Attachment | None:
     if disabled():
         log.info("trainscope: disabled by %s", env.TRAINSCOPE_DISABLE)
         return None
+    _require_torch()
     with _lock:
         if _current is not None and _current.active and _current._pid == os.getpid():
             return _current
@@ -50,6 +51,23 @@ def attach(**options: Any) -> Attachment | None:
             _fork_handler_installed = True
     attachment.start()
     return attachment
+
+
+TORCH_MISSING = "trainscope.attach() needs PyTorch in this environment: pip install torch"
+
+
+def _require_torch() -> None:
+    """Fail at attach time, in one line, where torch is not installed.
+
+    Without this the import error would come from deep inside the hooks, after the sender had
+    started. ``name`` is kept so the CLI's missing-extra table recognises it.
+    """
+    try:
+        import torch  # noqa: F401  (the training script's own; already imported there)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] != "torch":
+            raise  # torch is there but one of its own dependencies is not: its error says which
+        raise ImportError(TORCH_MISSING, name="torch") from None
 
 
 def current() -> Attachment | None:
