@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from trainscope.ui.queries import RUNNING_WITHIN_S  # plain constants: no web stack imported
+
 # The detectors' alert threshold; the ui layer does not import the detectors for one number,
 # so a test checks the two agree.
 ALERT_THRESHOLD = 0.5
@@ -23,8 +25,13 @@ ALERT_THRESHOLD = 0.5
               show_default=True, help="Findings at or above this score are shown.")
 @click.option("--refresh-s", type=click.FloatRange(min=1), default=10.0, show_default=True,
               help="How often the page of a running job reloads its data.")
+@click.option("--running-s", type=click.FloatRange(min=1), default=RUNNING_WITHIN_S,
+              show_default=True,
+              help="A job whose last step record is younger than this is shown as running, "
+                   "an older one as ended. Step records are written as windows close, so keep "
+                   "it above the pipeline's window length plus its lateness and commit interval.")
 def ui(store: Path | None, url: str | None, port: int, bind: str, threshold: float,
-       refresh_s: float) -> None:
+       refresh_s: float, running_s: float) -> None:
     """Serve a read-only web dashboard of the store: jobs, step time, rank × time heatmaps,
     function breakdowns, findings and what-if results.
 
@@ -48,8 +55,8 @@ def ui(store: Path | None, url: str | None, port: int, bind: str, threshold: flo
     owned = embedded_path(client)
     reads = serve_reads(owned) if owned is not None else None  # others read through us
     source = url or str(Path(store or default_store_dir()).expanduser())
-    app = create_app(DashboardQueries(client, threshold=threshold), source=source,
-                     refresh_s=refresh_s)
+    queries = DashboardQueries(client, threshold=threshold, running_s=running_s)
+    app = create_app(queries, source=source, refresh_s=refresh_s)
     click.echo(f"trainscope ui on http://{bind}:{port}/ ({source})", err=True)
     try:
         uvicorn.run(app, host=bind, port=port, log_level="warning")

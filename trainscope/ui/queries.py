@@ -248,9 +248,13 @@ class DashboardQueries:
     """The dashboard's queries on one read-only client. chDB is not safe to call from several
     threads at once, and a web server answers on several: one query at a time."""
 
-    def __init__(self, client: Any, *, threshold: float) -> None:
+    def __init__(self, client: Any, *, threshold: float,
+                 running_s: float = RUNNING_WITHIN_S) -> None:
+        """``running_s``: a job whose last step record is younger than this is shown as
+        running, an older one as ended."""
         self.client = client
         self.threshold = threshold
+        self.running_s = running_s
         self._lock = threading.Lock()
 
     def _rows(self, sql: str, **parameters: Any) -> list[dict[str, Any]]:
@@ -283,7 +287,7 @@ class DashboardQueries:
     def jobs(self, only: str = "") -> list[dict[str, Any]]:
         """Every job any table names, the newest data first (what-if-only jobs last)."""
         params = {"only": only, "threshold": self.threshold,
-                  "running_ns": RUNNING_WITHIN_S * 10**9}
+                  "running_ns": round(self.running_s * 10**9)}
         jobs: dict[str, dict[str, Any]] = {}
         for sql in (STEP_JOBS, FINDING_JOBS, WHATIF_JOBS):
             for row in self._rows(sql, **params):
