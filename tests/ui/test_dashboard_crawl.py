@@ -4,6 +4,9 @@ Each store is made by the real writers (``trainscope demo``, ``trainscope whatif
 one the stream job wrote (the demo runs the pipeline's stream job and sink in its process), one
 with only a what-if result, empty ones (no tables; tables without rows), one with only dead
 letters, and one whose job ids and function names hold "/", "#", "..", "<a href>" and "<b>".
+Two more come from ``trainscope pipeline`` as its own process over a real broker: the store it
+left when it stopped, and a live one, which the dashboard reads through the running pipeline's
+read-only endpoint while the pipeline goes on writing it.
 On each, the dashboard runs as its own process; headless Chromium visits every page and every
 link found on them, and every route of the app (enumerated from the app itself, so a new route
 is crawled without touching this file) is requested: no 5xx, no console or page error, every
@@ -27,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kafka_broker import free_port
+from kafka_broker import TansuBroker, free_port
+from pipeline_procs import PipelineProcess, publish, start_publisher
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -139,6 +143,79 @@ def stores(tmp_path_factory) -> dict[str, Store]:
                str(hostile.path))
     demo(hostile.path, "..")
     return made
+
+
+# The pipeline's store kinds: small windows, so a few seconds of a job fill several.
+PIPE_WINDOW_S = 2.0
+SIM_STEP_S = 0.77  # event time of one simulated step (ClusterSpec defaults)
+PIPE_JOB = ["--dp", "2", "--pp", "2", "--tp", "2", "--window-s", str(PIPE_WINDOW_S),
+            "--fault", "slow-gpu:rank=5,factor=1.5"]
+PIPE_ARGS = ["--window-s", str(PIPE_WINDOW_S), "--lateness-s", "0.5", "--commit-interval-s",
+             "0.5", "--source-idle-s", "1"]
+# Filled by the stream job alone: no what-if ran, and the breakdown waits for a click.
+PIPE_EMPTY = {"whatif", "breakdown"}
+
+
+def wait_for(condition, timeout_s: float, what: str, log: PipelineProcess) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        assert log.process.poll() is None, log.err_text()
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}:\n{log.err_text()}")
+
+
+@pytest.fixture
+def stopped_pipeline_store(tmp_path: Path) -> Iterator[Store]:
+    """The store a ``trainscope pipeline`` process wrote and left when it stopped by itself."""
+    store = Store(tmp_path / "store", {"proc-job": PIPE_EMPTY})
+    with TansuBroker() as broker:
+        publish(broker.url, "--job-id", "proc-job", "--steps", "40", *PIPE_JOB)
+        pipeline = PipelineProcess(broker.url, store.path, "crawl", *PIPE_ARGS,
+                                   "--close-idle-s", "1", "--idle-exit-s", "2",
+                                   logs=tmp_path / "pipeline")
+        assert pipeline.wait(120) == 0, pipeline.err_text()
+    assert "Traceback" not in pipeline.err_text(), pipeline.err_text()
+    yield store
+
+
+@pytest.fixture
+def live_store(tmp_path: Path) -> Iterator[Store]:
+    """A store a running ``trainscope pipeline`` owns, a paced job still arriving; yielded once
+    it holds the job's windows and a finding, so what each section shows is known."""
+    from trainscope.store.live import read_endpoint
+
+    store = Store(tmp_path / "store", {"live-job": PIPE_EMPTY})
+    with TansuBroker() as broker:
+        pipeline = PipelineProcess(broker.url, store.path, "crawl-live", *PIPE_ARGS,
+                                   "--close-idle-s", "30", logs=tmp_path / "pipeline")
+        publisher = start_publisher(
+            broker.url, "--job-id", "live-job", "--steps", "1000", "--start-s",
+            str(int(time.time())), "--steps-per-s", str(round(1 / SIM_STEP_S, 3)),
+            "--flush-every", "1", *PIPE_JOB, out=tmp_path / "publisher.out")
+        try:
+            endpoint = wait_for(lambda: read_endpoint(store.path), 60, "the endpoint", pipeline)
+
+            def findings() -> bool:
+                body = b"SELECT count() FROM findings WHERE job_id = 'live-job'"
+                request = urllib.request.Request(
+                    f"http://{endpoint.host}:{endpoint.port}/", data=body)
+                try:
+                    return int(urllib.request.urlopen(request, timeout=10).read()) > 0
+                except (OSError, ValueError):  # tables not created yet
+                    return False
+
+            wait_for(findings, 60, "the live job's first finding", pipeline)
+            yield store
+            # The pipeline went on owning the store the whole time.
+            assert pipeline.process.poll() is None, pipeline.err_text()
+        finally:
+            publisher.kill()
+            publisher.wait(timeout=30)
+            if pipeline.process.poll() is None:
+                pipeline.terminate()
 
 
 @pytest.fixture(scope="module")
@@ -288,10 +365,19 @@ def crawl_pages(browser, url: str) -> Crawl:
     return crawl
 
 
+PIPELINE_KINDS = {"pipeline-process": "stopped_pipeline_store", "live": "live_store"}
+
+
 @pytest.mark.parametrize("kind", ["pipeline", "whatif-only", "no-tables", "no-rows",
-                                  "dead-letters", "hostile"])
-def test_every_page_link_and_route_answers(kind: str, stores, browser, tmp_path) -> None:
-    store = stores[kind]
+                                  "dead-letters", "hostile",
+                                  *(pytest.param(k, marks=pytest.mark.kafka)
+                                    for k in PIPELINE_KINDS)])
+def test_every_page_link_and_route_answers(kind: str, request, browser, tmp_path) -> None:
+    # The pipeline's kinds are made per test (the live one holds a pipeline running only as
+    # long as its crawl); the rest share the module's stores.
+    fixture = PIPELINE_KINDS.get(kind)
+    store: Store = (request.getfixturevalue(fixture) if fixture
+                    else request.getfixturevalue("stores")[kind])
     with serve(store.path, tmp_path / "ui.log") as url:
         status, body = get(url + "/api/jobs")
         assert status == 200, body
