@@ -108,6 +108,8 @@ ALLOWED: dict[str, dict[str, str]] = {
     },
     "detectors": {
         "schemas": "a detector reads a WindowView of records and returns Findings",
+        "config": "a detector whose package is missing is named with the extra that installs "
+        "it (config.extras)",
     },
     "traces": {
         "schemas": "traces become summaries, step records and call-path ids",
@@ -184,6 +186,7 @@ PUBLIC: dict[tuple[str, str], frozenset[str]] = {
     ),
     ("loop", "detectors"): frozenset({"trainscope.detectors.base"}),
     ("engines.faust", "detectors"): frozenset({"trainscope.detectors.base"}),
+    ("detectors", "config"): frozenset({"trainscope.config.extras"}),
 }
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trainscope.cli.extras import MODULE_EXTRAS
+from trainscope.config.extras import MODULE_EXTRAS
 
 ROOT = Path(__file__).parents[2]
 

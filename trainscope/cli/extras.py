@@ -12,31 +12,7 @@ import importlib.util
 
 import click
 
-# Top-level module → the extras of pyproject.toml that install it (preferred first).
-# tests/cli/test_missing_extras.py checks every pair against pyproject.toml.
-MODULE_EXTRAS: dict[str, tuple[str, ...]] = {
-    "starlette": ("ui",),
-    "uvicorn": ("ui",),
-    "jinja2": ("ui",),
-    "plotly": ("ui",),
-    "matplotlib": ("whatif",),
-    "pandas": ("embedded", "stream", "whatif"),
-    "pyarrow": ("embedded", "stream", "whatif"),
-    "river": ("embedded", "stream"),
-    "sklearn": ("embedded", "stream"),
-    "chdb": ("embedded",),
-    "clickhouse_connect": ("embedded", "stream", "ui"),
-    "aiokafka": ("stream", "host"),
-    "faust": ("stream",),
-    "prometheus_client": ("stream", "host"),
-    "pynvml": ("host",),
-}
-
-# Modules that no extra installs: what provides them instead.
-OTHER_PACKAGES: dict[str, tuple[str, str]] = {
-    "torch": ("torch", "pip install torch"),
-    "bcc": ("bcc (eBPF)", "install the OS package python3-bpfcc (apt-get install python3-bpfcc)"),
-}
+from trainscope.config.extras import MODULE_EXTRAS, OTHER_PACKAGES
 
 # The extra a command is documented with; it wins when several extras provide the module, so
 # `trainscope ui` names 'ui' and `trainscope whatif` names 'whatif' for the same pandas.

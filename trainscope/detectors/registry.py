@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 
+from trainscope.config.extras import MODULE_EXTRAS
 from trainscope.detectors.base import Detector
 from trainscope.detectors.contract import ContractViolation, check_contract, contract_windows
 from trainscope.schemas.errors import TrainscopeError
@@ -128,8 +129,6 @@ DETECTOR_EXTRA = "stream"
 def _install_line(module: str) -> str:
     """``needs river: pip install 'trainscope[stream]'``, or ``pip install NAME`` for a package
     no extra of trainscope installs."""
-    from trainscope.cli.extras import MODULE_EXTRAS
-
     extras = MODULE_EXTRAS.get(module, ())
     if not extras:
         return f"needs {module}, which is not installed: pip install {module}"
