@@ -13,7 +13,7 @@ import click
 from trainscope.cli.demo import DETECTORS_HELP, WINDOW_HELP, load_detectors
 from trainscope.detectors.base import ALERT_THRESHOLD
 from trainscope.detectors.registry import DEFAULT_MAX_JOBS
-from trainscope.engine.checkpoint import DEFAULT_MAX_OPEN_BYTES
+from trainscope.engine.checkpoint import DEFAULT_MAX_OPEN_BYTES, ExtraState
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -69,7 +69,9 @@ if TYPE_CHECKING:
                    "recently seen job's windows are closed and its state forgotten.")
 @click.option("--alertmanager", "alertmanager_url", metavar="URL",
               help="Send findings at or above the alert threshold to this Prometheus "
-                   "Alertmanager (http://HOST:9093), through its v2 API.")
+                   "Alertmanager (http://HOST:9093), through its v2 API. Firing alerts and "
+                   "those not sent yet are kept in each checkpoint: a restart on the same store "
+                   "and group resends them, with their original start.")
 @click.option("--alert-resend-s", type=click.FloatRange(min=0.1), default=60.0,
               show_default=True, help="How often firing alerts are re-sent to Alertmanager.")
 @click.option("--dashboard-url", metavar="URL",
@@ -157,6 +159,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
             job_idle_s=close_idle_s, source_idle_s=source_idle_s, stats_every_s=stats_every_s,
             max_jobs=max_jobs, max_open_bytes=max_open_bytes, detectors=detectors,
             on_stats=lambda stats: click.echo(json.dumps(stats.as_dict()), err=True),
+            extra_state=_alert_state(notifier),
         )
     except BusError as exc:  # e.g. the broker is down, or a TLS handshake or login failed
         bus.close()
@@ -170,7 +173,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     click.echo(f"consuming {bus_url} as group {group}; SIGTERM or Ctrl-C to stop", err=True)
     job.run(idle_timeout_s=idle_exit_s if idle_exit_s is not None else float("inf"))
     complete = job.finish(drain=drain_on_stop or not job.stopping)
-    _close_and_report(job, bus, sink, notifier, profiler)
+    _close_and_report(job, bus, sink, notifier, profiler, checkpointed=complete)
     if not complete:
         raise click.ClickException("stopped before every window was written and committed; "
                                    "a restart re-reads what was not committed")
@@ -190,6 +193,13 @@ def _notifier(url: str | None, dashboard_url: str | None,
         )
     except ValueError as exc:
         raise click.ClickException(f"--alertmanager: {exc}") from None
+
+
+def _alert_state(notifier: AlertmanagerNotifier | None) -> dict[str, ExtraState] | None:
+    """Firing and unsent alerts go into each checkpoint: a restart resends them."""
+    if notifier is None:
+        return None
+    return {"alertmanager": ExtraState(notifier.checkpoint_state, notifier.restore_state)}
 
 
 def _open_store_and_bus(settings: Settings, store: Path | None, url: str | None,
@@ -261,14 +271,15 @@ def _serve_metrics(job: BusStreamJob, bus: Bus, sink: ClickHouseSink,
 
 def _close_and_report(job: BusStreamJob, bus: Bus, sink: ClickHouseSink,
                       notifier: AlertmanagerNotifier | None,
-                      profiler: AutoProfiler | None) -> None:
-    """Close everything, then print the final counts as one JSON line on stderr."""
+                      profiler: AutoProfiler | None, *, checkpointed: bool) -> None:
+    """Close everything, then print the final counts as one JSON line on stderr.
+    ``checkpointed``: the final checkpoint was stored (alerts not sent are in it)."""
     job.close()
     bus.close()
     sink.close()
     final: dict[str, Any] = job.stats().as_dict()
     if notifier is not None:
-        notifier.close()
+        notifier.close(checkpointed=checkpointed)
         final["alertmanager"] = notifier.stats().as_dict()
     if profiler is not None:
         final["auto_profile"] = _profile_counts(profiler)

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainscope.engine.checkpoint import (
     DEFAULT_MAX_OPEN_BYTES,
     SEEN_STAMPS_KEPT,
     Checkpoint,
+    ExtraState,
     ResumeFilter,
     decode,
     encode,
@@ -82,6 +83,8 @@ class BusStreamJob(StreamCore):
     logged once and retried, never raised: a stream job outlives a broker outage.
     ``max_open_bytes``: the largest open-window snapshot stored with a checkpoint (compressed);
     0 never stores one (restarts then re-read the open windows).
+    ``extra_state``: state of hooks outside the engine (the Alertmanager notifier's), by name,
+    stored with each checkpoint and restored from it (:class:`ExtraState`).
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class BusStreamJob(StreamCore):
         stats_every_s: float | None = None,
         on_stats: Callable[[PipelineStats], None] | None = None,
         max_open_bytes: int = DEFAULT_MAX_OPEN_BYTES,
+        extra_state: Mapping[str, ExtraState] | None = None,
         **kwargs: Any,
     ) -> None:
         # Idleness (of a partition, of a job) is measured in time spent waiting for the bus,
@@ -125,9 +129,14 @@ class BusStreamJob(StreamCore):
         self._open_in_checkpoint = False  # the last checkpoint holds the open windows
         self._snapshot_too_large = False  # warned once
         self._checkpointed_windows = 0  # windows handled when the last checkpoint was stored
+        self.extra_state = dict(extra_state or {})
+        self._extra_failed: set[str] = set()  # hooks whose save raised (logged once)
         # Restored before joining the group: a member that joins must poll, not unpickle.
         if self.sink is not None:
             self._restore()
+        # What the last checkpoint holds (or, with none yet, an equivalent state): a commit
+        # stores a checkpoint when the hooks' state changed, even with nothing new read.
+        self._checkpointed_extra = self._save_extra()
         self.consumer = bus.consumer(list(topics), group)
 
     def logs_replaced(self, sources: list[Source]) -> None:
@@ -190,6 +199,7 @@ class BusStreamJob(StreamCore):
             d.name for d in self.runner.detectors
         ]:
             self.runner = runner
+        self._restore_extra(checkpoint.extra or {})
         self._touch(self.engine.job_ids())
         log.info(
             "restored checkpoint of %s: %d job(s), %d open window(s)%s", self.group,
@@ -198,6 +208,27 @@ class BusStreamJob(StreamCore):
                 f"{t}[{p}]@{o}" for (t, p), o in sorted(checkpoint.positions.items())
             ) if checkpoint.engine is not None else "",
         )
+
+    def _restore_extra(self, saved: dict[str, Any]) -> None:
+        for name, hook in self.extra_state.items():
+            if name not in saved:
+                continue
+            try:
+                hook.restore(saved[name])
+            except Exception as exc:  # the job goes on; only that hook's state is lost
+                log.warning("ignoring the %s state in the last checkpoint of %s: %s", name,
+                            self.group, exc)
+
+    def _save_extra(self) -> dict[str, Any]:
+        saved: dict[str, Any] = {}
+        for name, hook in self.extra_state.items():
+            try:
+                saved[name] = hook.save()
+            except Exception:  # a bug in a hook must not stop checkpoints of the windows
+                if name not in self._extra_failed:
+                    self._extra_failed.add(name)
+                    log.exception("%s state not checkpointed", name)
+        return saved
 
     def _checkpoint(self, read: dict[Source, int]) -> bool:
         """Store a checkpoint; True if it holds the open windows (so ``read`` may be
@@ -213,6 +244,9 @@ class BusStreamJob(StreamCore):
             seen=self.seen.recent(SEEN_STAMPS_KEPT),
             positions=read,
             committed=dict(self._committed),
+            # Taken here, on the job's thread: the hooks' state after exactly the windows
+            # closed so far, which the positions stored with it cover.
+            extra=self._save_extra() or None,
         )
         with_open = self.max_open_bytes > 0
         blob = b""
@@ -238,6 +272,7 @@ class BusStreamJob(StreamCore):
         self._stats.checkpoint_bytes = len(blob)
         self._open_in_checkpoint = with_open
         self._checkpointed_windows = self.windows
+        self._checkpointed_extra = checkpoint.extra or {}
         return with_open
 
     def _restored_windows_open(self) -> bool:
@@ -316,6 +351,9 @@ class BusStreamJob(StreamCore):
             positions = read  # if the checkpoint takes the open windows (below)
         # Windows closed since (idle jobs) change the state even when nothing new was read.
         closed_since = self.windows != self._checkpointed_windows
+        # So does a hook (an alert Alertmanager accepted meanwhile is no longer pending).
+        closed_since = closed_since or (
+            bool(self.extra_state) and self._save_extra() != self._checkpointed_extra)
         if not closed_since and not {
             s: o for s, o in positions.items() if self._committed.get(s) != o
         }:

@@ -25,6 +25,7 @@ import io
 import logging
 import pickle
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,23 @@ class Checkpoint:
     positions: dict[Source, int] = field(default_factory=dict)  # covered by this checkpoint
     committed: dict[Source, int] = field(default_factory=dict)  # on the bus before it
     version: int = VERSION
+    # ExtraState.save() of each hook, by name (plain data). A class-level default, not a
+    # factory: a checkpoint pickled before this field existed reads as None.
+    extra: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ExtraState:
+    """State a hook of the stream job keeps outside the engine (the Alertmanager notifier's
+    alerts), checkpointed with the job's own so that it matches the positions committed.
+
+    ``save`` runs on the job's thread with each checkpoint and returns plain data (no
+    trainscope classes: the engine does not import what it stores); equal values mean nothing
+    changed. ``restore`` gets it back when a restarted job reads the checkpoint, before the job
+    polls, and raises ValueError for state it cannot use (the job then goes on without it)."""
+
+    save: Callable[[], Any]
+    restore: Callable[[Any], None]
 
 
 def encode(checkpoint: Checkpoint) -> bytes:

@@ -15,6 +15,10 @@ finding, when it saw it clear), because Alertmanager expires and resolves alerts
 clock; the window the data came from is in the annotations. Like Prometheus, a firing alert is
 sent with an ``endsAt`` ``hold_s`` ahead, so Alertmanager resolves it by itself if the pipeline
 dies and stops re-sending.
+
+The book's state (:meth:`AlertBook.snapshot`, plain data) goes into the pipeline's checkpoint, so
+a restarted pipeline keeps its alerts firing with their original ``startsAt`` instead of
+firing them anew (see :mod:`trainscope.sinks.alertmanager`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from trainscope.schemas.records import Finding
 
 ALERT_NAME = "TrainscopeFinding"
 CRITICAL_SCORE = 0.8
+STATE_VERSION = 1  # of AlertBook.snapshot(), checkpointed: a change needs a reader of the old
 
 AlertKey = tuple[str, int, int, str]  # job_id, rank, pp_stage (rank-less findings), category
 
@@ -152,6 +157,48 @@ class AlertBook:
         with self._lock:
             return sum(len(job.alerts) for job in self._jobs.values())
 
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The firing and recently resolved alerts as plain data (a checkpoint's part).
+
+        Deterministic for one state, so equal snapshots mean nothing changed. When each job
+        last sent a window is left out: the restored book counts its jobs as seen at the
+        restart, so a pipeline's downtime does not make their alerts stale."""
+        with self._lock:
+            return {
+                "version": STATE_VERSION,
+                "jobs": {job_id: [alert_state(a) for a in job.alerts.values()]
+                         for job_id, job in self._jobs.items() if job.alerts},
+                "resolved": [alert_state(a) for a in self._resolved.values()],
+            }
+
+    def restore(self, state: Any) -> None:
+        """Take the alerts of :meth:`snapshot`; raises ValueError naming what is wrong."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"alert book state of version {_version(state)}, "
+                             f"expected {STATE_VERSION}")
+        now_s = self.clock()
+        jobs: dict[str, _Job] = {}
+        try:
+            for job_id, alerts in state["jobs"].items():
+                job = jobs[str(job_id)] = _Job(last_window_s=now_s)
+                for item in alerts:
+                    alert = alert_from_state(item)
+                    job.alerts[alert.key] = alert
+            resolved = {a.key: a for a in map(alert_from_state, state["resolved"])}
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"bad alert book state: {type(exc).__name__}: {exc}") from None
+        with self._lock:
+            self._jobs, self._resolved = jobs, resolved
+
+    def find(self, key: AlertKey, labels: dict[str, str]) -> Alert | None:
+        """The firing or recently resolved alert of ``key`` that has these labels, if any."""
+        with self._lock:
+            job = self._jobs.get(key[0])
+            alert = (job.alerts.get(key) if job is not None else None) or self._resolved.get(key)
+            return alert if alert is not None and alert.labels == labels else None
+
     # -- building alerts ---------------------------------------------------------------------
 
     def _fire(self, key: AlertKey, found: list[Finding], now_s: float) -> Alert:
@@ -207,6 +254,38 @@ class AlertBook:
             return ""
         query = urlencode({"from_ns": window_start_ns, "to_ns": window_end_ns})
         return f"{self.dashboard_url}/jobs/{quote(job_id, safe='')}?{query}"
+
+
+def alert_state(alert: Alert) -> dict[str, Any]:
+    """One alert as plain data, for a checkpoint."""
+    return {
+        "key": list(alert.key), "labels": dict(alert.labels),
+        "annotations": dict(alert.annotations), "generator_url": alert.generator_url,
+        "starts_at_s": alert.starts_at_s, "ends_at_s": alert.ends_at_s,
+        "windows_missed": alert.windows_missed,
+    }
+
+
+def alert_from_state(state: dict[str, Any]) -> Alert:
+    """The alert of :func:`alert_state`; raises ValueError naming what is wrong."""
+    try:
+        job_id, rank, pp_stage, category = state["key"]
+        ends_at_s = state["ends_at_s"]
+        return Alert(
+            key=(str(job_id), int(rank), int(pp_stage), str(category)),
+            labels={str(k): str(v) for k, v in state["labels"].items()},
+            annotations={str(k): str(v) for k, v in state["annotations"].items()},
+            generator_url=str(state["generator_url"]),
+            starts_at_s=float(state["starts_at_s"]),
+            ends_at_s=None if ends_at_s is None else float(ends_at_s),
+            windows_missed=int(state["windows_missed"]),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"bad alert in the alert state: {type(exc).__name__}: {exc}") from None
+
+
+def _version(state: object) -> object:
+    return state.get("version") if isinstance(state, dict) else type(state).__name__
 
 
 def _key(job_id: str, finding: Finding) -> AlertKey:

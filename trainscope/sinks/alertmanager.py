@@ -9,6 +9,14 @@ The queue holds the latest state of each alert, keyed by its labels: a newer sta
 replaces a queued one (counted in ``superseded``, not lost, since only the latest state
 matters). It holds at most ``queue_size`` alerts; beyond that the oldest is dropped and counted.
 While Alertmanager is unreachable the thread retries with backoff, and the pipeline goes on.
+
+Restarts: :meth:`AlertmanagerNotifier.checkpoint_state` (the book's alerts and those not yet
+accepted by Alertmanager, plain data) is stored with each of the pipeline's checkpoints, taken
+on the pipeline's thread at the same point of the input as the rest, and
+:meth:`AlertmanagerNotifier.restore_state` takes it back before :meth:`start`: the restarted
+pipeline sends what was pending and every firing alert at once, with their original
+``startsAt``. Alertmanager identifies alerts by their labels, so an alert it already had is not
+notified again. Alerts still queued at shutdown are counted as dropped and named in one log line.
 """
 
 from __future__ import annotations
@@ -26,12 +34,13 @@ from typing import Any
 
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
-from trainscope.sinks.alert_book import Alert, AlertBook
+from trainscope.sinks.alert_book import Alert, AlertBook, alert_from_state, alert_state
 
 log = logging.getLogger(__name__)
 
 API_PATH = "/api/v2/alerts"
 MAX_ALERTS_PER_POST = 500
+NAMED_AT_SHUTDOWN = 10  # alerts named in the line about those not sent at shutdown
 
 Post = Callable[[str, list[dict[str, Any]], float], None]
 
@@ -40,7 +49,8 @@ Post = Callable[[str, list[dict[str, Any]], float], None]
 class NotifierStats:
     """``alerts_sent``: alert states Alertmanager accepted; ``posts_failed``: posts that raised
     or got a non-2xx answer (their alerts are re-queued); ``dropped``: alert states that did not
-    fit in the queue or were still queued at close."""
+    fit in the queue or were still queued at close; ``restored``: alert states taken from the
+    last checkpoint and queued at start (firing, recently resolved or not sent yet)."""
 
     alerts_fired: int = 0
     alerts_resolved: int = 0
@@ -51,6 +61,7 @@ class NotifierStats:
     dropped: int = 0
     queued: int = 0
     firing: int = 0
+    restored: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -85,6 +96,7 @@ class AlertmanagerNotifier:
         self.max_backoff_s = max_backoff_s
         self.post = post or _post_json
         self._queue: OrderedDict[tuple[tuple[str, str], ...], Alert] = OrderedDict()
+        self._in_flight: list[Alert] = []  # taken from the queue, not yet accepted
         self._stats = NotifierStats()
         self._wake = threading.Condition()
         self._stopping = False
@@ -109,16 +121,62 @@ class AlertmanagerNotifier:
         self._thread.start()
         return self
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Send what is queued (up to ``timeout_s``), then stop; what is left counts as dropped."""
+    def close(self, timeout_s: float = 5.0, *, checkpointed: bool = False) -> None:
+        """Send what is queued (up to ``timeout_s``), then stop; what is left counts as dropped
+        and is named in one log line. ``checkpointed``: the pipeline's final checkpoint, which
+        holds them, was stored (a restart resends them)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout_s)
         with self._wake:
-            self._stats.dropped += len(self._queue)
+            left = self._in_flight + list(self._queue.values())
+            self._stats.dropped += len(left)
             self._queue.clear()
+            self._in_flight = []
+        if left:
+            log.warning(
+                "%d alert(s) not sent to Alertmanager at %s by shutdown: %s; %s", len(left),
+                self.url, _describe(left),
+                "the checkpoint holds them and the next run on this store and group resends "
+                "them" if checkpointed else "no final checkpoint holds them: a restart resends "
+                "only what an earlier checkpoint held",
+            )
+
+    # -- checkpoints (the pipeline's thread) -----------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The book's alerts and those not accepted by Alertmanager yet, as plain data; equal
+        states mean nothing changed (the pipeline checkpoints again only when it changed)."""
+        book = self.book.snapshot()
+        with self._wake:
+            pending = [alert_state(a) for a in self._in_flight + list(self._queue.values())]
+        return {"book": book, "pending": pending}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Take a :meth:`checkpoint_state` back, before :meth:`start`: what was pending and
+        every alert of the book are queued to be sent first. Raises ValueError naming what is
+        wrong (and then changes nothing)."""
+        if not isinstance(state, dict) or not isinstance(state.get("pending"), list):
+            raise ValueError("alert state without its list of pending alerts")
+        pending = [alert_from_state(item) for item in state["pending"]]
+        self.book.restore(state.get("book"))
+        restored: OrderedDict[tuple[tuple[str, str], ...], Alert] = OrderedDict()
+        # A pending alert the book still holds is the book's own object, whose annotations
+        # the next windows update; one it forgot (resolved long ago) is sent as it was.
+        for alert in [self.book.find(a.key, a.labels) or a for a in pending]:
+            restored.setdefault(_identity(alert), alert)
+        for alert in self.book.current():
+            restored.setdefault(_identity(alert), alert)
+        with self._wake:
+            for identity, alert in restored.items():
+                self._queue.setdefault(identity, alert)
+            self._stats.restored += len(restored)
+            while len(self._queue) > self.queue_size:
+                self._queue.popitem(last=False)
+                self._stats.dropped += 1
+            self._wake.notify()
 
     def stats(self) -> NotifierStats:
         with self._wake:
@@ -170,6 +228,7 @@ class AlertmanagerNotifier:
         with self._wake:
             batch = [self._queue.popitem(last=False)[1]
                      for _ in range(min(MAX_ALERTS_PER_POST, len(self._queue)))]
+            self._in_flight = batch  # still pending for a checkpoint taken meanwhile
         if not batch:
             return True
         now_s = self.book.clock()
@@ -183,6 +242,8 @@ class AlertmanagerNotifier:
                             self.url, self._stats.posts_failed, exc)
             self._requeue(batch)
             return False
+        with self._wake:
+            self._in_flight = []
         self._stats.alerts_sent += len(batch)
         return True
 
@@ -191,7 +252,7 @@ class AlertmanagerNotifier:
     def _enqueue(self, alerts: list[Alert]) -> None:
         with self._wake:
             for alert in alerts:
-                identity = tuple(sorted(alert.labels.items()))
+                identity = _identity(alert)
                 if self._queue.pop(identity, None) is not None:
                     self._stats.superseded += 1
                 self._queue[identity] = alert
@@ -203,8 +264,9 @@ class AlertmanagerNotifier:
     def _requeue(self, batch: list[Alert]) -> None:
         """Failed alerts go back in front, unless a newer state of them was queued meanwhile."""
         with self._wake:
+            self._in_flight = []
             for alert in reversed(batch):
-                identity = tuple(sorted(alert.labels.items()))
+                identity = _identity(alert)
                 if identity in self._queue:
                     self._stats.superseded += 1
                     continue
@@ -221,6 +283,30 @@ class AlertmanagerNotifier:
                     self._stats.alerts_fired += 1
                 else:
                     self._stats.alerts_resolved += 1
+
+
+def _identity(alert: Alert) -> tuple[tuple[str, str], ...]:
+    """What Alertmanager tells alerts apart by: their labels."""
+    return tuple(sorted(alert.labels.items()))
+
+
+def _describe(alerts: list[Alert]) -> str:
+    """``job: category on rank N (firing)``, for the first few; control characters from
+    producers' text are escaped, not sent to the terminal."""
+    names = []
+    for alert in alerts[:NAMED_AT_SHUTDOWN]:
+        labels = alert.labels
+        where = (f" on rank {labels['rank']}" if "rank" in labels
+                 else f" on stage {labels['stage']}" if "stage" in labels else "")
+        state = "firing" if alert.ends_at_s is None else "resolved"
+        names.append(_printable(f"{labels.get('job_id', '?')}: "
+                                f"{labels.get('category', '?')}{where} ({state})"))
+    more = len(alerts) - len(names)
+    return "; ".join(names) + (f" and {more} more" if more > 0 else "")
+
+
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _post_json(url: str, alerts: list[dict[str, Any]], timeout_s: float) -> None:

@@ -1,0 +1,333 @@
+"""Alerts survive restarts: the notifier's state is in the pipeline's checkpoint.
+
+The process test is the rolling restart of issue 22: ``trainscope pipeline`` as its own process
+over the real broker, Alertmanager unreachable while a fault crosses the alert threshold, the
+pipeline SIGTERMed with the alert still queued, then the real Alertmanager started and the
+pipeline restarted on the same store and group: the webhook receives the alert once, firing,
+naming the rank, with the ``startsAt`` of the first run, and nothing more after further resends.
+The unit tests take the state through a checkpoint and back, in process, with the real chDB
+store; where Alertmanager is out of reach they pass a ``post`` stand-in that refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from alertmanager_proc import Alertmanager, WebhookReceiver, free_port, require_alertmanager
+from kafka_broker import TansuBroker
+from pipeline_procs import PipelineProcess, publish
+
+from trainscope.cli.demo_job import publish_step
+from trainscope.detectors.peer import PeerDiffDetector
+from trainscope.engine.bus_job import BusStreamJob
+from trainscope.engine.checkpoint import Checkpoint, ExtraState, decode
+from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
+from trainscope.schemas.records import Finding
+from trainscope.schemas.window import WindowView
+from trainscope.sinks.alert_book import AlertBook
+from trainscope.sinks.alertmanager import AlertmanagerNotifier
+from trainscope.sinks.clickhouse import ClickHouseSink
+from trainscope.transport.memory import MemoryBus
+
+W_NS = 5 * 10**9
+WINDOW_S = 5.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def finding(rank: int, score: float = 0.9, category: str = "gpu-compute") -> Finding:
+    return Finding(job_id="j", window_start_ns=0, window_end_ns=W_NS, detector="peer-diff",
+                   rank=rank, category=category, score=score,
+                   message=f"{category}: rank {rank} is slow", function="backward",
+                   layer="torch_op")
+
+
+# -- the state round-trip ---------------------------------------------------------------------
+
+
+def test_the_book_restores_firing_and_resolved_alerts_with_their_times() -> None:
+    clock = Clock()
+    book = AlertBook(threshold=0.5, clear_after_windows=2, clock=clock)
+    book.observe("j", 0, W_NS, [finding(3), finding(5)])
+    clock.now_s += 10
+    book.observe("j", W_NS, 2 * W_NS, [finding(3)])  # rank 5 missed one window
+    book.observe("k", 0, W_NS, [finding(1)])
+    clock.now_s += 10
+    book.observe("k", W_NS, 2 * W_NS, [])
+    [resolved] = book.observe("k", 2 * W_NS, 3 * W_NS, [])
+    state = json.loads(json.dumps(book.snapshot()))  # plain data
+    assert state == book.snapshot()  # deterministic: equal state, equal snapshot
+
+    clock.now_s += 3600  # the pipeline was down an hour
+    restored = AlertBook(threshold=0.5, clear_after_windows=2, clock=clock)
+    restored.restore(state)
+    assert restored.firing() == 2
+    assert ([a.payload(0, 0) for a in restored.current()]
+            == [a.payload(0, 0) for a in book.current()])  # startsAt, endsAt, labels kept
+    assert restored.find(resolved.key, resolved.labels) is not None
+    # Still firing: the same finding changes nothing, rank 5's second quiet window resolves it.
+    [cleared] = restored.observe("j", 2 * W_NS, 3 * W_NS, [finding(3)])
+    assert cleared.labels["rank"] == "5" and cleared.ends_at_s == clock.now_s
+    # The downtime does not make job j stale: it counts as seen at the restart. The alert
+    # resolved an hour ago is forgotten (resolved_kept_s), by its own endsAt.
+    assert restored.expire() == []
+    assert restored.find(resolved.key, resolved.labels) is None
+
+
+def test_a_bad_book_state_is_refused_with_what_is_wrong() -> None:
+    book = AlertBook(threshold=0.5)
+    with pytest.raises(ValueError, match="version 7"):
+        book.restore({"version": 7})
+    with pytest.raises(ValueError, match="bad alert"):
+        book.restore({"version": 1, "jobs": {"j": [{"key": ["j", 1]}]}, "resolved": []})
+    assert book.firing() == 0
+
+
+class Refusing:
+    """A ``post`` stand-in for an Alertmanager that cannot be reached."""
+
+    def __init__(self) -> None:
+        self.tries = 0
+
+    def __call__(self, url: str, alerts: list, timeout_s: float) -> None:
+        self.tries += 1
+        raise ConnectionRefusedError(111, "Connection refused")
+
+
+class Recording:
+    """A ``post`` stand-in that accepts and keeps every batch."""
+
+    def __init__(self) -> None:
+        self.posted: list[list[dict]] = []
+
+    def __call__(self, url: str, alerts: list, timeout_s: float) -> None:
+        self.posted.append(alerts)
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.01)
+
+
+def test_a_queued_alert_is_named_at_shutdown_and_sent_by_the_next_notifier(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    refusing = Refusing()
+    first = AlertmanagerNotifier("http://127.0.0.1:1", AlertBook(threshold=0.5, clock=clock),
+                                 resend_s=60, max_backoff_s=0.05, post=refusing).start()
+    first.on_window(WindowView("j\x1b[31m", 0, W_NS), [finding(6)])
+    wait_until(lambda: refusing.tries >= 2)
+    state = first.checkpoint_state()
+    with caplog.at_level(logging.WARNING, logger="trainscope.sinks.alertmanager"):
+        first.close(checkpointed=True)
+    assert first.stats().dropped == 1
+    [line] = [r.getMessage() for r in caplog.records if "by shutdown" in r.getMessage()]
+    assert "1 alert(s) not sent" in line and "gpu-compute on rank 6 (firing)" in line
+    assert "\x1b" not in line and "\\x1b[31m" in line  # the producer's text, escaped
+    assert "the next run on this store and group resends them" in line
+    [pending] = state["pending"]
+    assert pending["labels"]["rank"] == "6"
+
+    clock.now_s += 120
+    recording = Recording()
+    second = AlertmanagerNotifier("http://127.0.0.1:1", AlertBook(threshold=0.5, clock=clock),
+                                  resend_s=60, post=recording)
+    second.restore_state(json.loads(json.dumps(state)))
+    assert second.stats().restored == 1 and second.stats().firing == 1
+    second.start()
+    wait_until(lambda: recording.posted)
+    second.close()
+    [[alert]] = recording.posted
+    assert alert["labels"]["rank"] == "6" and alert["labels"]["job_id"] == "j\x1b[31m"
+    assert alert["startsAt"] == first.book.current()[0].payload(0, 0)["startsAt"]
+    assert second.stats().dropped == 0 and second.stats().alerts_sent == 1
+
+
+def test_a_bad_notifier_state_changes_nothing() -> None:
+    notifier = AlertmanagerNotifier("http://127.0.0.1:1", AlertBook(threshold=0.5),
+                                    post=Recording())
+    with pytest.raises(ValueError, match="pending"):
+        notifier.restore_state({"book": {}})
+    with pytest.raises(ValueError, match="version"):
+        notifier.restore_state({"book": {"version": 0}, "pending": []})
+    assert notifier.stats().queued == 0 and notifier.stats().firing == 0
+
+
+def test_a_checkpoint_of_before_the_alert_state_reads_without_it() -> None:
+    """The 0.1.0 checkpoint (tests/data/checkpoint-0.1.0) has no ``extra``: it reads as None."""
+    data = Path(__file__).parents[1] / "data" / "checkpoint-0.1.0" / "checkpoint.bin"
+    checkpoint = decode(data.read_bytes())
+    assert isinstance(checkpoint, Checkpoint) and checkpoint.extra is None
+
+
+START_NS = 1_767_225_600 * 10**9
+
+
+def faulty_job_on(bus: MemoryBus, start_ns: int = START_NS, seed: int = 3) -> int:
+    """40 steps of a job whose rank 5 is slow, from ``start_ns``; where they ended."""
+    cluster = SimulatedCluster(
+        ClusterSpec(job_id="sick", dp=4, pp=2, tp=1, steps=40, seed=seed, window_s=WINDOW_S,
+                    start_ns=start_ns),
+        parse_faults(["slow-gpu:rank=5,factor=1.5"]),
+    )
+    end_ns = start_ns
+    for out in cluster.run():
+        publish_step(bus, cluster, out, out.step == 0 and start_ns == START_NS)
+        end_ns = max([end_ns] + [r.start_ns + r.duration_ns for r in out.steps])
+    return end_ns
+
+
+def stream_job(bus: MemoryBus, sink: ClickHouseSink, notifier: AlertmanagerNotifier
+               ) -> BusStreamJob:
+    return BusStreamJob(
+        bus, group="alerts", sink=sink, window_s=WINDOW_S, lateness_s=1.0,
+        detectors=[PeerDiffDetector()], on_window=notifier.on_window,
+        # A job that pauses has its windows closed after 0.3 s of polling.
+        commit_interval_s=3600.0, job_idle_s=0.3, source_idle_s=0.2,
+        extra_state={"alertmanager": ExtraState(notifier.checkpoint_state,
+                                                notifier.restore_state)},
+    )
+
+
+def stored_state(sink: ClickHouseSink) -> dict:
+    blob = sink.read_checkpoint("alerts")
+    assert blob is not None
+    extra = decode(blob).extra
+    assert extra is not None
+    return extra["alertmanager"]
+
+
+def test_the_stream_job_checkpoints_the_alerts_with_its_positions(tmp_path: Path) -> None:
+    """The state goes into the checkpoint stored with each commit, a commit stores it again
+    when only it changed (Alertmanager accepted what was pending), and a restarted job hands
+    it back before it polls: the job's later windows keep the alert firing, not fire it anew."""
+    bus = MemoryBus()
+    end_ns = faulty_job_on(bus)
+    sink = ClickHouseSink.open(tmp_path / "store")
+    try:
+        refusing = Refusing()
+        first_notifier = AlertmanagerNotifier("http://127.0.0.1:1", AlertBook(threshold=0.5),
+                                              max_backoff_s=0.05, post=refusing).start()
+        first = stream_job(bus, sink, first_notifier)
+        wait_until(lambda: first.poll_once(timeout_s=0.02) == 0 and refusing.tries > 0
+                   and first.engine.open_windows() == 0)
+        assert first.finish(drain=False)  # SIGTERM: open windows and alerts to the checkpoint
+        first_notifier.close(checkpointed=True)
+        state = stored_state(sink)
+        fired = {a["labels"]["rank"] for a in state["pending"]}
+        assert fired == {"5"} and first_notifier.stats().dropped == 1
+
+        recording = Recording()
+        second_notifier = AlertmanagerNotifier("http://127.0.0.1:1", AlertBook(threshold=0.5),
+                                               post=recording)
+        second = stream_job(bus, sink, second_notifier)
+        assert second_notifier.stats().restored == 1
+        assert second.commit()  # nothing new: no checkpoint needed
+        assert stored_state(sink) == state
+        second_notifier.start()
+        wait_until(lambda: second_notifier.stats().alerts_sent == 1)
+        assert second.commit()
+        assert stored_state(sink)["pending"] == []  # accepted: checkpointed as such
+        windows = second.windows
+        faulty_job_on(bus, end_ns, seed=4)  # the job goes on, rank 5 still slow
+        while second.poll_once(timeout_s=0.0):
+            pass
+        assert second.finish(drain=True)
+        assert second.windows > windows
+        second_notifier.close(checkpointed=True)
+    finally:
+        sink.close()
+    starts = {a["startsAt"] for batch in recording.posted for a in batch}
+    assert len(starts) == 1  # one alert, never fired anew
+    assert second_notifier.stats().alerts_fired == 0 and second_notifier.book.firing() == 1
+
+
+# -- the rolling restart, as processes ----------------------------------------------------------
+
+ALERT_LINE = r"^ALERT \[\d\.\d\d\] sick: .*rank 6"
+
+
+def _wait_for_text(read, pattern: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = read()
+        if re.search(pattern, text, re.MULTILINE):
+            return text
+        assert time.monotonic() < deadline, f"no {pattern!r} in:\n{text}"
+        time.sleep(0.1)
+
+
+def _firing(notifications: list[dict]) -> list[dict]:
+    return [n for n in notifications if n["status"] == "firing"]
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_an_alert_queued_at_sigterm_reaches_alertmanager_once_after_the_restart(
+    fresh_kafka_broker: TansuBroker, webhook: WebhookReceiver, tmp_path: Path,
+) -> None:
+    require_alertmanager()
+    port = free_port()  # nothing listens here until Alertmanager starts, after the SIGTERM
+    args = ("--window-s", "5", "--close-idle-s", "1", "--source-idle-s", "1",
+            "--commit-interval-s", "0.5", "--alert-resend-s", "1", "--no-auto-profile",
+            "--alertmanager", f"http://127.0.0.1:{port}")
+    store = tmp_path / "store"
+    first = PipelineProcess(fresh_kafka_broker.url, store, "rolling", *args,
+                            logs=tmp_path / "first")
+    try:
+        publish(fresh_kafka_broker.url, "--job-id", "sick", "--dp", "4", "--pp", "2", "--tp",
+                "2", "--steps", "40", "--window-s", "5", "--fault", "slow-gpu:rank=6,factor=1.4")
+        _wait_for_text(first.out_text, ALERT_LINE, timeout_s=60)
+        _wait_for_text(first.err_text, "Alertmanager at .* unreachable", timeout_s=30)
+    finally:
+        code = first.terminate()
+    stopped_s = time.time()
+    assert code == 0, first.err_text()
+    assert first.stats()["alertmanager"]["dropped"] == 1
+    [line] = [x for x in first.err_text().splitlines() if "by shutdown" in x]
+    assert "1 alert(s) not sent to Alertmanager" in line
+    assert "sick: gpu-compute on rank 6 (firing)" in line
+    assert "the checkpoint holds them" in line
+
+    (tmp_path / "am").mkdir()
+    manager = Alertmanager(tmp_path / "am", webhook.url, port=port)
+    second = None
+    try:
+        manager.wait_ready()
+        second = PipelineProcess(fresh_kafka_broker.url, store, "rolling", *args,
+                                 logs=tmp_path / "second")
+        notifications = webhook.wait_for(_firing, timeout_s=60)
+        # Re-sent every second since: a duplicate would come within a group interval (1 s).
+        time.sleep(3.0)
+        later = webhook.wait_for(lambda n: False, timeout_s=0)
+    finally:
+        if second is not None:
+            second_code = second.terminate()
+        manager.stop()
+    assert second_code == 0, second.err_text()
+    assert later == notifications, "a second notification came"
+    [notification] = notifications
+    assert notification["status"] == "firing"
+    [alert] = notification["alerts"]
+    assert (alert["labels"]["rank"], alert["labels"]["category"]) == ("6", "gpu-compute")
+    # Fired by the first run: the restarted one kept it, it did not fire it anew.
+    starts_s = datetime.fromisoformat(alert["startsAt"]).timestamp()
+    assert starts_s < stopped_s
+    final = second.stats()["alertmanager"]
+    assert final["restored"] == 1 and final["alerts_fired"] == 0 and final["dropped"] == 0
+    assert final["alerts_sent"] >= 2  # resent each interval, notified once
