@@ -13,7 +13,14 @@ import click
 from trainscope.cli.demo import DETECTORS_HELP, WINDOW_HELP, load_detectors
 from trainscope.detectors.base import ALERT_THRESHOLD
 from trainscope.detectors.registry import DEFAULT_MAX_JOBS
+from trainscope.engine.caps import Caps
 from trainscope.engine.checkpoint import DEFAULT_MAX_OPEN_BYTES, ExtraState
+
+# Time each detector may take per window in `trainscope pipeline` (--detector-budget-s): well
+# above what the built-ins take on a real job's window, well below a window's length.
+DETECTOR_BUDGET_S = 10.0
+# Exit status when a stop did not finish within --stop-timeout-s and the watchdog ended it.
+FORCED_STOP_EXIT = 3
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -51,7 +58,10 @@ if TYPE_CHECKING:
               help="A partition that delivered nothing for this long stops holding windows "
                    "open (time spent waiting on the bus).")
 @click.option("--stop-timeout-s", type=click.FloatRange(min=1), default=30.0, show_default=True,
-              help="On SIGTERM/Ctrl-C, how long to try writing and committing before giving up.")
+              help="On SIGTERM/Ctrl-C, how long to try writing and committing before giving up. "
+                   "The process is gone by then whatever it is doing (a detector mid-window, "
+                   "a write): past it, one line and exit status 3, committing nothing more (a "
+                   "restart re-reads from the last commit).")
 @click.option("--drain-on-stop", is_flag=True,
               help="On SIGTERM/Ctrl-C, close and write the open windows instead of "
                    "checkpointing them for the next run (for a pipeline stopped for good).")
@@ -67,6 +77,22 @@ if TYPE_CHECKING:
               show_default=True,
               help="Jobs whose windows and detector state are kept; beyond that the least "
                    "recently seen job's windows are closed and its state forgotten.")
+@click.option("--max-functions-per-rank", type=click.IntRange(min=1),
+              default=Caps.functions_per_rank, show_default=True,
+              help="Distinct functions (layer, name, call path) one rank may name in one window. "
+                   "A message that would pass this, --max-functions-per-job or "
+                   "--max-open-windows is set aside whole as a dead letter with the reason, "
+                   "counted (capped_messages) and reported as a `cardinality` finding.")
+@click.option("--max-functions-per-job", type=click.IntRange(min=1),
+              default=Caps.functions_per_job, show_default=True,
+              help="Distinct functions all ranks of a job may name in one window.")
+@click.option("--max-open-windows", type=click.IntRange(min=1), default=Caps.open_windows,
+              show_default=True, help="Windows one job may have open at once.")
+@click.option("--detector-budget-s", type=click.FloatRange(min=0), default=DETECTOR_BUDGET_S,
+              show_default=True,
+              help="Time each detector may spend on one window; past it the detector is "
+                   "stopped, skipped for that window (counted in detector_over_budget) and "
+                   "its state for the job starts over. 0: no budget.")
 @click.option("--alertmanager", "alertmanager_url", metavar="URL",
               help="Send findings at or above the alert threshold to this Prometheus "
                    "Alertmanager (http://HOST:9093), through its v2 API. Firing alerts and "
@@ -110,7 +136,8 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
              dashboard_url: str | None, metrics_port: int | None, metrics_bind: str,
              detector_names: str | None, auto_profile: bool, auto_profile_steps: int,
              auto_profile_every_s: float, auto_profile_max_pending: int,
-             input_kind: str) -> None:
+             input_kind: str, max_functions_per_rank: int, max_functions_per_job: int,
+             max_open_windows: int, detector_budget_s: float) -> None:
     """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job).
 
     At-least-once from the bus, exactly-once in the store: with every commit the open windows,
@@ -118,6 +145,9 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     (after a crash, SIGKILL or SIGTERM) carries on from there, re-reading only what came after
     the last commit. SIGTERM or Ctrl-C checkpoints, commits and exits 0 (--drain-on-stop
     writes the open windows first); --idle-exit-s, the end of the stream, writes them.
+
+    \f
+    Long because each option is a parameter; the work is in the helpers below.
     """
     import signal
 
@@ -138,6 +168,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     stopper = _Stopper(stop_timeout_s)
     signal.signal(signal.SIGTERM, stopper)
     signal.signal(signal.SIGINT, stopper)
+    _start_watchdog(stop_timeout_s)
     quiet_repeats()
     if store is not None and url is not None:
         raise click.UsageError("give either --store DIR or --url URL, not both")
@@ -158,6 +189,8 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
             on_profile=profiler.on_profile if profiler is not None else None,
             job_idle_s=close_idle_s, source_idle_s=source_idle_s, stats_every_s=stats_every_s,
             max_jobs=max_jobs, max_open_bytes=max_open_bytes, detectors=detectors,
+            caps=Caps(max_functions_per_rank, max_functions_per_job, max_open_windows),
+            detector_budget_s=detector_budget_s or None,
             on_stats=lambda stats: click.echo(json.dumps(stats.as_dict()), err=True),
             extra_state=_alert_state(notifier),
         )
@@ -305,3 +338,39 @@ class _Stopper:
         self._job = job
         if self.requested:
             job.request_stop(self.timeout_s)
+
+
+def _start_watchdog(timeout_s: float) -> None:
+    """End the process ``timeout_s`` after SIGTERM or SIGINT, if it is still there then.
+
+    The orderly stop runs in the main thread, after whatever that thread is doing: a detector
+    (bounded by --detector-budget-s, but a plugin may sit in one long native call, during which
+    Python runs no signal handler at all), a write being retried. So the deadline is kept by a
+    daemon thread woken through the interpreter's wakeup fd, which the C-level signal handler
+    writes at once, whatever the main thread is doing. Past the deadline it writes one line
+    and exits without flushing or committing anything more, as a crash would: at-least-once
+    holds (the next run re-reads from the last commit), and nothing unstored was committed,
+    because positions are committed only after the checkpoint that covers them is stored."""
+    import os
+    import signal
+    import threading
+    import time
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    stops = {signal.SIGTERM, signal.SIGINT}
+
+    def watch() -> None:
+        # The fd carries the number of every signal with a Python handler (SIGALRM of the
+        # detector budget too): wait for a stop.
+        while not stops.intersection(os.read(read_fd, 64)):
+            pass
+        time.sleep(timeout_s)
+        os.write(2, (f"trainscope pipeline: not stopped {timeout_s:g} s after the stop signal "
+                     f"(--stop-timeout-s); exiting now with status {FORCED_STOP_EXIT}, "
+                     "committing nothing more: a restart re-reads from the last commit\n"
+                     ).encode())
+        os._exit(FORCED_STOP_EXIT)
+
+    threading.Thread(target=watch, name="stop-deadline", daemon=True).start()

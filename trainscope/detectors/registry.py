@@ -23,6 +23,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 from trainscope.config.extras import MODULE_EXTRAS
 from trainscope.detectors.base import Detector
+from trainscope.detectors.budget import OverBudget, time_budget
 from trainscope.detectors.contract import ContractViolation, check_contract, contract_windows
 from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import Finding
@@ -173,6 +174,8 @@ class DetectorRunner:
     evicted_jobs: int = 0
     # Seconds each detector spent in detect(), over all windows (exported at /metrics).
     detect_seconds: dict[str, float] = field(default_factory=dict)
+    # detect() calls stopped over their time budget, per detector (run(budget_s=...)).
+    over_budget: dict[str, int] = field(default_factory=dict)
     _templates: list[Detector] = field(init=False, repr=False)
     _jobs: OrderedDict[str, list[Detector]] = field(init=False, repr=False)
 
@@ -199,7 +202,7 @@ class DetectorRunner:
 
     def __setstate__(self, state: dict) -> None:
         # A checkpoint written before detect_seconds existed restores with it empty.
-        self.__dict__.update({"detect_seconds": {}, **state})
+        self.__dict__.update({"detect_seconds": {}, "over_budget": {}, **state})
 
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
@@ -207,12 +210,24 @@ class DetectorRunner:
     def jobs(self) -> list[str]:
         return list(self._jobs)
 
-    def run(self, window: WindowView) -> list[Finding]:
+    def run(self, window: WindowView, budget_s: float | None = None) -> list[Finding]:
+        """Every detector of the window's job on it. With ``budget_s``, a detector still in
+        ``detect()`` after that long is stopped (:mod:`trainscope.detectors.budget`), its
+        findings of this window dropped, counted in ``over_budget``, and the job's instance
+        replaced by a fresh copy of the template: state half-updated when the timer fired
+        cannot be trusted, and copying every detector's state before every call, to be able
+        to roll it back, would cost as much as the state (a history of windows) on every
+        window of every job, for a rare event. The job's detector starts over (warm-up)."""
         findings: list[Finding] = []
-        for detector in self.for_job(window.job_id):
+        instances = self.for_job(window.job_id)
+        for i, detector in enumerate(instances):
             started = time.perf_counter()
             try:
-                findings.extend(detector.detect(window))
+                with time_budget(budget_s or 0.0):
+                    found = detector.detect(window)
+                findings.extend(found)
+            except OverBudget:
+                self._over_budget(window, i, detector, budget_s or 0.0)
             except Exception as exc:
                 first = detector.name not in self.errors
                 self.errors[detector.name] = self.errors.get(detector.name, 0) + 1
@@ -227,3 +242,15 @@ class DetectorRunner:
                 )
         self.findings_emitted += len(findings)
         return findings
+
+    def _over_budget(self, window: WindowView, index: int, detector: Detector,
+                     budget_s: float) -> None:
+        count = self.over_budget[detector.name] = self.over_budget.get(detector.name, 0) + 1
+        # Once per detector, then every 100th: a flood of costly windows must not flood the log.
+        level = logging.WARNING if count % 100 == 1 else logging.DEBUG
+        log.log(level, "detector %s skipped on job %s window %d: over its %g s budget "
+                "(--detector-budget-s; %d time(s) so far); its state for the job starts over",
+                detector.name, window.job_id, window.window_start_ns, budget_s, count)
+        instances = self._jobs.get(window.job_id)
+        if instances is not None:
+            instances[index] = copy.deepcopy(self._templates[index])

@@ -32,8 +32,9 @@ from collections.abc import Callable, Collection, Hashable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainscope.detectors.base import Detector
+from trainscope.detectors.base import ALERT_THRESHOLD, Detector
 from trainscope.detectors.registry import DEFAULT_MAX_JOBS, DetectorRunner, load
+from trainscope.engine.caps import CapGuard, Caps, Refusal
 from trainscope.engine.delivery import Backoff, PendingOffsets, SeenBatches
 from trainscope.engine.sink import DeadLetterRow, Sink
 from trainscope.engine.windows import WindowEngine, metric_window
@@ -59,6 +60,9 @@ from trainscope.transport.bus import (
 )
 
 log = logging.getLogger(__name__)
+
+# The most message bytes decoded at once (see process_messages).
+POLL_CHUNK_BYTES = 16 * 2**20
 
 
 @dataclass
@@ -93,6 +97,16 @@ class PipelineStats:
     # Messages of jobs a run does not watch (``only_jobs``), skipped undecoded; not in decode.
     other_jobs_skipped: int = 0
     profile_parts: int = 0  # call-path trees of on-demand profiles (parts) received
+    # Ranks whose clock was found off its peers' and corrected (engine/clocks.py), and records
+    # held while estimated that were let go with no estimate (their ranks taken as they are).
+    clock_corrections: int = 0
+    clock_unestimated: int = 0
+    # Valid messages set aside because they would pass a cap of the window engine (caps.py);
+    # also in decode.rejected. capped_rows: their summary rows and span events.
+    capped_messages: int = 0
+    capped_rows: int = 0
+    # detect() calls stopped over the time budget per window (--detector-budget-s), per detector.
+    detector_over_budget: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,6 +144,8 @@ class StreamCore:
         max_jobs: int = DEFAULT_MAX_JOBS,
         clock: Callable[[], float] = time.monotonic,
         only_jobs: frozenset[str] | None = None,
+        caps: Caps | None = None,
+        detector_budget_s: float | None = None,
     ) -> None:
         if detectors is None:
             loaded = load()
@@ -142,6 +158,11 @@ class StreamCore:
         )
         self.runner = DetectorRunner(detectors, max_jobs=max_jobs)
         self.validator = Validator(limits)
+        # Bounded work per job: caps on what a window may hold (caps.py), and a time budget
+        # for each detector on each window (None: none; see DetectorRunner.run).
+        self.caps = CapGuard(caps or Caps(), self.engine.window_ns, self.engine.closed_before)
+        self.detector_budget_s = detector_budget_s
+        self._capped: dict[str, dict[int, list[int]]] = {}  # per job, per rank: to report
         self.max_jobs = max_jobs
         # A run that watches some jobs of a shared bus (the demo) skips the others' messages by
         # their key (job/rank), before decoding; their positions still count as handled.
@@ -174,7 +195,14 @@ class StreamCore:
 
     def process_messages(self, messages: list[Message]) -> None:
         """Decode, validate, drop re-sent batches; the valid messages are windowed by source
-        (partition), and every message's offset is recorded with the windows it feeds."""
+        (partition), and every message's offset is recorded with the windows it feeds.
+
+        A poll of many large messages is handled a part at a time, as if polled apart: what
+        is decoded at once (Python objects, several times the bytes) stays bounded."""
+        for part in _parts(messages, POLL_CHUNK_BYTES):
+            self._process_part(part)
+
+    def _process_part(self, messages: list[Message]) -> None:
         # (message, records or None when set aside); kept in message order for the offsets.
         handled: list[tuple[Message, list[Record] | None]] = []
         # Producer id, sequence and payload digest of each decoded batch (see SeenBatches).
@@ -215,6 +243,11 @@ class StreamCore:
                 self._stats.duplicate_batches += 1
                 handled[i] = (message, None)
                 continue
+            refusal = self.caps.admit(records)
+            if refusal is not None:
+                self._cap_refused(message, refusal)
+                handled[i] = (message, None)
+                continue
             self._stats.decode.emitted += 1
             handled[i] = (message, _events_as_batches(records))
         by_source: dict[Hashable, list[tuple[Message, list[Record]]]] = {}
@@ -242,6 +275,56 @@ class StreamCore:
                                           "partly windowed)")
         self._flush_dead_letters()
         self._handle(self.engine.close_ready())
+        if self._capped:
+            self._report_capped()
+
+    def _cap_refused(self, message: Message, refusal: Refusal) -> None:
+        """A valid message over a cap: counted, dead-lettered with the reason, and reported
+        with the job's next closed window (:meth:`_cap_findings`)."""
+        self._stats.capped_messages += 1
+        self._stats.capped_rows += refusal.rows
+        counts = self._capped.setdefault(refusal.job_id, {}).setdefault(
+            refusal.rank, [0, 0, 0, 0])
+        counts[0] += 1
+        counts[1] += refusal.rows
+        counts[2] += refusal.new_functions
+        counts[3] = refusal.window_start_ns  # where to report it if no window of the job closes
+        self._reject(message, f"over a cap: {refusal.reason}")
+
+    def _report_capped(self) -> None:
+        """Report refusals of jobs with no window open, whose report no closed window would
+        carry (every message of the job was refused): as findings of the refused window alone,
+        written without rows and without running the detectors on it."""
+        for job_id in [j for j in self._capped if not self.caps.has_open(j)]:
+            start_ns = max(counts[3] for counts in self._capped[job_id].values())
+            view = WindowView(job_id, start_ns, start_ns + self.engine.window_ns)
+            findings = self._cap_findings(view)
+            self._stats.detect.emitted += len(findings)
+            self.findings.extend(findings)
+            sink = self.sink
+            if sink is not None:
+                self._write(lambda v=view, f=findings, sink=sink: sink.write_window(v, f))
+            if self.on_window is not None:
+                self.on_window(view, findings)
+
+    def _cap_findings(self, view: WindowView) -> list[Finding]:
+        """One ``cardinality`` finding per rank whose messages were set aside over a cap since
+        the job's last closed window. At the alert threshold: the job's telemetry is being
+        dropped, which its owner must hear of (the auto-profiler leaves it alone)."""
+        capped = self._capped.pop(view.job_id, {})
+        return [
+            Finding(
+                job_id=view.job_id, window_start_ns=view.window_start_ns,
+                window_end_ns=view.window_end_ns, detector="window-engine", rank=rank,
+                category="cardinality", score=ALERT_THRESHOLD,
+                evidence={"messages": messages, "rows": rows, "new_functions": functions},
+                message=(f"cardinality: rank {rank} sent more than the stream job's caps allow "
+                         f"(distinct functions per window, open windows): {messages} "
+                         f"message(s), {rows} row(s), {functions} new function name(s) set "
+                         "aside as dead letters"),
+            )
+            for rank, (messages, rows, functions, _) in sorted(capped.items())
+        ]
 
     def _validate(self, messages: list[list[Record]]) -> list[str | None]:
         """Per message, ``None`` or why it is rejected; a check that raises rejects only the
@@ -360,6 +443,8 @@ class StreamCore:
         self._handle(self.engine.evict_job(job_id))
         self.runner.forget(job_id)
         self.validator.forget(job_id)
+        self.caps.forget(job_id)
+        self._capped.pop(job_id, None)
         self._stats.jobs_evicted += 1
         # A flood of job ids must not flood the log too: the first, then every 1000th.
         level = logging.WARNING if self._stats.jobs_evicted % 1000 == 1 else logging.DEBUG
@@ -428,9 +513,12 @@ class StreamCore:
             self.windows += 1
             self._stats.window.emitted += len(view.summaries)
             self._stats.detect.received += 1
-            findings = self.runner.run(view)
+            self.caps.closed(view.job_id, view.window_start_ns)
+            findings = [*self._cap_findings(view),
+                        *self.runner.run(view, budget_s=self.detector_budget_s)]
             self._stats.detect.emitted += len(findings)
             self._stats.detector_errors = dict(self.runner.errors)
+            self._stats.detector_over_budget = dict(self.runner.over_budget)
             self.findings.extend(findings)
             sink = self.sink
             if sink is not None:
@@ -515,6 +603,19 @@ class ProfileParts:
             self._open.popitem(last=False)
             self.dropped += 1
         return None
+
+
+def _parts(messages: list[Message], max_bytes: int) -> list[list[Message]]:
+    """``messages`` in order, cut into parts of at most ``max_bytes`` (or one message)."""
+    parts: list[list[Message]] = [[]]
+    size = 0
+    for message in messages:
+        if parts[-1] and size + len(message.value) > max_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(message)
+        size += len(message.value)
+    return parts
 
 
 def _events_as_batches(records: list[Record]) -> list[Record]:

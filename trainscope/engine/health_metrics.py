@@ -81,6 +81,11 @@ class PipelineCollector:
             "commit_failures": ("Offset commits the bus refused.", stats.commit_failures),
             "poll_failures": ("Polls of the bus that failed.", stats.poll_failures),
             "jobs_evicted": ("Jobs forgotten beyond --max-jobs.", stats.jobs_evicted),
+            "capped_messages": ("Valid messages set aside as dead letters because they would "
+                                "pass a cap (--max-functions-per-rank, --max-functions-per-job, "
+                                "--max-open-windows).", stats.capped_messages),
+            "capped_rows": ("Summary rows and span events of the capped messages.",
+                            stats.capped_rows),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
@@ -89,6 +94,12 @@ class PipelineCollector:
         for detector, count in sorted(dict(stats.detector_errors).items()):
             errors.add_metric([detector], count)
         yield errors
+        over = CounterMetricFamily(PREFIX + "detector_over_budget",
+                                   "detect() calls stopped over --detector-budget-s; the window "
+                                   "went without that detector.", labels=["detector"])
+        for detector, count in sorted(dict(stats.detector_over_budget).items()):
+            over.add_metric([detector], count)
+        yield over
         # Divided by windows_closed, the mean detector time per window.
         seconds = CounterMetricFamily(PREFIX + "detector_seconds",
                                       "Seconds spent in each detector's detect(), all windows.",

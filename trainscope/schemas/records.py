@@ -51,6 +51,9 @@ CATEGORIES = (
     "stage-imbalance",
     "seq-imbalance",
     "hang",
+    # Not performance: a rank sent more distinct functions (or windows) than the stream job's
+    # caps allow, and what went over was set aside (trainscope/engine/caps.py).
+    "cardinality",
     # A job-level symptom (step time regressed) that no detector has narrowed down yet.
     "slowdown",
 )
