@@ -4,7 +4,8 @@ The process test is the rolling restart of issue 22: ``trainscope pipeline`` as 
 over the real broker, Alertmanager unreachable while a fault crosses the alert threshold, the
 pipeline SIGTERMed with the alert still queued, then the real Alertmanager started and the
 pipeline restarted on the same store and group: the webhook receives the alert once, firing,
-naming the rank, with the ``startsAt`` of the first run, and nothing more after further resends.
+naming the rank, with the ``startsAt`` of the first run; a second rolling restart, Alertmanager
+up, keeps it firing, and nothing more comes after further re-sends.
 The unit tests take the state through a checkpoint and back, in process, with the real chDB
 store; where Alertmanager is out of reach they pass a ``post`` stand-in that refuses.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 from alertmanager_proc import Alertmanager, WebhookReceiver, free_port, require_alertmanager
 from kafka_broker import TansuBroker
+from metrics_scrape import scrape_until, value
 from pipeline_procs import PipelineProcess, publish
 
 from trainscope.cli.demo_job import publish_step
@@ -276,22 +278,35 @@ def _firing(notifications: list[dict]) -> list[dict]:
     return [n for n in notifications if n["status"] == "firing"]
 
 
+# A firing alert is held in Alertmanager four re-sends ahead: for the runs before a restart
+# 40 s, longer than a restart takes even on a busy machine, so Alertmanager does not resolve it
+# by itself meanwhile; the last run re-sends every second, to see re-sends make no duplicate.
+RESEND_S = 10.0
+LAST_RESEND_S = 1.0
+SENT = "trainscope_alertmanager_alerts_sent_total"
+
+
 @pytest.mark.kafka
 @pytest.mark.slow
-def test_an_alert_queued_at_sigterm_reaches_alertmanager_once_after_the_restart(
+def test_an_alert_queued_at_sigterm_reaches_alertmanager_once_across_restarts(
     fresh_kafka_broker: TansuBroker, webhook: WebhookReceiver, tmp_path: Path,
 ) -> None:
+    """Run 1 fires the alert with Alertmanager down and is SIGTERMed; run 2, Alertmanager up,
+    delivers it; run 3, after a second rolling restart, keeps it firing: one notification."""
     require_alertmanager()
     port = free_port()  # nothing listens here until Alertmanager starts, after the SIGTERM
-    args = ("--window-s", "5", "--close-idle-s", "1", "--source-idle-s", "1",
-            "--commit-interval-s", "0.5", "--alert-resend-s", "1", "--no-auto-profile",
-            "--alertmanager", f"http://127.0.0.1:{port}")
-    store = tmp_path / "store"
-    first = PipelineProcess(fresh_kafka_broker.url, store, "rolling", *args,
-                            logs=tmp_path / "first")
+
+    def pipeline(name: str, resend_s: float = RESEND_S, *extra: str) -> PipelineProcess:
+        return PipelineProcess(
+            fresh_kafka_broker.url, tmp_path / "store", "rolling", "--window-s", "5",
+            "--close-idle-s", "1", "--source-idle-s", "1", "--commit-interval-s", "0.5",
+            "--alert-resend-s", str(resend_s), "--no-auto-profile",
+            "--alertmanager", f"http://127.0.0.1:{port}", *extra, logs=tmp_path / name)
+
+    first = pipeline("first")
     try:
         publish(fresh_kafka_broker.url, "--job-id", "sick", "--dp", "4", "--pp", "2", "--tp",
-                "2", "--steps", "40", "--window-s", "5", "--fault", "slow-gpu:rank=6,factor=1.4")
+                "2", "--steps", "20", "--window-s", "5", "--fault", "slow-gpu:rank=6,factor=1.4")
         _wait_for_text(first.out_text, ALERT_LINE, timeout_s=60)
         _wait_for_text(first.err_text, "Alertmanager at .* unreachable", timeout_s=30)
     finally:
@@ -306,28 +321,39 @@ def test_an_alert_queued_at_sigterm_reaches_alertmanager_once_after_the_restart(
 
     (tmp_path / "am").mkdir()
     manager = Alertmanager(tmp_path / "am", webhook.url, port=port)
-    second = None
+    runs: list[PipelineProcess] = []
     try:
         manager.wait_ready()
-        second = PipelineProcess(fresh_kafka_broker.url, store, "rolling", *args,
-                                 logs=tmp_path / "second")
+        runs.append(pipeline("second"))
         notifications = webhook.wait_for(_firing, timeout_s=60)
-        # Re-sent every second since: a duplicate would come within a group interval (1 s).
-        time.sleep(3.0)
+        time.sleep(1.5)  # a duplicate would come within a group interval (1 s)
+        assert runs[0].terminate() == 0, runs[0].err_text()
+        # The second rolling restart, Alertmanager up: the alert was sent, and is kept firing.
+        runs.append(pipeline("third", LAST_RESEND_S,
+                             "--metrics-port", str(metrics_port := free_port())))
+        # Sent at the restart, then re-sent each second; a duplicate would follow within a
+        # group interval.
+        scrape_until(metrics_port, lambda m: value(m, SENT) >= 3, timeout_s=60)
+        time.sleep(1.5)
         later = webhook.wait_for(lambda n: False, timeout_s=0)
+        active = manager.alerts()
     finally:
-        if second is not None:
-            second_code = second.terminate()
+        for run in runs:
+            if run.process.poll() is None:
+                run.terminate()
         manager.stop()
-    assert second_code == 0, second.err_text()
     assert later == notifications, "a second notification came"
     [notification] = notifications
     assert notification["status"] == "firing"
     [alert] = notification["alerts"]
     assert (alert["labels"]["rank"], alert["labels"]["category"]) == ("6", "gpu-compute")
-    # Fired by the first run: the restarted one kept it, it did not fire it anew.
+    # Fired by the first run: the restarted ones kept it, they did not fire it anew.
     starts_s = datetime.fromisoformat(alert["startsAt"]).timestamp()
     assert starts_s < stopped_s
-    final = second.stats()["alertmanager"]
-    assert final["restored"] == 1 and final["alerts_fired"] == 0 and final["dropped"] == 0
-    assert final["alerts_sent"] >= 2  # resent each interval, notified once
+    assert [(a["labels"]["rank"], datetime.fromisoformat(a["startsAt"]).timestamp(),
+             a["status"]["state"]) for a in active] == [("6", starts_s, "active")]
+    second, third = (run.stats()["alertmanager"] for run in runs)
+    assert "by shutdown" not in runs[0].err_text()  # nothing left unsent this time
+    for final in (second, third):
+        assert final["restored"] == 1 and final["alerts_fired"] == 0 and final["dropped"] == 0
+    assert third["alerts_sent"] >= 3
