@@ -259,6 +259,63 @@ def test_the_stream_job_checkpoints_the_alerts_with_its_positions(tmp_path: Path
     assert second_notifier.stats().alerts_fired == 0 and second_notifier.book.firing() == 1
 
 
+class Hook:
+    """An ExtraState hook whose save or restore can be made to raise (a hook with a bug)."""
+
+    def __init__(self, value: object, *, save_raises: bool = False,
+                 restore_raises: bool = False) -> None:
+        self.value, self.save_raises, self.restore_raises = value, save_raises, restore_raises
+        self.restored: list[object] = []
+
+    def save(self) -> object:
+        if self.save_raises:
+            raise RuntimeError("save failed (test)")
+        return self.value
+
+    def restore(self, state: object) -> None:
+        if self.restore_raises:
+            raise ValueError("state of another version (test)")
+        self.restored.append(state)
+
+
+def test_a_hook_that_fails_costs_only_its_own_state(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    bus = MemoryBus()
+    faulty_job_on(bus)
+    sink = ClickHouseSink.open(tmp_path / "store")
+
+    def job(**hooks: Hook) -> BusStreamJob:
+        return BusStreamJob(bus, group="hooks", sink=sink, window_s=WINDOW_S,
+                            detectors=[PeerDiffDetector()], commit_interval_s=3600.0,
+                            extra_state={n: ExtraState(h.save, h.restore)
+                                         for n, h in hooks.items()})
+
+    try:
+        first = job(good=Hook({"n": 1}), bad=Hook(None, save_raises=True))
+        first.poll_once(timeout_s=0.0)
+        with caplog.at_level(logging.ERROR, logger="trainscope.engine.bus_job"):
+            assert first.finish(drain=False)  # the checkpoint is stored all the same
+        assert [r.getMessage() for r in caplog.records] == ["bad state not checkpointed"]
+        open_windows = first.engine.open_windows()
+        assert open_windows > 0
+
+        good, newcomer = Hook(None), Hook(None)
+        second = job(good=good, newcomer=newcomer)
+        assert good.restored == [{"n": 1}]
+        assert newcomer.restored == []  # nothing was stored under its name
+        assert second.engine.open_windows() == open_windows
+
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="trainscope.engine.bus_job"):
+            third = job(good=Hook(None, restore_raises=True))
+        assert third.engine.open_windows() == open_windows  # the job's own state is restored
+        assert any("ignoring the good state in the last checkpoint of hooks: state of "
+                   "another version" in r.getMessage() for r in caplog.records)
+    finally:
+        sink.close()
+
+
 # -- the rolling restart, as processes ----------------------------------------------------------
 
 ALERT_LINE = r"^ALERT \[\d\.\d\d\] sick: .*rank 6"
