@@ -45,7 +45,9 @@ if TYPE_CHECKING:
 @click.option("--retention-days", type=click.IntRange(min=0), default=None,
               help="Keep the store's time series rows this many days after their time (whole "
                    "days are dropped); 0 keeps them forever. Default: leave the store's setting.")
-@click.option("--group", default="trainscope-pipeline", show_default=True)
+@click.option("--group", default="trainscope-pipeline", show_default=True,
+              help="Kafka consumer group, whose checkpoint the store keeps. One pipeline per "
+                   "group: a second one is refused (to scale out, `trainscope stream faust`).")
 @click.option("--window-s", type=click.FloatRange(min=0.1), default=None, help=WINDOW_HELP)
 @click.option("--lateness-s", type=click.FloatRange(min=0), default=5.0, show_default=True)
 @click.option("--commit-interval-s", type=click.FloatRange(min=0), default=5.0,
@@ -160,7 +162,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
 
     from trainscope.config.settings import from_context
     from trainscope.engine.bus_job import INPUT_TOPICS, BusStreamJob, summaries_lateness_s
-    from trainscope.transport.bus import BusError
+    from trainscope.transport.bus import BusError, GroupHeldElsewhere
     from trainscope.transport.logonce import quiet_repeats
 
     # Handlers first: a SIGTERM while the store opens, the checkpoint is restored or the group
@@ -197,6 +199,8 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     except BusError as exc:  # e.g. the broker is down, or a TLS handshake or login failed
         bus.close()
         sink.close()
+        if isinstance(exc, GroupHeldElsewhere):
+            raise click.ClickException(_second_member(exc, group)) from None
         raise click.ClickException(str(exc)) from None
     stopper.attach(job)
     if metrics_port is not None:
@@ -204,12 +208,27 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     if notifier is not None:
         notifier.start()
     click.echo(f"consuming {bus_url} as group {group}; SIGTERM or Ctrl-C to stop", err=True)
-    job.run(idle_timeout_s=idle_exit_s if idle_exit_s is not None else float("inf"))
-    complete = job.finish(drain=drain_on_stop or not job.stopping)
+    try:
+        job.run(idle_timeout_s=idle_exit_s if idle_exit_s is not None else float("inf"))
+        complete = job.finish(drain=drain_on_stop or not job.stopping)
+    except GroupHeldElsewhere as exc:
+        # This member read nothing and committed nothing: leaving changes nothing for the
+        # member that holds the group.
+        _close_and_report(job, bus, sink, notifier, profiler, checkpointed=False)
+        raise click.ClickException(_second_member(exc, group)) from None
     _close_and_report(job, bus, sink, notifier, profiler, checkpointed=complete)
     if not complete:
         raise click.ClickException("stopped before every window was written and committed; "
                                    "a restart re-reads what was not committed")
+
+
+def _second_member(exc: Exception, group: str) -> str:
+    """The one line a refused second member of a group exits with."""
+    return (f"{exc}. One `trainscope pipeline` per --group (its windows span every partition "
+            f"of a job, its checkpoint is the group's): to share the work between processes "
+            f"run `trainscope stream faust` workers instead (docs/stream-job.md); to read "
+            f"everything a second time, into a store of its own, give this one another "
+            f"--group than {group!r}")
 
 
 def _notifier(url: str | None, dashboard_url: str | None,

@@ -46,6 +46,7 @@ from trainscope.transport.bus import (
     METRICS_TOPIC,
     Bus,
     BusError,
+    GroupHeldElsewhere,
     Message,
 )
 
@@ -137,7 +138,9 @@ class BusStreamJob(StreamCore):
         # What the last checkpoint holds (or, with none yet, an equivalent state): a commit
         # stores a checkpoint when the hooks' state changed, even with nothing new read.
         self._checkpointed_extra = self._save_extra()
-        self.consumer = bus.consumer(list(topics), group)
+        # Every partition to one member: windows span a job's partitions and the checkpoint
+        # is the group's, so a second member is refused (GroupHeldElsewhere), never split.
+        self.consumer = bus.consumer(list(topics), group, sole_member=True)
 
     def logs_replaced(self, sources: list[Source]) -> None:
         # Batches re-read from a log that was not replaced after all are dropped as
@@ -306,10 +309,14 @@ class BusStreamJob(StreamCore):
 
     def poll_once(self, timeout_s: float = 0.2, max_records: int = 20_000) -> int:
         messages: list[Message] = []
+        group_changes = getattr(self.consumer, "group_changes", None)
+        changes = group_changes() if group_changes is not None else 0
         waited = time.monotonic()
         if self._poll_backoff.ready():
             try:
                 messages = self.consumer.poll(max_records=max_records, timeout_s=timeout_s)
+            except GroupHeldElsewhere:
+                raise  # not an outage: this member must leave without committing
             except BusError as exc:
                 self._stats.poll_failures += 1
                 self._poll_backoff.failed(exc)
@@ -317,15 +324,21 @@ class BusStreamJob(StreamCore):
                 self._poll_backoff.succeeded()
         else:
             time.sleep(min(timeout_s, 0.05))
-        self._listening_s += time.monotonic() - waited
+        waited_s = time.monotonic() - waited
         assignment = getattr(self.consumer, "assignment", None)
         if assignment is not None:
             assigned = frozenset(assignment())
             if assigned != self._assigned:
                 log.info("assigned partitions: %s", ", ".join(
-                    f"{topic}[{partition}]" for topic, partition in sorted(assigned)))
+                    f"{topic}[{partition}]" for topic, partition in sorted(assigned))
+                    or "none (the group is rebalancing)")
                 self.engine.expect_sources(sorted(assigned - self._assigned))
                 self._assigned = assigned
+        # While the group rebalances (a member joins or leaves) nothing can arrive: that wait
+        # is not the stream's silence, and must not close a job's windows as idle.
+        rebalanced = group_changes is not None and group_changes() != changes
+        if not rebalanced and (assignment is None or self._assigned):
+            self._listening_s += waited_s
         if messages:
             self.messages += len(messages)
             self.process_messages(messages)

@@ -39,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 
 from trainscope.transport import aiokafka_private
 from trainscope.transport.kafka_consumer import KafkaConsumer, start_consumer
+from trainscope.transport.kafka_group import KeepPositions, SoleMemberAssignor
 from trainscope.transport.kafka_pending import Entry, PendingMessages
 from trainscope.transport.kafka_support import (
     EventLoopThread,
@@ -382,21 +383,37 @@ class KafkaBus:
 
     # -- consuming ------------------------------------------------------------------------
 
-    def consumer(self, topics: list[str], group: str) -> KafkaConsumer:
+    def consumer(
+        self, topics: list[str], group: str, *, sole_member: bool = False
+    ) -> KafkaConsumer:
+        """A member of ``group`` reading ``topics``. ``sole_member``: the group's partitions
+        all go to one member, never split (see :mod:`trainscope.transport.kafka_group`); this
+        member's ``poll`` raises ``GroupHeldElsewhere`` if another member holds them."""
         if not topics:
             raise ValueError("a consumer needs at least one topic")
         thread = self._loop()
         timeout_s = self.request_timeout_ms / 1000 + CALL_GRACE_S
+        listener = KeepPositions()
+        assignor = SoleMemberAssignor() if sole_member else None
         consumer = thread.run(
-            self._open_consumer(list(topics), group),
+            self._open_consumer(list(topics), group, listener, assignor),
             timeout_s,
             self._what(f"subscribe {group!r} to {topics}"),
         )
-        wrapper = KafkaConsumer(consumer, thread, self.bootstrap_servers, timeout_s)
+        wrapper = KafkaConsumer(
+            consumer, thread, self.bootstrap_servers, timeout_s,
+            group=group, listener=listener, assignor=assignor,
+        )
         self._consumers.add(wrapper)
         return wrapper
 
-    async def _open_consumer(self, topics: list[str], group: str) -> Any:
+    async def _open_consumer(
+        self,
+        topics: list[str],
+        group: str,
+        listener: KeepPositions,
+        assignor: SoleMemberAssignor | None,
+    ) -> Any:
         await self._ensure_topics(topics)
         return await start_consumer(
             topics,
@@ -407,6 +424,8 @@ class KafkaBus:
             request_timeout_ms=self.request_timeout_ms,
             security=self.security,
             client_kwargs=self._client_kwargs,
+            listener=listener,
+            assignor=assignor,
         )
 
     # -- shutdown -------------------------------------------------------------------------

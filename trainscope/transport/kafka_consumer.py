@@ -1,4 +1,10 @@
-"""The consumer side of the Kafka bus: one member of a consumer group, driven synchronously."""
+"""The consumer side of the Kafka bus: one member of a consumer group, driven synchronously.
+
+After a rebalance a member reads on from where it got to in the partitions it keeps
+(:class:`~trainscope.transport.kafka_group.KeepPositions`); a group opened ``sole_member``
+gives every partition to one member (:mod:`trainscope.transport.kafka_group`), and its other
+members' ``poll`` raises :class:`GroupHeldElsewhere`.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,12 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import InconsistentGroupProtocolError
 
 from trainscope.transport import aiokafka_private
+from trainscope.transport.kafka_group import KeepPositions, SoleMemberAssignor
 from trainscope.transport.kafka_support import EventLoopThread, start_client
-from trainscope.transport.protocol import BusError, Message
+from trainscope.transport.protocol import BusError, GroupHeldElsewhere, Message
 from trainscope.transport.security import KafkaSecurity
 
 log = logging.getLogger(__name__)
@@ -28,10 +36,15 @@ async def start_consumer(
     request_timeout_ms: int,
     security: KafkaSecurity | None = None,
     client_kwargs: dict[str, Any] | None = None,
+    listener: KeepPositions | None = None,
+    assignor: SoleMemberAssignor | None = None,
 ) -> AIOKafkaConsumer:
-    """``client_kwargs``: the TLS/SASL settings of every client of the bus (``security``'s)."""
+    """``client_kwargs``: the TLS/SASL settings of every client of the bus (``security``'s).
+    ``assignor``: a :class:`SoleMemberAssignor` instead of aiokafka's round robin."""
+    strategy: dict[str, Any] = {}
+    if assignor is not None:
+        strategy["partition_assignment_strategy"] = (assignor,)
     consumer = AIOKafkaConsumer(
-        *topics,
         bootstrap_servers=bootstrap_servers,
         client_id=client_id,
         group_id=group,
@@ -41,9 +54,23 @@ async def start_consumer(
         heartbeat_interval_ms=max(100, session_timeout_ms // 5),
         rebalance_timeout_ms=session_timeout_ms,
         request_timeout_ms=request_timeout_ms,
+        **strategy,
         **(client_kwargs or {}),
     )
-    await start_client(consumer, bootstrap_servers, security)
+    listener = listener if listener is not None else KeepPositions()
+    listener.consumer = consumer
+    consumer.subscribe(topics, listener=listener)
+    try:
+        await start_client(consumer, bootstrap_servers, security)
+    except BusError as exc:
+        if isinstance(exc.__context__, InconsistentGroupProtocolError):
+            # The broker refused the join: the group's members use another assignment protocol.
+            raise GroupHeldElsewhere(
+                f"consumer group {group!r} on Kafka at {bootstrap_servers} has members of "
+                f"another kind (another assignment protocol than "
+                f"{assignor.name if assignor is not None else 'roundrobin'!r})"
+            ) from None
+        raise
     return consumer
 
 
@@ -56,29 +83,82 @@ class KafkaConsumer:
         thread: EventLoopThread,
         bootstrap_servers: str,
         call_timeout_s: float,
+        *,
+        group: str = "",
+        listener: KeepPositions | None = None,
+        assignor: SoleMemberAssignor | None = None,
     ) -> None:
         self._consumer = consumer
         self._thread = thread
         self._servers = bootstrap_servers
         self._call_timeout_s = call_timeout_s
         self._closed = False
+        self.group = group
+        self._listener = listener if listener is not None else KeepPositions()
+        self._assignor = assignor
+        self._checked_rebalance = 0  # the last rebalance whose assignment was checked whole
+
+    def _held_elsewhere(self) -> None:
+        """A sole-member group that handed this member nothing, or only some partitions (a
+        member of another kind shares the group), belongs to another member."""
+        assignor = self._assignor
+        if assignor is None or not self._listener.rebalances:
+            return
+        if not assignor.holds:
+            raise GroupHeldElsewhere(
+                f"consumer group {self.group!r} on Kafka at {self._servers} is held by another "
+                f"member ({assignor.holder or 'unknown'}), which reads every partition"
+            )
+        if self._checked_rebalance == self._listener.rebalances:
+            return
+        self._checked_rebalance = self._listener.rebalances
+        assigned = self._consumer.assignment()
+        missing = sorted(
+            f"{topic}[{partition}]"
+            for topic in sorted(self._consumer.subscription())
+            for partition in self._consumer.partitions_for_topic(topic) or ()
+            if TopicPartition(topic, partition) not in assigned
+        )
+        if missing:
+            raise GroupHeldElsewhere(
+                f"consumer group {self.group!r} on Kafka at {self._servers} has another member "
+                f"that holds {', '.join(missing)}"
+            )
 
     def poll(self, max_records: int = 10_000, timeout_s: float = 0.1) -> list[Message]:
         if self._closed:
             raise BusError("poll on a closed consumer")
+        self._held_elsewhere()
         batches = self._call(
-            self._consumer.getmany(timeout_ms=int(timeout_s * 1000), max_records=max_records),
-            timeout_s + self._call_timeout_s,
+            self._getmany(int(timeout_s * 1000), max_records), timeout_s + self._call_timeout_s,
             "poll",
         )
+        self._held_elsewhere()  # the poll may have completed a join that handed it nothing
         return [
             Message(r.topic, r.partition, r.offset, r.key, r.value or b"", r.timestamp)
             for records in batches.values()
             for r in records
         ]
 
+    async def _getmany(self, timeout_ms: int, max_records: int) -> dict[Any, list[Any]]:
+        batches = await self._consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
+        # On the loop's thread, where rebalances run: what was handed out is where to resume.
+        handed = self._listener.handed
+        for tp, records in batches.items():
+            if records:
+                handed[tp] = records[-1].offset + 1
+        return batches
+
+    def group_changes(self) -> int:
+        """How often this member's partitions were revoked or assigned so far: a poll during
+        which it changed may have waited on a rebalance, not on the stream."""
+        return self._listener.changes
+
     def assignment(self) -> list[tuple[str, int]]:
-        """The (topic, partition) pairs this member reads now."""
+        """The (topic, partition) pairs this member reads now; none while the group
+        rebalances (the client keeps the old assignment meanwhile but delivers nothing)."""
+        if self._listener.rebalancing:
+            return []
         return [(tp.topic, tp.partition) for tp in self._consumer.assignment()]
 
     def rewind(self, partitions: list[tuple[str, int]]) -> None:
@@ -87,6 +167,8 @@ class KafkaConsumer:
         tps = [tp for t, p in partitions if (tp := TopicPartition(t, p)) in assigned]
         if tps:
             self._call(self._consumer.seek_to_beginning(*tps), self._call_timeout_s, "rewind")
+            for tp in tps:
+                self._listener.handed.pop(tp, None)
 
     def commit(
         self,
@@ -98,6 +180,10 @@ class KafkaConsumer:
         bounds the call (the client retries some failures internally until then)."""
         if self._closed:
             raise BusError("commit on a closed consumer")
+        if self._listener.rebalancing:
+            # The broker would refuse it; and after the rebalance the positions may not be ours.
+            raise BusError(f"commit on Kafka at {self._servers}: group {self.group!r} is "
+                           f"rebalancing")
         offsets = None
         if positions is not None:
             # After a rebalance, partitions this member no longer owns are not its to commit.

@@ -46,7 +46,11 @@ class MemoryBus:
     def flush(self, timeout_s: float = 30.0) -> None:
         """Publishing is synchronous here; nothing is ever pending."""
 
-    def consumer(self, topics: list[str], group: str) -> MemoryConsumer:
+    def consumer(
+        self, topics: list[str], group: str, *, sole_member: bool = False
+    ) -> MemoryConsumer:
+        """Every consumer reads every partition (a bus inside one process has one member per
+        group), so ``sole_member`` holds already."""
         return MemoryConsumer(self, list(topics), group)
 
     def close(self) -> None:

@@ -25,6 +25,12 @@ class BusError(RuntimeError, TrainscopeError):
     """The bus cannot be reached or refused an operation."""
 
 
+class GroupHeldElsewhere(BusError):
+    """Another member of this consumer group holds every partition: this one was given none
+    (a group whose members each need the whole stream, see
+    :mod:`trainscope.transport.kafka_group`). Not retried: the member should leave."""
+
+
 @dataclass(frozen=True, slots=True)
 class Message:
     topic: str
@@ -61,7 +67,11 @@ class Bus(Protocol):
 
     def flush(self, timeout_s: float = 30.0) -> None: ...
 
-    def consumer(self, topics: list[str], group: str) -> Consumer: ...
+    def consumer(self, topics: list[str], group: str, *, sole_member: bool = False) -> Consumer:
+        """A member of ``group``. ``sole_member``: the group's partitions are never split
+        between members; one member gets them all and the others' ``poll`` raises
+        ``GroupHeldElsewhere``."""
+        ...
 
     def close(self) -> None: ...
 
