@@ -28,7 +28,7 @@ from trainscope.detectors.registry import DetectorRunner
 from trainscope.engine.caps import Caps
 from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.schemas.codec import encode_batch
-from trainscope.schemas.records import Finding, SummaryBatch
+from trainscope.schemas.records import Finding, SpanBatch, SummaryBatch
 from trainscope.schemas.window import WindowView
 from trainscope.transport.bus import EVENTS_TOPIC, Message, open_bus
 
@@ -293,6 +293,37 @@ def test_caps_per_rank_per_job_and_open_windows_refuse_whole_messages() -> None:
     assert job.windows == 3  # j's first two and k's: j's third never opened
 
 
+def spans(job: str, rank: int, names: list[str], start_ns: int,
+          callpaths: list[int] | None = None) -> SpanBatch:
+    n = len(names)
+    extra = {} if callpaths is None else {"callpath_id": callpaths}
+    return SpanBatch.from_arrays(job_id=job, layers=["torch_op"] * n, names=names,
+                                 rank=[rank] * n, fn=list(range(n)), step=[0] * n,
+                                 start_ns=[start_ns] * n, duration_ns=[1000] * n, **extra)
+
+
+def test_span_events_count_by_function_and_call_path() -> None:
+    """Raw span events take the same caps: one function under two call paths is two."""
+    views: list[WindowView] = []
+    job = EmbeddedStreamJob(detectors=[], window_s=WINDOW_S,
+                            caps=Caps(functions_per_rank=4, functions_per_job=100),
+                            on_window=lambda view, _: views.append(view))
+    job.process_messages([
+        message(0, spans("s", 0, ["f", "g"], T0 + 1, callpaths=[1, 2])),
+        message(1, spans("s", 0, ["f", "f"], T0 + 2, callpaths=[1, 2])),  # (f, 2) is new: 3
+        message(2, spans("s", 0, ["f", "g"], T0 + 3, callpaths=[1, 2])),  # nothing new
+        message(3, spans("s", 0, ["h", "i"], T0 + 4, callpaths=[5, 6])),  # 3 + 2 > 4
+        message(4, spans("s", 1, ["h", "i"], T0 + 5)),  # another rank
+    ])
+    stats = job.stats()
+    assert (stats.capped_messages, stats.capped_rows) == (1, 2)
+    job.finish()
+    [window] = [v for v in views if not v.summaries.empty]
+    rows = window.summaries
+    assert sorted(zip(rows["rank"], rows["name"], rows["callpath_id"], strict=True)) == [
+        (0, "f", 1), (0, "f", 2), (0, "g", 2), (1, "h", 0), (1, "i", 0)]
+
+
 def test_a_job_whose_every_message_is_refused_is_still_reported() -> None:
     """No window of the job ever opens, so none closes to carry the report: it is made at
     once, as a window of findings alone (no rows, no detectors run on it)."""
@@ -315,7 +346,7 @@ def test_a_window_closed_frees_its_count() -> None:
         job.process_messages([message(w, batch)])
     assert job.stats().capped_messages == 0
     assert job.windows == 5
-    assert len(job.caps._jobs["j"]) <= 2  # closed windows' counts are gone
+    assert len(job.caps._jobs["j"].windows) <= 2  # closed windows' counts are gone
 
 
 # -- units: the time budget ------------------------------------------------------------------

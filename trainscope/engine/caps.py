@@ -70,187 +70,225 @@ class Refusal:
 
 @dataclass
 class _Window:
-    """The distinct functions of one open window: job-wide ids, and which each rank named."""
+    """What one open window's ranks named: sorted job-wide function ids, all ranks and each."""
+
+    functions: np.ndarray = field(default_factory=lambda: _EMPTY)
+    ranks: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class _Job:
+    """A job's function ids (a function admitted once keeps its id) and its open windows."""
 
     ids: dict[FunctionKey, int] = field(default_factory=dict)
-    ranks: dict[int, np.ndarray] = field(default_factory=dict)  # per rank: a mask over ids
-    counts: dict[int, int] = field(default_factory=dict)  # per rank: functions named
+    # Ids of the batches' function dictionaries seen lately: each rank sends the same one
+    # window after window, so a message costs one lookup instead of one per function.
+    dictionaries: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]], np.ndarray] = (
+        field(default_factory=dict))
+    windows: dict[int, _Window] = field(default_factory=dict)
 
 
-# What a message names, per job: per window, per rank, its function keys (empty for steps and
-# metrics, which only open windows), and its rows.
-_Named = dict[str, dict[int, dict[int, set[FunctionKey]]]]
+_EMPTY = np.zeros(0, dtype=np.int64)
+_MAX_DICTIONARIES = 4096
+# Per window, per rank: the function ids the message names there (arrays, maybe repeating).
+_Named = dict[int, dict[int, list[np.ndarray]]]
+
+
+class _Message:
+    """What one message names, per job: function ids (new functions get the ids they would
+    have once admitted) by window and rank, its rows, and the functions new to the job."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+        self.named: _Named = {}
+        self.rows = 0
+        self.new: dict[FunctionKey, int] = {}
+
+    def fid(self, key: FunctionKey) -> int:
+        fid = self.job.ids.get(key)
+        if fid is None:
+            fid = self.new.setdefault(key, len(self.job.ids) + len(self.new))
+        return fid
+
+    def table(self, layers: list[str], names: list[str], callpaths: list[int]) -> np.ndarray:
+        key = (tuple(layers), tuple(names), tuple(callpaths))
+        table = self.job.dictionaries.get(key)
+        if table is None:
+            new_before = len(self.new)
+            table = np.array([self.fid(k) for k in zip(*key, strict=True)], dtype=np.int64)
+            if len(self.new) == new_before:  # all known: the ids are final
+                if len(self.job.dictionaries) >= _MAX_DICTIONARIES:
+                    self.job.dictionaries.clear()
+                self.job.dictionaries[key] = table
+        return table
+
+    def add(self, index: int, rank: np.ndarray | int, fid: np.ndarray) -> None:
+        """Rows of window ``index``: their ranks (one for all, or one each) and function ids."""
+        ranks = self.named.setdefault(index, {})
+        if isinstance(rank, int):
+            ranks.setdefault(rank, []).append(fid)
+            return
+        if len(rank) and (rank == rank[0]).all():
+            ranks.setdefault(int(rank[0]), []).append(fid)
+            return
+        order = np.argsort(rank, kind="stable")
+        bounds = np.flatnonzero(np.r_[True, rank[order][1:] != rank[order][:-1]])
+        for rows in np.split(order, bounds[1:]):
+            ranks.setdefault(int(rank[rows[0]]), []).append(fid[rows])
 
 
 class CapGuard:
     """Admits messages against :class:`Caps`; keeps, per job and open window, the functions
     each rank named. ``closed_before(job_id)`` is the window engine's: windows below it are
-    closed, forgotten here, and records for them are the engine's to count as late."""
+    closed, forgotten here, and records for them are the engine's to count as late.
+
+    A job's function ids live as long as the job (like the window engine's function table):
+    its windows hold sorted arrays of ids, 8 bytes per (rank, function) named."""
 
     def __init__(self, caps: Caps, window_ns: int, closed_before: Callable[[str], int]) -> None:
         self.caps = caps
         self.window_ns = window_ns
         self._closed_before = closed_before
-        self._jobs: dict[str, dict[int, _Window]] = {}
+        self._jobs: dict[str, _Job] = {}
 
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
 
     def has_open(self, job_id: str) -> bool:
         """Whether messages of the job were admitted to a window still open."""
-        windows = self._jobs.get(job_id)
-        if not windows:
+        job = self._jobs.get(job_id)
+        if job is None or not job.windows:
             return False
         closed_before = self._closed_before(job_id)
-        return any(index >= closed_before for index in windows)
+        return any(index >= closed_before for index in job.windows)
 
     def closed(self, job_id: str, window_start_ns: int) -> None:
         """A window of the job closed: what its ranks named is no longer needed."""
         job = self._jobs.get(job_id)
         if job is not None:
-            job.pop(window_start_ns // self.window_ns, None)
-            if not job:
-                del self._jobs[job_id]
+            job.windows.pop(window_start_ns // self.window_ns, None)
 
     def admit(self, records: list[Record]) -> Refusal | None:
         """Record what the message's records name and return None, or return why not (and
         record nothing): the message goes over a cap."""
-        named, rows = self._named(records)
-        plans: list[tuple[dict[int, _Window], int, int, list[FunctionKey]]] = []
-        for job_id, windows in named.items():
-            job = self._jobs.setdefault(job_id, {})
+        messages = self._named(records)
+        updates: list[tuple[_Job, int, int, np.ndarray]] = []
+        for job_id, message in messages.items():
+            job = message.job
             closed_before = self._closed_before(job_id)
-            for index in [i for i in job if i < closed_before]:
-                del job[index]
-            fresh = [i for i in windows if i >= closed_before and i not in job]
-            if fresh and len(job) + len(fresh) > self.caps.open_windows:
-                rank = _busiest(windows[fresh[0]])
-                return Refusal(job_id, rank, fresh[0] * self.window_ns, rows.get(job_id, 0), 0,
+            for index in [i for i in job.windows if i < closed_before]:
+                del job.windows[index]
+            named = {i: ranks for i, ranks in message.named.items() if i >= closed_before}
+            fresh = [i for i in named if i not in job.windows]
+            if fresh and len(job.windows) + len(fresh) > self.caps.open_windows:
+                return Refusal(job_id, _busiest(named[fresh[0]]), fresh[0] * self.window_ns,
+                               message.rows, 0,
                                f"job {job_id!r}: would open window {fresh[0] * self.window_ns} "
-                               f"with {len(job)} of its windows open already, over the cap of "
-                               f"{self.caps.open_windows} (--max-open-windows)")
-            for index, ranks in windows.items():
-                if index < closed_before:
-                    continue
-                refusal = self._check(job_id, job.get(index), index, ranks, rows.get(job_id, 0))
+                               f"with {len(job.windows)} of its windows open already, over the "
+                               f"cap of {self.caps.open_windows} (--max-open-windows)")
+            for index, ranks in named.items():
+                distinct = {rank: _distinct(np.concatenate(fids)) if len(fids) > 1
+                            else _distinct(fids[0]) for rank, fids in ranks.items()}
+                refusal = self._check(job_id, job.windows.get(index), index, distinct,
+                                      message.rows)
                 if refusal is not None:
                     return refusal
-                plans += [(job, index, rank, list(keys)) for rank, keys in ranks.items()]
-        for job, index, rank, keys in plans:
-            _record(job.setdefault(index, _Window()), rank, keys)
+                updates += [(job, index, rank, fids) for rank, fids in distinct.items()]
+        for message in messages.values():
+            message.job.ids.update(message.new)
+        for job, index, rank, fids in updates:
+            window = job.windows.setdefault(index, _Window())
+            old = window.ranks.get(rank)
+            window.ranks[rank] = fids if old is None else _distinct(np.concatenate([old, fids]))
+            window.functions = _distinct(np.concatenate([window.functions, fids]))
         return None
 
     def _check(self, job_id: str, window: _Window | None, index: int,
-               ranks: dict[int, set[FunctionKey]], rows: int) -> Refusal | None:
-        known = window.ids if window is not None else {}
-        added: set[FunctionKey] = set()
-        for rank, keys in ranks.items():
-            new = _new_for_rank(window, rank, keys)
-            had = window.counts.get(rank, 0) if window is not None else 0
+               ranks: dict[int, np.ndarray], rows: int) -> Refusal | None:
+        known = window.functions if window is not None else _EMPTY
+        for rank, fids in ranks.items():
+            old = window.ranks.get(rank) if window is not None else None
+            had = 0 if old is None else len(old)
+            new = len(fids) if old is None else int((~np.isin(fids, old,
+                                                               assume_unique=True)).sum())
             if had + new > self.caps.functions_per_rank:
                 return Refusal(job_id, rank, index * self.window_ns, rows, new,
                                f"job {job_id!r} rank {rank} window {index * self.window_ns}: "
                                f"{new} new distinct function(s) on top of {had}, over the cap of "
                                f"{self.caps.functions_per_rank} per rank and window "
                                "(--max-functions-per-rank)")
-            added.update(k for k in keys if k not in known)
-        if len(known) + len(added) > self.caps.functions_per_job:
-            rank = _busiest(ranks)
-            return Refusal(job_id, rank, index * self.window_ns, rows, len(added),
-                           f"job {job_id!r} window {index * self.window_ns}: {len(added)} new "
+        named = _distinct(np.concatenate(list(ranks.values()))) if ranks else _EMPTY
+        added = int((~np.isin(named, known, assume_unique=True)).sum())
+        if len(known) + added > self.caps.functions_per_job:
+            return Refusal(job_id, _busiest(ranks), index * self.window_ns, rows, added,
+                           f"job {job_id!r} window {index * self.window_ns}: {added} new "
                            f"distinct function(s) on top of {len(known)}, over the cap of "
                            f"{self.caps.functions_per_job} per job and window "
                            "(--max-functions-per-job)")
         return None
 
-    def _named(self, records: list[Record]) -> tuple[_Named, dict[str, int]]:
-        named: _Named = {}
-        rows: dict[str, int] = {}
+    def _named(self, records: list[Record]) -> dict[str, _Message]:
+        messages: dict[str, _Message] = {}
         window_ns = self.window_ns
         for record in records:
+            if not isinstance(record, SummaryBatch | FunctionSummary | SpanBatch | StepRecord
+                              | MetricSample):
+                continue
+            message = messages.get(record.job_id)
+            if message is None:
+                job = self._jobs.setdefault(record.job_id, _Job())
+                message = messages[record.job_id] = _Message(job)
             if isinstance(record, SummaryBatch):
-                if not len(record):
-                    continue
-                keys = list(zip(record.layers, record.names, record.callpaths, strict=True))
-                pairs = np.unique((record.column("rank").astype(np.int64) << 32)
-                                  | record.column("fn").astype(np.int64))
-                ranks = _windows(named, record.job_id)[record.window_start_ns // window_ns]
-                for pair in pairs.tolist():
-                    ranks.setdefault(pair >> 32, set()).add(keys[pair & 0xFFFFFFFF])
-                rows[record.job_id] = rows.get(record.job_id, 0) + len(record)
+                if len(record):
+                    table = message.table(record.layers, record.names, record.callpaths)
+                    message.add(record.window_start_ns // window_ns,
+                                record.column("rank").astype(np.int64),
+                                table[record.column("fn")])
+                    message.rows += len(record)
             elif isinstance(record, FunctionSummary):
-                ranks = _windows(named, record.job_id)[record.window_start_ns // window_ns]
-                ranks.setdefault(record.rank, set()).add(
-                    (record.layer, record.name, record.callpath_id))
-                rows[record.job_id] = rows.get(record.job_id, 0) + 1
+                fid = message.fid((record.layer, record.name, record.callpath_id))
+                message.add(record.window_start_ns // window_ns, record.rank,
+                            np.array([fid], dtype=np.int64))
+                message.rows += 1
             elif isinstance(record, SpanBatch):
-                self._named_spans(named, record)
-                rows[record.job_id] = rows.get(record.job_id, 0) + len(record)
+                self._named_spans(message, record)
             elif isinstance(record, StepRecord):  # they open windows, name no function
-                _windows(named, record.job_id)[record.start_ns // window_ns].setdefault(
-                    record.rank, set())
-            elif isinstance(record, MetricSample):
-                _windows(named, record.job_id)[(record.ts_ns - 1) // window_ns].setdefault(
-                    record.rank, set())
-        return named, rows
+                message.add(record.start_ns // window_ns, record.rank, _EMPTY)
+            else:
+                message.add((record.ts_ns - 1) // window_ns, record.rank, _EMPTY)
+        return messages
 
-    def _named_spans(self, named: _Named, batch: SpanBatch) -> None:
+    def _named_spans(self, message: _Message, batch: SpanBatch) -> None:
         if not len(batch):
             return
+        local_fn = batch.column("fn").astype(np.int64)
+        if batch.callpath_id and batch.column("callpath_id").any():
+            pairs, inverse = np.unique(np.stack([local_fn, batch.column("callpath_id")
+                                                 .astype(np.int64)]), axis=1,
+                                       return_inverse=True)
+            ids = np.array([message.fid((batch.layers[f], batch.names[f], c))
+                            for f, c in pairs.T.tolist()], dtype=np.int64)
+            fid = ids[inverse.ravel()]
+        else:
+            fid = message.table(batch.layers, batch.names, [0] * len(batch.names))[local_fn]
         index = batch.column("start_ns") // self.window_ns
-        callpath = batch.column("callpath_id") if batch.callpath_id else None
-        columns = [index, batch.column("rank").astype(np.int64),
-                   batch.column("fn").astype(np.int64)]
-        if callpath is not None:
-            columns.append(callpath.astype(np.int64))
-        distinct = np.unique(np.stack(columns), axis=1)
-        windows = _windows(named, batch.job_id)
-        for column in distinct.T.tolist():
-            path = column[3] if callpath is not None else 0
-            key = (batch.layers[column[2]], batch.names[column[2]], path)
-            windows[column[0]].setdefault(column[1], set()).add(key)
+        rank = batch.column("rank").astype(np.int64)
+        for window in np.unique(index).tolist():
+            rows = index == window
+            message.add(window, rank[rows], fid[rows])
+        message.rows += len(batch)
 
 
-class _AutoDict(dict[int, dict[int, set[FunctionKey]]]):
-    def __missing__(self, index: int) -> dict[int, set[FunctionKey]]:
-        ranks: dict[int, set[FunctionKey]] = {}
-        self[index] = ranks
-        return ranks
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """Sorted distinct values. A sort and a comparison of neighbours: numpy 2's hash-based
+    ``unique`` took ~10x longer on these arrays (as in frames.py)."""
+    ordered = np.sort(values)
+    return ordered[np.r_[True, ordered[1:] != ordered[:-1]]] if len(ordered) > 1 else ordered
 
 
-def _windows(named: _Named, job_id: str) -> dict[int, dict[int, set[FunctionKey]]]:
-    windows = named.get(job_id)
-    if windows is None:
-        windows = named[job_id] = _AutoDict()
-    return windows
-
-
-def _busiest(ranks: dict[int, set[FunctionKey]]) -> int:
+def _busiest(ranks: dict[int, np.ndarray] | dict[int, list[np.ndarray]]) -> int:
     """The rank naming the most functions (the one a refusal is reported against)."""
-    return max(ranks, key=lambda rank: len(ranks[rank]), default=-1)
-
-
-def _new_for_rank(window: _Window | None, rank: int, keys: set[FunctionKey]) -> int:
-    if window is None:
-        return len(keys)
-    mask = window.ranks.get(rank)
-    new = 0
-    for key in keys:
-        fid = window.ids.get(key)
-        if fid is None or mask is None or fid >= len(mask) or not mask[fid]:
-            new += 1
-    return new
-
-
-def _record(window: _Window, rank: int, keys: list[FunctionKey]) -> None:
-    fids = [window.ids.setdefault(key, len(window.ids)) for key in keys]
-    mask = window.ranks.get(rank)
-    if mask is None or len(mask) < len(window.ids):
-        grown = np.zeros(max(len(window.ids), 2 * len(mask) if mask is not None else 0),
-                         dtype=bool)
-        if mask is not None:
-            grown[: len(mask)] = mask
-        mask = window.ranks[rank] = grown
-    if fids:
-        mask[fids] = True
-    window.counts[rank] = int(mask.sum())
+    def size(rank: int) -> int:
+        value = ranks[rank]
+        return len(value) if isinstance(value, np.ndarray) else sum(len(v) for v in value)
+    return max(ranks, key=size, default=-1)
