@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import msgspec
@@ -113,7 +114,8 @@ def test_an_unexpected_exception_while_decoding_dead_letters_the_message(monkeyp
     (letter,) = MemoryBus.consumer(bus, [DEAD_LETTER_TOPIC], "check").poll(timeout_s=0.0)
     assert letter.value == b"boom"
     assert letter.key == (f"{EVENTS_TOPIC}[0]@0: decoding raised RecursionError: maximum "
-                          "recursion depth exceeded").encode()
+                          "recursion depth exceeded | payload 4 bytes sha256:"
+                          f"{hashlib.sha256(b'boom').hexdigest()}").encode()
     assert pipeline.windows == 1
 
 

@@ -156,8 +156,12 @@ def test_migrate_keeps_every_row_and_gives_the_new_layout(tmp_path) -> None:
 
     after = read(store)
     assert after["layout"] == 2
-    for table in ("step_records", "findings", "dead_letters"):
+    for table in ("step_records", "findings"):
         assert after[table] == before[table], table
+    # Dead letters gained two columns since (payload_bytes, payload_sha256: 0 and '' in old
+    # rows, added at the end); the rest of each row is unchanged.
+    width = len(before["dead_letters"][0])
+    assert [row[:width] for row in after["dead_letters"]] == before["dead_letters"]
     assert after["step_records types"]["job_id"] == "LowCardinality(String)"
     assert after["findings types"]["category"] == "LowCardinality(String)"
     assert after["step_records types"]["start"] == "DateTime64(9, 'UTC')"

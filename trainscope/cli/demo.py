@@ -178,6 +178,8 @@ def _alert_printer(out: Any, threshold: float) -> Callable[[Any, list[Any]], Non
     """The ``on_window`` callback that prints one ALERT line per new suspect."""
     from rich.markup import escape
 
+    from trainscope.schemas.untrusted import terminal_safe
+
     seen: set[tuple[int, int, str]] = set()
 
     def on_window(view: Any, findings: list[Any]) -> None:
@@ -188,7 +190,7 @@ def _alert_printer(out: Any, threshold: float) -> Callable[[Any, list[Any]], Non
                 seen.add(key)
                 # The job's id as the pipeline prints it: on a shared bus lines of several
                 # demos (or a demo and a pipeline) must not be mistaken for one another.
-                text = escape(f"[{f.score:.2f}] {view.job_id}: {f.message}")
+                text = escape(terminal_safe(f"[{f.score:.2f}] {view.job_id}: {f.message}"))
                 out.print(f"[bold red]ALERT[/] {text}", highlight=False)
 
     return on_window
@@ -211,12 +213,19 @@ def _write_optrace(directory: Path, frames: list, meta: dict[str, int]) -> None:
 
 
 def _print_diagnosis(console, result, store: Path | None, threshold: float) -> None:
+    from rich.markup import escape
     from rich.table import Table
+
+    from trainscope.schemas.untrusted import terminal_safe
+
+    def safe(text: object) -> str:
+        """Producer text (job id, function names) shown as it is, never as Rich markup."""
+        return escape(terminal_safe(text))
 
     stats = result.stats
     sent = f"sent as {result.summaries:,} function summaries" if result.summaries else "sent raw"
     console.print(
-        f"\n[bold]{result.job_id}[/]: {result.ranks} ranks, {result.steps} steps, "
+        f"\n[bold]{safe(result.job_id)}[/]: {result.ranks} ranks, {result.steps} steps, "
         f"{result.events:,} span events in {result.windows} windows, {sent}, "
         f"{result.elapsed_s:.1f} s ({result.events / max(result.elapsed_s, 1e-9):,.0f} events/s)"
     )
@@ -235,12 +244,13 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
         for i, s in enumerate(result.suspects, 1):
             who = (f"stage {s.pp_stage}" if s.category == "stage-imbalance"
                    else ("job" if s.rank < 0 else str(s.rank)))
-            table.add_row(str(i), who, s.category, f"{s.layer}/{s.function}".strip("/"),
+            table.add_row(str(i), who, safe(s.category), safe(f"{s.layer}/{s.function}".strip("/")),
                           f"{s.score:.2f}", str(s.windows), str(len(s.victims)))
         console.print(table)
-        console.print(f"[bold]Prime suspect:[/] {result.suspects[0].message}", highlight=False)
+        console.print(f"[bold]Prime suspect:[/] {safe(result.suspects[0].message)}",
+                      highlight=False)
     if store is not None:
         # Windows, not finding rows: several detectors may report one rank in one window.
-        console.print(f"store: {store}  (try: trainscope sql \"SELECT rank, category, "
+        console.print(f"store: {safe(store)}  (try: trainscope sql \"SELECT rank, category, "
                       f"uniqExact(window_start_ns) AS windows FROM findings GROUP BY rank, "
-                      f"category ORDER BY windows DESC\" --store {store})", highlight=False)
+                      f"category ORDER BY windows DESC\" --store {safe(store)})", highlight=False)

@@ -17,6 +17,7 @@ import click
 
 from trainscope import __version__
 from trainscope.cli.extras import MissingExtra, missing_extra, missing_store_backend
+from trainscope.schemas.untrusted import terminal_safe
 
 # name → "module:attribute" of a click command
 _LAZY = {
@@ -119,6 +120,9 @@ def cli(ctx: click.Context, verbose: int) -> None:
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    for handler in logging.getLogger().handlers:
+        # Log lines quote producers' job ids and names: no escape sequence reaches the terminal.
+        handler.setFormatter(_TerminalSafeFormatter(handler.formatter))
     if verbose:
         # Asked for: the Kafka client's own lines too (the bus quiets them only when nobody
         # chose a level for them).
@@ -128,6 +132,18 @@ def cli(ctx: click.Context, verbose: int) -> None:
         # import); our own errors say what failed, once.
         for handler in logging.getLogger().handlers:
             handler.addFilter(_not_from_client_libraries)
+
+
+class _TerminalSafeFormatter(logging.Formatter):
+    """A handler's format with each message's control characters escaped (a traceback after
+    it keeps its lines)."""
+
+    def __init__(self, base: logging.Formatter | None) -> None:
+        super().__init__(base._fmt if base is not None else None)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = terminal_safe(record.message)
+        return super().formatMessage(record)
 
 
 @cli.command()
@@ -193,10 +209,15 @@ def _print_rows(columns: list[str], rows: list[Any], fmt: str) -> None:
     else:
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
 
-        table = Table(*columns)
+        # Values are the producers' text (job ids, function names): Text objects are never
+        # read as Rich markup, and terminal_safe escapes what a terminal would act on.
+        table = Table()
+        for column in columns:
+            table.add_column(Text(terminal_safe(column)))
         for row in rows:
-            table.add_row(*(str(v) for v in row))
+            table.add_row(*(Text(terminal_safe(v)) for v in row))
         Console(soft_wrap=True).print(table)
         click.echo(f"{len(rows)} row(s)", err=True)
 

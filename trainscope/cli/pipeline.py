@@ -15,6 +15,7 @@ from trainscope.detectors.base import ALERT_THRESHOLD
 from trainscope.detectors.registry import DEFAULT_MAX_JOBS
 from trainscope.engine.caps import Caps
 from trainscope.engine.checkpoint import DEFAULT_MAX_OPEN_BYTES, ExtraState
+from trainscope.schemas.untrusted import terminal_safe
 
 # Time each detector may take per window in `trainscope pipeline` (--detector-budget-s): well
 # above what the built-ins take on a real job's window, well below a window's length.
@@ -288,7 +289,10 @@ def _on_window(notifier: AlertmanagerNotifier | None,
     def on_window(view: WindowView, findings: list[Finding]) -> None:
         for f in findings:
             if f.score >= ALERT_THRESHOLD:
-                click.echo(f"ALERT [{f.score:.2f}] {view.job_id}: {f.message}")
+                # Job ids and function names are the producers' text: escape what a terminal
+                # would act on (trainscope.schemas.untrusted).
+                click.echo(f"ALERT [{f.score:.2f}] {terminal_safe(view.job_id)}: "
+                           f"{terminal_safe(f.message)}")
         if notifier is not None:
             notifier.on_window(view, findings)
         if profiler is not None:

@@ -40,6 +40,7 @@ from trainscope.engine.checkpoint import (
 from trainscope.engine.core import PipelineStats, StreamCore
 from trainscope.engine.delivery import Backoff, Source
 from trainscope.schemas.topics import SUMMARIES_TOPIC
+from trainscope.schemas.untrusted import bounded_payload
 from trainscope.transport.bus import (
     DEAD_LETTER_TOPIC,
     EVENTS_TOPIC,
@@ -158,8 +159,12 @@ class BusStreamJob(StreamCore):
         return self._listening_s
 
     def dead_letter(self, message: Message, error: str) -> None:
+        # At most DEAD_LETTER_PREFIX_BYTES of the payload, its size and digest in the key: a
+        # bad message of any size fits under the broker's message limit.
+        kept = bounded_payload(message.value)
+        key = error.encode()[:200] + f" | {kept.describe()}".encode()
         try:
-            self.bus.publish(DEAD_LETTER_TOPIC, message.value, key=error.encode()[:200])
+            self.bus.publish(DEAD_LETTER_TOPIC, kept.prefix, key=key)
         except Exception as exc:  # the dead-letter topic is best effort; the count is not
             log.warning("could not publish dead letter: %s", exc)
 

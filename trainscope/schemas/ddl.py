@@ -216,7 +216,9 @@ DEAD_LETTERS_DDL = f"""CREATE TABLE IF NOT EXISTS dead_letters (
     `offset` Int64,
     `error` String,
     `payload` String,
-    `received` {datetime_of("received_ns")}
+    `received` {datetime_of("received_ns")},
+    `payload_bytes` UInt64,
+    `payload_sha256` String
 )
 ENGINE = MergeTree
 PARTITION BY {day_of("received_ns")}

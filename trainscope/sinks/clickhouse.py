@@ -27,8 +27,14 @@ from trainscope.schemas.records import (
     ProfileCallPaths,
     Topology,
 )
+from trainscope.schemas.untrusted import bounded_payload
 from trainscope.schemas.window import WindowView
-from trainscope.sinks.store_layout import check_layout, record_layout, set_retention
+from trainscope.sinks.store_layout import (
+    add_columns,
+    check_layout,
+    record_layout,
+    set_retention,
+)
 from trainscope.store.client import (
     StoreError,
     _first_line,
@@ -88,6 +94,7 @@ class ClickHouseSink:
         new_store = check_layout(client, where) is None
         for ddl in all_ddl():
             self._command(ddl)
+        add_columns(client)  # columns added since the store was made: additive, in place
         if new_store:
             record_layout(client)
         if retention_days is not None:
@@ -207,16 +214,21 @@ class ClickHouseSink:
         self.write_dead_letters([(topic, partition, offset, error, payload)])
 
     def write_dead_letters(self, rows: Sequence[tuple[str, int, int, str, bytes]]) -> None:
-        """Rows of (topic, partition, offset, error, payload), in one insert."""
+        """Rows of (topic, partition, offset, error, payload), in one insert. Each row keeps
+        at most DEAD_LETTER_PREFIX_BYTES of its payload (hex), with the payload's full size
+        and SHA-256."""
         if not rows:
             return
         received_ns = time.time_ns()
         try:
             self.client.insert(
                 "dead_letters",
-                [[received_ns, topic, partition, offset, error, payload.hex()]
-                 for topic, partition, offset, error, payload in rows],
-                column_names=["received_ns", "topic", "partition", "offset", "error", "payload"],
+                [[received_ns, topic, partition, offset, error, k.prefix.hex(), k.size_bytes,
+                  k.sha256]
+                 for topic, partition, offset, error, payload in rows
+                 for k in (bounded_payload(payload),)],
+                column_names=["received_ns", "topic", "partition", "offset", "error", "payload",
+                              "payload_bytes", "payload_sha256"],
             )
         except Exception as exc:
             self.stats.errors += 1

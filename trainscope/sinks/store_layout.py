@@ -40,6 +40,23 @@ LAYOUT_TABLES: dict[str, str] = {
 }
 
 
+# Columns added to a table after stores with it exist, without a new layout: added in place
+# (``ADD COLUMN IF NOT EXISTS``, a metadata change) when a writer opens the store; rows written
+# before hold the column's default (0, '').
+ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
+    # The payload's full size and digest; `payload` keeps only a bounded prefix since.
+    "dead_letters": ("`payload_bytes` UInt64", "`payload_sha256` String"),
+}
+
+
+def add_columns(client: Any) -> None:
+    existing = _existing_tables(client)
+    for table, columns in ADDED_COLUMNS.items():
+        if table in existing:
+            adds = ", ".join(f"ADD COLUMN IF NOT EXISTS {column}" for column in columns)
+            _command(client, f"ALTER TABLE `{table}` {adds}")
+
+
 def _query(client: Any, sql: str, **parameters: Any) -> list[Any]:
     try:
         return client.query(sql, parameters=parameters).result_rows
