@@ -1,21 +1,30 @@
-"""Step-time overhead of the in-process PyTorch producer on a training loop (CPU, or a GPU).
+"""Per-step cost of the in-process PyTorch producer on a training loop (CPU, or a GPU).
 
-Measured in one run, as ratios to the same loop without trainscope, interleaving the
-configurations round by round (shared, noisy machines):
+Measured in one run against the same loop without trainscope, interleaving the configurations
+block by block (the machine is shared and noisy):
 
 - ``attach``: ``trainscope.attach()`` always-on layer (hooks, windowed summaries, sender);
-- ``torch.profiler``: the loop inside ``torch.profiler.profile()`` (what users do today);
-- ``on-demand``: steps inside an on-demand profiling window (torch.profiler with stacks).
+- with ``--profilers``, also ``torch.profiler`` (the loop inside ``torch.profiler.profile()``,
+  what users do today) and ``on-demand`` (steps inside an on-demand profiling window).
 
-Each block runs ``--steps`` steps after ``--warmup``; its figure is the median step time. The
-ratio of a configuration is the median over rounds of (its block / the baseline block of the
-same round). Usage: ``python benchmarks/bench_torch_overhead.py [--rounds 7] [--steps 60]
-[--device cuda]``.
+Each round runs a baseline block, the configurations in a shuffled order, and a second baseline
+block; a block is ``--steps`` steps after ``--warmup``. A block's figure is the **CPU time** of
+the whole process per step (``time.process_time_ns``: the producer's sender thread counts, the
+other work on the machine does not), with the process pinned to one core where the OS allows
+(``os.sched_setaffinity``). Per round: the fixed cost = the configuration's figure minus the
+mean of the two baseline blocks (µs per step), and the ratio = its figure over that mean.
+Printed: median and min–max over the rounds.
+
+Targets (issue 24): ≤ 20 µs per step at 1–2 ms steps, ratio ≤ 1.004 at ~20 ms steps.
+
+Usage: ``python benchmarks/bench_torch_overhead.py [--rounds 15] [--sizes 256x48:200,1024x128:15]
+[--profilers] [--device cuda]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -30,7 +39,7 @@ from trainscope.schemas.records import ControlMessage
 from trainscope.transport.memory import MemoryBus
 
 
-def make_loop(width: int, batch: int, device: str = "cpu") -> Callable[[int], list[float]]:
+def make_loop(width: int, batch: int, device: str = "cpu") -> Callable[[int], None]:
     model = torch.nn.Sequential(
         torch.nn.Linear(width, width), torch.nn.ReLU(),
         torch.nn.Linear(width, width), torch.nn.ReLU(),
@@ -41,11 +50,9 @@ def make_loop(width: int, batch: int, device: str = "cpu") -> Callable[[int], li
                                           torch.randint(0, 10, (batch * 8,)))
     loader = torch.utils.data.DataLoader(data, batch_size=batch)
 
-    def run(steps: int) -> list[float]:
-        times = []
+    def run(steps: int) -> None:
         it = iter(loader)
         for _ in range(steps):
-            start = time.perf_counter()
             try:
                 x, y = next(it)
             except StopIteration:
@@ -58,8 +65,6 @@ def make_loop(width: int, batch: int, device: str = "cpu") -> Callable[[int], li
             optimizer.step()
             if device != "cpu":
                 loss.item()  # what a training loop that logs its loss waits for every step
-            times.append(time.perf_counter() - start)
-        return times
 
     return run
 
@@ -103,62 +108,89 @@ def on_demand() -> Iterator[None]:
         handle.detach()
 
 
-CONFIGS = {
-    "attach": attached,
-    "torch.profiler": torch_profiler,
-    "on-demand": on_demand,
-}
+PROFILERS = {"torch.profiler": torch_profiler, "on-demand": on_demand}
 
 
-def measure(run: Callable[[int], list[float]], config: Callable[[], object], warmup: int,
+def measure(run: Callable[[int], None], config: Callable[[], object], warmup: int,
             steps: int) -> float:
+    """CPU seconds of the whole process per step, over ``steps`` steps after ``warmup``."""
     with config():  # type: ignore[attr-defined]
         run(warmup)
-        return statistics.median(run(steps))
+        start = time.process_time_ns()
+        run(steps)
+        return (time.process_time_ns() - start) / steps / 1e9
+
+
+def pin_to_one_core(cpu: int | None) -> str:
+    if not hasattr(os, "sched_setaffinity"):
+        return "not pinned (no sched_setaffinity here)"
+    allowed = sorted(os.sched_getaffinity(0))
+    chosen = allowed[-1] if cpu is None else cpu
+    os.sched_setaffinity(0, {chosen})
+    return f"pinned to CPU {chosen}"
+
+
+def spread(values: list[float], scale: float, fmt: str) -> str:
+    return (f"{format(statistics.median(values) * scale, fmt)} "
+            f"({format(min(values) * scale, fmt)}–{format(max(values) * scale, fmt)})")
+
+
+def bench_size(run: Callable[[int], None], configs: dict[str, Callable[[], object]],
+               args: argparse.Namespace, steps: int, rng: random.Random) -> None:
+    run(args.warmup)
+    costs: dict[str, list[float]] = {name: [] for name in configs}
+    ratios: dict[str, list[float]] = {name: [] for name in configs}
+    base_times = []
+    for _ in range(args.rounds):
+        order = list(configs)
+        rng.shuffle(order)
+        # Baseline before and after the round's configurations, averaged, so a drift of
+        # the machine's speed within a round does not land on one configuration.
+        before = measure(run, baseline, args.warmup, steps)
+        results = {name: measure(run, configs[name], args.warmup, steps) for name in order}
+        after = measure(run, baseline, args.warmup, steps)
+        base = (before + after) / 2
+        base_times.append(base)
+        for name, value in results.items():
+            costs[name].append(value - base)
+            ratios[name].append(value / base)
+    print(f"  baseline CPU time per step {spread(base_times, 1e3, '.3f')} ms")
+    print(f"  {'configuration':16s} {'fixed cost µs/step':>26s} {'ratio':>24s}")
+    for name in configs:
+        print(f"  {name:16s} {spread(costs[name], 1e6, '.1f'):>26s} "
+              f"{spread(ratios[name], 1.0, '.4f'):>24s}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--sizes", default="256x32,1024x128",
-                        help="model width x batch size, comma-separated")
+    parser.add_argument("--sizes", default="256x48:200,1024x128:15",
+                        help="model width x batch size : steps per block, comma-separated")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cpu", type=int, default=None,
+                        help="the core to pin to (default: the last one allowed)")
+    parser.add_argument("--profilers", action="store_true",
+                        help="also measure torch.profiler and an on-demand profiling window")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    pinned = pin_to_one_core(args.cpu)
     rng = random.Random(0)
+    configs: dict[str, Callable[[], object]] = {"attach": attached}
+    if args.profilers:
+        configs.update(PROFILERS)
     device = args.device
     if device != "cpu":
         print(f"device: {torch.cuda.get_device_name(torch.device(device))}")
-    print(f"torch {torch.__version__}, {device}, {args.threads} thread(s), {args.rounds} rounds x "
-          f"{args.steps} steps (+{args.warmup} warm-up) per block")
+    print(f"torch {torch.__version__}, {device}, {args.threads} thread(s), {pinned}, "
+          f"{args.rounds} rounds, {args.warmup} warm-up steps per block; "
+          f"figures: median (min–max) over rounds, process CPU time")
     for size in args.sizes.split(","):
-        width, batch = (int(v) for v in size.split("x"))
-        run = make_loop(width, batch, device)
-        run(args.warmup)
-        ratios: dict[str, list[float]] = {name: [] for name in CONFIGS}
-        base_times = []
-        for _ in range(args.rounds):
-            order = list(CONFIGS)
-            rng.shuffle(order)
-            # Baseline before and after the round's configurations, averaged, so a drift of
-            # the machine's speed within a round does not land on one configuration.
-            before = measure(run, baseline, args.warmup, args.steps)
-            results = {name: measure(run, CONFIGS[name], args.warmup, args.steps)
-                       for name in order}
-            after = measure(run, baseline, args.warmup, args.steps)
-            base = (before + after) / 2
-            base_times.append(base)
-            for name, value in results.items():
-                ratios[name].append(value / base)
-        print(f"\nMLP width {width}, batch {batch}: baseline median step "
-              f"{statistics.median(base_times) * 1e3:.2f} ms")
-        print(f"  {'configuration':16s} {'ratio (median)':>14s} {'min':>7s} {'max':>7s}")
-        for name, values in ratios.items():
-            print(f"  {name:16s} {statistics.median(values):14.3f} {min(values):7.3f} "
-                  f"{max(values):7.3f}")
+        shape, _, steps = size.partition(":")
+        width, batch = (int(v) for v in shape.split("x"))
+        print(f"\nMLP width {width}, batch {batch}, {int(steps or 40)} steps per block")
+        bench_size(make_loop(width, batch, device), configs, args, int(steps or 40), rng)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,24 @@ class WindowRecorder:
             acc.bytes_total += bytes_moved
             self.recorded += 1
 
+    def extend(
+        self, layer: str, name: str, window_start_ns: int, durations_ns: list[int]
+    ) -> None:
+        """Many spans of one function that all started in the window at ``window_start_ns``,
+        under one lock (the PyTorch producer's drained per-phase logs)."""
+        if min(durations_ns, default=0) < 0:
+            durations_ns = [d if d > 0 else 0 for d in durations_ns]
+        key = (layer, name, 0)
+        with self._lock:
+            functions = self._open.get(window_start_ns)
+            if functions is None:
+                functions = self._open[window_start_ns] = {}
+            acc = functions.get(key)
+            if acc is None:
+                acc = functions[key] = _Durations()
+            acc.durations_ns.extend(durations_ns)
+            self.recorded += len(durations_ns)
+
     def take_closed(self, now_ns: int) -> list[tuple[int, dict[FunctionKey, _Durations]]]:
         """Remove and return windows that ended at least ``grace_ns`` ago."""
         with self._lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from array import array
 
 import pytest
 import torch
@@ -29,6 +30,13 @@ class FlakyBus(MemoryBus):
         super().publish(topic, value, key)
 
 
+class BrokenLog(array):
+    """A phase log's array whose every append raises, as a bug inside trainscope would."""
+
+    def append(self, value: int) -> None:
+        raise ZeroDivisionError("bug inside trainscope")
+
+
 def test_a_failing_hook_is_counted_and_logged_once_but_never_raises(
     attach, monkeypatch, caplog
 ) -> None:
@@ -39,12 +47,19 @@ def test_a_failing_hook_is_counted_and_logged_once_but_never_raises(
 
     monkeypatch.setattr(att.recorder, "add", broken)
     monkeypatch.setattr(att.steps, "add_samples", broken)
+    for phase in att.phase_logs:  # the per-step hooks' own path, on the training thread
+        monkeypatch.setattr(phase, "pairs", BrokenLog("q"))
     with caplog.at_level(logging.WARNING, logger="trainscope"):
-        train(TinyModel(), steps=5)  # must not raise
+        train(TinyModel(), steps=8)  # must not raise
     stats = att.stats()
-    assert stats["steps"] == 5
-    assert stats["errors"] >= 5 * 3  # forward, backward, optimizer, dataloader each step
-    assert {"record", "forward hook"} <= set(stats["errors_by_kind"])
+    assert stats["steps"] == 8
+    # forward, backward, optimizer, data loader: each fails every step.
+    assert stats["errors"] >= 8 * 4
+    assert {"forward hook", "optimizer hook", "dataloader hook"} <= set(stats["errors_by_kind"])
+    # The first steps time backward exactly (through the recorder), the later ones through
+    # the parameters' hooks (through the backward log): both fail, both are caught.
+    assert {"record", "backward hook"} <= set(stats["errors_by_kind"])
+    assert att.model_hooks.backward.mode == "parameters"
     warnings = [r for r in caplog.records if "ZeroDivisionError" in r.getMessage()]
     kinds = {r.getMessage().split(" failed")[0] for r in warnings}
     assert len(warnings) == len(kinds)  # once per kind, not once per failure

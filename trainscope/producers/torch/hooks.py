@@ -4,13 +4,16 @@
   trainable parameters during the first step, then are replaced by hooks on that module only
   (global hooks put every submodule call on PyTorch's slow path, which would cost ~1%); a step
   with no forward of that module starts discovery again (the script switched models);
-- backward: a hook on the forward's output marks its start, an autograd-engine callback its end
-  (queued before DDP's own, so it excludes DDP's final wait for the gradient all-reduce);
+- backward: see :mod:`trainscope.producers.torch.backward` (two persistent parameter hooks once
+  calibrated; a hook on the forward's output and an autograd-engine callback until then);
 - optimizer.step: the global optimizer step hooks; its end is also the step boundary;
 - data-loader wait: ``next()`` on any DataLoader iterator;
 - GC pauses: ``gc.callbacks``.
 
-Every callback is wrapped by the attachment's Guard: it can fail, it cannot raise.
+Every callback catches what it raises (the attachment's Guard counts it): it can fail, it
+cannot raise. The per-step ones (forward, backward, optimizer, data loader) do so inline and
+append ``start_ns, duration_ns`` to their phase's log (:mod:`.spanlog`): one ``time.time_ns()``
+per timing point, nothing allocated per step that could be reused.
 """
 
 from __future__ import annotations
@@ -24,35 +27,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainscope.producers.torch.backward import PARAMETERS, BackwardTimer
+
 if TYPE_CHECKING:
     from trainscope.producers.torch.runtime import Attachment
 
 Uninstall = Callable[[], None]
-_MAX_OUTPUT_TENSORS = 4
+_Tensor = torch.Tensor
 
 
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> torch.Tensor | None:
+    if args and type(args[0]) is _Tensor:  # the common case, without building a tuple
+        return args[0]
     for value in (*args, *(kwargs or {}).values()):
         if isinstance(value, torch.Tensor):
             return value
         if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor):
             return value[0]
     return None
-
-
-def _grad_tensors(output: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    stack = [output]
-    while stack and len(found) < _MAX_OUTPUT_TENSORS:
-        value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            if value.requires_grad:
-                found.append(value)
-        elif isinstance(value, list | tuple):
-            stack.extend(reversed(value))
-        elif isinstance(value, dict):
-            stack.extend(reversed(list(value.values())))
-    return found
 
 
 class ModelHooks:
@@ -71,6 +63,7 @@ class ModelHooks:
         self._current: torch.nn.Module | None = None
         self._forward_start_ns = 0
         self._forwards_in_step = 0
+        self.backward = BackwardTimer(att)
         # DDP wrappers are looked through: "forward" is the wrapped model's own compute, and
         # the wrapper's work before it (buffer broadcast, bucket rebuilds: waiting on peers)
         # is recorded apart as collective/ddp_pre_forward.
@@ -82,9 +75,6 @@ class ModelHooks:
         g = att.guard
         self._global_pre = g.wrap("forward hook", self._global_pre_impl)
         self._global_post = g.wrap("forward hook", self._global_post_impl)
-        self._module_pre = g.wrap("forward hook", self._module_pre_impl)
-        self._module_post = g.wrap("forward hook", self._module_post_impl)
-        self._backward_start = g.wrap("backward hook", self._backward_start_impl)
         self._wrapper_pre = g.wrap("forward hook", self._wrapper_pre_impl)
 
     def install(self) -> Uninstall:
@@ -104,6 +94,7 @@ class ModelHooks:
             handle.remove()
         self._global_handles = []
         self._module_handles = []
+        self.backward.remove_hooks()
 
     def on_step_end(self) -> None:
         """At a step boundary: settle on the models found, or look again if they stopped running.
@@ -121,7 +112,11 @@ class ModelHooks:
             self._module_handles = []
             self._tops = weakref.WeakSet()
             self._wrappers = weakref.WeakSet()
+            self.backward.reset()
             self._install_global()
+        elif self.backward.mode != PARAMETERS or self.backward.unsettled():
+            # Not in the settled fast path: iterating a WeakSet costs more than the rest here.
+            self.backward.on_step_end(list(self._tops))
 
     def _settle(self) -> None:
         for handle in self._global_handles:
@@ -136,6 +131,7 @@ class ModelHooks:
             self._module_handles.append(
                 module.register_forward_hook(self._module_post, always_call=True)
             )
+        self.backward.settle(list(self._tops))
 
     # -- discovery phase: global hooks ----------------------------------------------------------
 
@@ -174,13 +170,19 @@ class ModelHooks:
 
     # -- settled phase: hooks on the top-level modules only -------------------------------------
 
-    def _module_pre_impl(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if self._current is None:
-            self._begin(module, args, kwargs)
+    def _module_pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        try:
+            if self._current is None:
+                self._begin(module, args, kwargs)
+        except Exception as exc:
+            self.att.guard.report("forward hook", exc)
 
-    def _module_post_impl(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if module is self._current:
-            self._end(output)
+    def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        try:
+            if module is self._current:
+                self._end(output)
+        except Exception as exc:
+            self.att.guard.report("forward hook", exc)
 
     # -- shared -------------------------------------------------------------------------------
     def _begin(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
@@ -189,15 +191,18 @@ class ModelHooks:
         self._depth = 0
         self._forward_start_ns = now
         att = self.att
-        wrapper_start, self._wrapper_start_ns = self._wrapper_start_ns, 0
-        if wrapper_start:
+        if self._wrapper_start_ns:
+            wrapper_start, self._wrapper_start_ns = self._wrapper_start_ns, 0
             att.record("collective", "ddp_pre_forward", wrapper_start, now - wrapper_start)
-        att.steps.activity(now)
+        steps = att.steps
+        if not steps.start_ns:
+            steps.start_ns = now
         first = _first_tensor(args, kwargs)
         if first is not None and first.dim() >= 1:
             tokens = first.numel() if first.dim() >= 2 and not first.is_floating_point() else 0
-            att.steps.add_samples(int(first.shape[0]), int(tokens))
-        att.on_forward_begin(module)
+            steps.add_samples(int(first.shape[0]), int(tokens))
+        if id(module) not in att._ddp_seen:
+            att.on_forward_begin(module)
 
     def _end(self, output: Any) -> None:
         now = time.time_ns()
@@ -205,34 +210,14 @@ class ModelHooks:
         self._current = None
         self._depth = 0
         self._forwards_in_step += 1
-        self.att.record("torch_op", "forward", start, now - start)
-        self.att.on_forward_end(start, now)
-        tensors = _grad_tensors(output)
-        if tensors:
-            state = [False]
-
-            def on_grad(_grad: torch.Tensor) -> None:
-                self._backward_start(state)
-
-            for tensor in tensors:
-                tensor.register_hook(on_grad)
-
-    def _backward_start_impl(self, state: list[bool]) -> None:
-        if state[0]:
-            return
-        state[0] = True
-        start = time.time_ns()
+        self.backward.arm(output)  # first: a failure to record the forward must not skip it
         att = self.att
-
-        def on_backward_end() -> None:
-            try:
-                end = time.time_ns()
-                att.record("torch_op", "backward", start, end - start)
-                att.on_backward_end(start, end)
-            except Exception as exc:
-                att.guard.report("backward hook", exc)
-
-        torch.autograd.Variable._execution_engine.queue_callback(on_backward_end)
+        if att.active:
+            pairs = att.forward_log.pairs
+            pairs.append(start)
+            pairs.append(now - start)
+            if att.optrace is not None:
+                att.on_forward_end(start, now)
 
 
 def install_optimizer_hooks(att: Attachment) -> Uninstall:
@@ -242,19 +227,33 @@ def install_optimizer_hooks(att: Attachment) -> Uninstall:
     )
 
     starts: dict[int, int] = {}
+    report = att.guard.report
 
     def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        starts[id(optimizer)] = time.time_ns()
+        try:
+            starts[id(optimizer)] = time.time_ns()
+        except Exception as exc:
+            report("optimizer hook", exc)
 
     def post(optimizer: Any, args: Any, kwargs: Any) -> None:
         now = time.time_ns()
-        start = starts.pop(id(optimizer), now)
-        att.record("torch_op", "optimizer.step", start, now - start)
-        att.on_optimizer_step(optimizer, start, now)
+        start = now
+        try:
+            start = starts.pop(id(optimizer), now)
+            if att.active:
+                pairs = att.optimizer_log.pairs
+                pairs.append(start)
+                pairs.append(now - start)
+        except Exception as exc:
+            report("optimizer hook", exc)
+        try:  # apart: a failure to record the span must not skip the step boundary
+            att.on_optimizer_step(optimizer, start, now)
+        except Exception as exc:
+            report("optimizer hook", exc)
 
     handles = [
-        register_optimizer_step_pre_hook(att.guard.wrap("optimizer hook", pre)),
-        register_optimizer_step_post_hook(att.guard.wrap("optimizer hook", post)),
+        register_optimizer_step_pre_hook(pre),
+        register_optimizer_step_post_hook(post),
     ]
 
     def uninstall() -> None:
@@ -269,15 +268,26 @@ def install_dataloader_hook(att: Attachment) -> Uninstall:
 
     cls = dataloader._BaseDataLoaderIter
     original = cls.__next__
-    record = att.guard.wrap("dataloader hook", att.on_next_batch)
+    time_ns = time.time_ns
+    report = att.guard.report
+    steps = att.steps
 
     def __next__(self: Any) -> Any:
-        start = time.time_ns()
+        start = time_ns()
         try:
             return original(self)
         finally:
             # StopIteration also took time the loop spent waiting; it is counted too.
-            record(start, time.time_ns())
+            end = time_ns()
+            try:
+                if att.active:
+                    if not steps.start_ns:
+                        steps.start_ns = start
+                    pairs = att.dataloader_log.pairs
+                    pairs.append(start)
+                    pairs.append(end - start)
+            except Exception as exc:
+                report("dataloader hook", exc)
 
     __next__.__trainscope_original__ = original  # type: ignore[attr-defined]
     cls.__next__ = __next__  # type: ignore[method-assign]

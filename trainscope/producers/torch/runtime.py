@@ -19,6 +19,7 @@ from trainscope.config.secrets import redact_url
 from trainscope.producers.torch.options import Options
 from trainscope.producers.torch.safety import Guard, log
 from trainscope.producers.torch.sender import Sender
+from trainscope.producers.torch.spanlog import PhaseLog
 from trainscope.producers.torch.steps import StepTracker
 from trainscope.schemas.recorder import WindowRecorder
 from trainscope.schemas.records import ControlMessage, Topology, WorkerInfo
@@ -46,6 +47,14 @@ class Attachment:
         self._pid = os.getpid()
         self.recorder = WindowRecorder.for_window(options.window_s)
         self.steps = StepTracker(options.job_id, options.rank)
+        # The per-step phases, appended by the hooks and drained by the sender thread.
+        self.forward_log = PhaseLog("torch_op", "forward")
+        self.backward_log = PhaseLog("torch_op", "backward")
+        self.optimizer_log = PhaseLog("torch_op", "optimizer.step")
+        self.dataloader_log = PhaseLog("dataloader", "next_batch")
+        self.phase_logs = (
+            self.forward_log, self.backward_log, self.optimizer_log, self.dataloader_log
+        )
         self.bus_url, factory, owns = _bus_factory(bus if bus is not None else options.bus_url)
         self._bus_factory = factory
         self._owns_bus = owns
@@ -148,6 +157,8 @@ class Attachment:
         self.active = False
         self.guard.reset_after_fork()
         self.recorder.reset_after_fork()
+        for phase in self.phase_logs:
+            phase.clear()
         self.sender.reset_after_fork()
         self.control = None
 
@@ -166,10 +177,6 @@ class Attachment:
     def submit(self, record: Any) -> None:
         if self.active:
             self.sender.submit(record)
-
-    def on_next_batch(self, start_ns: int, end_ns: int) -> None:
-        self.steps.activity(start_ns)
-        self.record("dataloader", "next_batch", start_ns, end_ns - start_ns)
 
     def on_forward_begin(self, module: Any) -> None:
         key = id(module)
@@ -217,7 +224,10 @@ class Attachment:
         if not self.active:
             return
         record = self.steps.end(now_ns, samples, tokens)
-        self.submit(record)
+        self.sender.submit(record)
+        if not record.step & 1023:
+            for phase in self.phase_logs:
+                phase.bound()
         if self.optrace is not None:
             try:
                 self.optrace.end_step(record.step)
@@ -229,6 +239,8 @@ class Attachment:
     # -- sender thread ------------------------------------------------------------------------
     def _closed_windows(self, final: bool) -> list[Any]:
         recorder = self.recorder
+        for phase in self.phase_logs:
+            phase.drain_into(recorder)
         taken = recorder.take_all() if final else recorder.take_closed(time.time_ns())
         out: list[Any] = []
         for window_start, functions in taken:
@@ -291,7 +303,9 @@ class Attachment:
             "bus": self.bus_url,
             "active": self.active,
             "steps": self.steps.step,
-            "spans_recorded": self.recorder.recorded,
+            "spans_recorded": self.recorder.recorded
+            + sum(phase.pending() for phase in self.phase_logs),
+            "spans_dropped": sum(phase.dropped for phase in self.phase_logs),
             "records_submitted": sender["submitted"],
             "records_acked": sender["acked"],
             "records_dropped": sender["dropped"],

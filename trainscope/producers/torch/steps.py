@@ -23,20 +23,20 @@ class StepTracker:
         self.step = 0
         self.explicit = False
         self.pacer: weakref.ref[Any] | None = None
-        self._start_ns = 0
+        self.start_ns = 0
         self._samples = 0
         self._tokens = 0
 
     def activity(self, now_ns: int) -> None:
-        if not self._start_ns:
-            self._start_ns = now_ns
+        if not self.start_ns:
+            self.start_ns = now_ns
 
     def add_samples(self, samples: int, tokens: int) -> None:
         self._samples += samples
         self._tokens += tokens
 
     def end(self, now_ns: int, samples: int | None = None, tokens: int | None = None) -> StepRecord:
-        start = self._start_ns or now_ns
+        start = self.start_ns or now_ns
         record = StepRecord(
             job_id=self.job_id,
             rank=self.rank,
@@ -47,7 +47,7 @@ class StepTracker:
             tokens=self._tokens if tokens is None else tokens,
         )
         self.step += 1
-        self._start_ns = now_ns
+        self.start_ns = now_ns
         self._samples = 0
         self._tokens = 0
         return record

@@ -1,0 +1,70 @@
+"""The spans of the fixed per-step phases, appended as integers on the training thread.
+
+Forward, backward, ``optimizer.step`` and the data-loader wait happen every step. Giving each
+to the :class:`WindowRecorder` directly would cost a lock, a tuple key and two dictionary
+look-ups per span on the training thread; instead each phase owns one ``array('q')`` of
+``start_ns, duration_ns`` pairs, appended to (two C-level appends, nothing kept per span but
+16 bytes) and drained by the sender thread, which hands the durations to the recorder a chunk at
+a time. Appends only ever go to the end of an array and the drain removes a prefix it measured
+first, each a single C call under the GIL, so no pair is lost or read half-written without a
+lock.
+
+A span belongs to the window in which it started, as with :meth:`WindowRecorder.add`; a pair
+drained after its window was condensed becomes a second, mergeable summary, as a late span
+always did.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from trainscope.schemas.recorder import WindowRecorder
+
+# Past this many pairs waiting (the sender thread not draining: stuck, or gone) a phase's log
+# is cleared and the pairs counted as dropped, so memory stays bounded.
+MAX_PENDING_PAIRS = 1 << 20
+
+
+class PhaseLog:
+    """One fixed phase (``layer``/``name``): its ``start_ns, duration_ns`` pairs not yet drained."""
+
+    __slots__ = ("dropped", "layer", "name", "pairs")
+
+    def __init__(self, layer: str, name: str) -> None:
+        self.layer = layer
+        self.name = name
+        self.pairs = array("q")
+        self.dropped = 0
+
+    def pending(self) -> int:
+        return len(self.pairs) // 2
+
+    def bound(self) -> None:
+        """Clear the log when it holds more than :data:`MAX_PENDING_PAIRS` (training thread)."""
+        pairs = self.pairs
+        if len(pairs) > 2 * MAX_PENDING_PAIRS:
+            n = len(pairs) & ~1
+            del pairs[:n]
+            self.dropped += n // 2
+
+    def drain_into(self, recorder: WindowRecorder) -> int:
+        """Move the complete pairs to ``recorder`` (sender thread); returns how many."""
+        pairs = self.pairs
+        n = len(pairs) & ~1  # a start appended without its duration yet stays for next time
+        if not n:
+            return 0
+        chunk = pairs[:n]
+        del pairs[:n]
+        starts = chunk[0::2]
+        durations = chunk[1::2]
+        window_ns = recorder.window_ns
+        first = starts[0] // window_ns
+        if first == max(starts) // window_ns and min(starts) // window_ns == first:
+            recorder.extend(self.layer, self.name, first * window_ns, durations.tolist())
+        else:  # the chunk straddles a window boundary: span by span
+            for start, duration in zip(starts, durations, strict=True):
+                recorder.add(self.layer, self.name, start, duration)
+        return n // 2
+
+    def clear(self) -> None:
+        del self.pairs[:]
