@@ -65,6 +65,14 @@ if TYPE_CHECKING:
                    "The process is gone by then whatever it is doing (a detector mid-window, "
                    "a write): past it, one line and exit status 3, committing nothing more (a "
                    "restart re-reads from the last commit).")
+@click.option("--on-store-loss", type=click.Choice(["exit", "wait"]), default="exit",
+              show_default=True,
+              help="When the store is lost under the pipeline (its directory deleted or moved, "
+                   "a table or its data directory gone, a server's database dropped): both stop "
+                   "writing, commit nothing past the last checkpoint and say so in one line; "
+                   "exit: then exit 1 (a restart resumes from the store at the path then); "
+                   "wait: wait for a store to be back at the path, then restart this process "
+                   "to resume from its checkpoint.")
 @click.option("--drain-on-stop", is_flag=True,
               help="On SIGTERM/Ctrl-C, close and write the open windows instead of "
                    "checkpointing them for the next run (for a pipeline stopped for good).")
@@ -139,8 +147,9 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
              dashboard_url: str | None, metrics_port: int | None, metrics_bind: str,
              detector_names: str | None, auto_profile: bool, auto_profile_steps: int,
              auto_profile_every_s: float, auto_profile_max_pending: int,
-             input_kind: str, max_functions_per_rank: int, max_functions_per_job: int,
-             max_open_windows: int, detector_budget_s: float) -> None:
+             input_kind: str, on_store_loss: str, max_functions_per_rank: int,
+             max_functions_per_job: int, max_open_windows: int,
+             detector_budget_s: float) -> None:
     """Consume events from a bus, detect, and write to ClickHouse (a long-running stream job).
 
     At-least-once from the bus, exactly-once in the store: with every commit the open windows,
@@ -163,6 +172,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
 
     from trainscope.config.settings import from_context
     from trainscope.engine.bus_job import INPUT_TOPICS, BusStreamJob, summaries_lateness_s
+    from trainscope.engine.core import StoreLost
     from trainscope.transport.bus import BusError, GroupHeldElsewhere
     from trainscope.transport.logonce import quiet_repeats
 
@@ -217,6 +227,14 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
         # member that holds the group.
         _close_and_report(job, bus, sink, notifier, profiler, checkpointed=False)
         raise click.ClickException(_second_member(exc, group)) from None
+    except StoreLost as exc:
+        from trainscope.cli.store_loss import after_store_loss
+
+        after_store_loss(
+            str(exc), on_store_loss, stop_requested=lambda: stopper.requested,
+            close=lambda: _close_and_report(job, bus, sink, notifier, profiler,
+                                            checkpointed=False),
+            store=store, url=url, settings=settings)
     _close_and_report(job, bus, sink, notifier, profiler, checkpointed=complete)
     if not complete:
         raise click.ClickException("stopped before every window was written and committed; "

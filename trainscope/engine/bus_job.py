@@ -131,6 +131,8 @@ class BusStreamJob(StreamCore):
         self._open_in_checkpoint = False  # the last checkpoint holds the open windows
         self._snapshot_too_large = False  # warned once
         self._checkpointed_windows = 0  # windows handled when the last checkpoint was stored
+        self._from_start = False  # no checkpoint in the store: read from the oldest offset
+        self._first_read: set[Source] = set()  # partitions read from so far (with _from_start)
         self.extra_state = dict(extra_state or {})
         self._extra_failed: set[str] = set()  # hooks whose save raised (logged once)
         # Restored before joining the group: a member that joins must poll, not unpickle.
@@ -179,6 +181,7 @@ class BusStreamJob(StreamCore):
             log.warning("could not read the last checkpoint of %s: %s", self.group, exc)
             return
         if blob is None:
+            self._from_start = True
             return
         try:
             checkpoint = decode(blob)
@@ -240,7 +243,8 @@ class BusStreamJob(StreamCore):
 
     def _checkpoint(self, read: dict[Source, int]) -> bool:
         """Store a checkpoint; True if it holds the open windows (so ``read`` may be
-        committed). Raises SinkUnavailable if it could not be stored."""
+        committed). Raises SinkUnavailable if it could not be stored, StoreLost if the
+        store was lost (see :meth:`StreamCore._check_store`)."""
         sink = self.sink
         if sink is None:
             return False
@@ -277,6 +281,9 @@ class BusStreamJob(StreamCore):
             blob = encode(checkpoint)
         if not self._write(lambda: sink.write_checkpoint(self.group, blob)):
             raise SinkUnavailable("could not write the checkpoint")
+        # Inserts into a store deleted under an embedded engine succeed and vanish: the
+        # positions are committed only if the store still is the one every write went to.
+        self._check_store()  # raises StoreLost
         self._stats.checkpoint_bytes = len(blob)
         self._open_in_checkpoint = with_open
         self._checkpointed_windows = self.windows
@@ -344,6 +351,8 @@ class BusStreamJob(StreamCore):
         rebalanced = group_changes is not None and group_changes() != changes
         if not rebalanced and (assignment is None or self._assigned):
             self._listening_s += waited_s
+        if messages and self._from_start:
+            messages = self._read_from_start(messages)
         if messages:
             self.messages += len(messages)
             self.process_messages(messages)
@@ -356,6 +365,31 @@ class BusStreamJob(StreamCore):
             self._last_stats_s = now
             self.on_stats(self.stats())
         return len(messages)
+
+    def _read_from_start(self, messages: list[Message]) -> list[Message]:
+        """The store holds no checkpoint of this group, so whatever the group committed before
+        went into a store since lost or replaced: a partition whose first message read is not
+        its first is read again from its oldest retained message, as a new group's would be
+        (once per partition). Returns the messages of this poll that are kept (none of a
+        rewound partition: they come again)."""
+        rewind = getattr(self.consumer, "rewind", None)
+        behind: set[Source] = set()
+        for message in messages:
+            source = (message.topic, message.partition)
+            if source not in self._first_read:
+                self._first_read.add(source)
+                if message.offset > 0:
+                    behind.add(source)
+        if not behind or rewind is None:
+            return messages
+        try:
+            rewind(sorted(behind))
+        except BusError as exc:
+            log.warning("could not read %s from the oldest message: %s", self.group, exc)
+            return messages
+        log.info("no checkpoint of %s in the store: reading %s from the oldest retained "
+                 "message", self.group, ", ".join(f"{t}[{p}]" for t, p in sorted(behind)))
+        return [m for m in messages if (m.topic, m.partition) not in behind]
 
     def commit(self) -> bool:
         """Checkpoint, then commit the positions the checkpoint covers; False if the bus

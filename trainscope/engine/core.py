@@ -65,6 +65,12 @@ log = logging.getLogger(__name__)
 POLL_CHUNK_BYTES = 16 * 2**20
 
 
+class StoreLost(RuntimeError):
+    """The sink's store is no longer the one it opened (deleted, moved, a table or database
+    gone): what was written since the last checkpoint may be lost, so nothing may be
+    committed from here on. The text names the store and what it lost."""
+
+
 @dataclass
 class StageCounts:
     received: int = 0
@@ -538,6 +544,7 @@ class StreamCore:
             try:
                 action()
             except Exception as exc:
+                self._check_store()  # a server that lost its database refuses every write
                 delay = backoff.failed(exc)
                 deadline = self._stop_deadline if give_up is None else give_up
                 if deadline is not None and time.monotonic() + delay > deadline:
@@ -550,6 +557,19 @@ class StreamCore:
                 continue
             backoff.succeeded()
             return True
+
+    def _check_store(self) -> None:
+        """Raise :class:`StoreLost` if the sink says its store was lost. A sink that cannot
+        tell (no ``store_lost`` method) or cannot be asked now (an outage) passes."""
+        store_lost = getattr(self.sink, "store_lost", None)
+        if store_lost is None:
+            return
+        try:
+            reason = store_lost()
+        except Exception:
+            return  # unreachable is an outage: writes are retried, nothing is committed
+        if reason:
+            raise StoreLost(reason)
 
     def close_idle(self) -> None:
         """Close the windows of jobs that stopped sending (``job_idle_s``)."""

@@ -8,6 +8,7 @@ re-sent blocks and collapse equal keys on merge (see :mod:`trainscope.schemas.dd
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,11 +36,13 @@ from trainscope.sinks.store_layout import (
     record_layout,
     set_retention,
 )
+from trainscope.sinks.store_watch import MARKS_DDL, StoreWatch
 from trainscope.store.client import (
     StoreError,
     _first_line,
     connect,
     default_store_dir,
+    embedded_path,
 )
 from trainscope.store.live import ReadEndpoint, serve_reads
 
@@ -48,6 +51,11 @@ CALL_PATH_COLUMNS = (
     "job_id", "rank", "window_start_ns", "window_end_ns", "callpath_id", "parent_id", "depth",
     "layer", "name", "path", "path_layers", "count", "total_ns", "self_ns", "steps",
 )
+
+# The tables the sink writes, whose loss it watches for (see trainscope.sinks.store_watch).
+WATCHED_TABLES = (*TABLES, "dead_letters", "pipeline_checkpoints", "call_paths")
+
+log = logging.getLogger(__name__)
 
 
 def run_query(client: Any, sql: str) -> tuple[list[str], list[Sequence[Any]]]:
@@ -81,6 +89,11 @@ class ClickHouseSink:
     is the caller's business (the stream jobs retry with backoff). Opened on an embedded store
     (:meth:`open`), it serves the store's read endpoint until closed (see
     :mod:`trainscope.store.live`), so other processes can query the store it owns.
+
+    It watches the store (:meth:`store_lost`): a store directory deleted or moved, a table or
+    its data directory gone, a server's database dropped. The checkpoint of a group is stored
+    with the tables' marks, and a checkpoint written for tables that have since been replaced
+    is not read back (:meth:`read_checkpoint`): the stream job then re-reads the bus.
     """
 
     def __init__(self, client: Any, *, where: str = "at hand",
@@ -99,6 +112,10 @@ class ClickHouseSink:
             record_layout(client)
         if retention_days is not None:
             set_retention(client, retention_days)
+        self._command(MARKS_DDL)
+        self.watch = StoreWatch(client, where, embedded_path(client), WATCHED_TABLES)
+        self._lost: str | None = None
+        self._marked: set[str] = set()  # groups whose marks this sink stored
 
     @classmethod
     def open(
@@ -120,9 +137,17 @@ class ClickHouseSink:
         except Exception as exc:
             raise StoreError(_first_line(exc)) from None
 
+    def _guard(self) -> None:
+        """Refuse to write into a store that was lost (see :meth:`StoreWatch.moved`)."""
+        if self._lost is None:
+            self._lost = self.watch.moved()
+        if self._lost is not None:
+            raise StoreError(self._lost)
+
     def _insert(self, table: str, frame: pd.DataFrame) -> None:
         if frame.empty:
             return
+        self._guard()
         columns = list(TABLES[table].insert_columns)
         missing = [c for c in columns if c not in frame.columns]
         if missing:
@@ -166,6 +191,7 @@ class ClickHouseSink:
         """Rows of ``call_paths`` (columns ``CALL_PATH_COLUMNS``), in one insert."""
         if not rows:
             return
+        self._guard()
         try:
             self.client.insert("call_paths", list(rows), column_names=list(CALL_PATH_COLUMNS))
         except Exception as exc:
@@ -220,6 +246,7 @@ class ClickHouseSink:
         if not rows:
             return
         received_ns = time.time_ns()
+        self._guard()
         try:
             self.client.insert(
                 "dead_letters",
@@ -235,9 +262,25 @@ class ClickHouseSink:
             raise StoreError(f"insert into dead_letters failed: {_first_line(exc)}") from None
         self.stats.dead_letters += len(rows)
 
+    def store_lost(self) -> str | None:
+        """One line naming the store and what it lost, if it is no longer the store this sink
+        opened (see :class:`StoreWatch`), else ``None``. Once lost, always lost: what this
+        process believes it wrote may be gone. Raises ``StoreError`` if the store cannot be
+        asked (a server down: an outage, not a loss)."""
+        if self._lost is None:
+            self._lost = self.watch.lost()
+        return self._lost
+
     def write_checkpoint(self, group: str, state: bytes) -> None:
-        """The stream job's state at an offset commit (see ``pipeline_checkpoints``)."""
+        """The stream job's state at an offset commit (see ``pipeline_checkpoints``), and
+        once per group the marks of the tables it describes (``store_marks``)."""
+        self._guard()
         try:
+            if group not in self._marked:
+                self.client.insert("store_marks", [[group, time.time_ns(),
+                                                    self.watch.marks_json()]],
+                                   column_names=["group", "written_ns", "marks"])
+                self._marked.add(group)
             self.client.insert(
                 "pipeline_checkpoints",
                 [[group, time.time_ns(), state.hex()]],
@@ -260,7 +303,26 @@ class ClickHouseSink:
         except Exception as exc:
             raise StoreError(f"reading pipeline_checkpoints failed: {_first_line(exc)}") from None
         rows = result.result_rows
-        return bytes.fromhex(rows[0][0]) if rows else None
+        if not rows:
+            return None
+        changed = self._replaced_since_marked(group)
+        if changed:
+            log.warning("ignoring the last checkpoint of %s: store %s lost data since it was "
+                        "written (%s replaced); re-reading the bus", group, self.watch.where,
+                        changed)
+            return None
+        return bytes.fromhex(rows[0][0])
+
+    def _replaced_since_marked(self, group: str) -> str | None:
+        """The tables replaced since ``group``'s marks were stored, if any."""
+        try:
+            rows = self.client.query(
+                "SELECT marks FROM store_marks WHERE `group` = {group:String} "
+                "ORDER BY written_ns DESC LIMIT 1", parameters={"group": group},
+            ).result_rows
+        except Exception as exc:
+            raise StoreError(f"reading store_marks failed: {_first_line(exc)}") from None
+        return self.watch.stored_marks_differ(rows[0][0]) if rows else None
 
     def close(self) -> None:
         if self.reads is not None:
