@@ -11,6 +11,10 @@ published, span events measured, re-sent copies, and
 raised or a flush that failed marks its step).
 ``--resend-every N`` publishes every N-th message twice, byte for byte, as a producer does that
 re-sends after a timeout it cannot tell from a loss.
+``--clock-skew RANK:SECONDS`` runs a rank on a host whose clock is that far ahead (negative:
+behind): every timestamp it sends is off by it. Messages are keyed per host (``job/first rank``)
+so a job spreads over partitions; ``--gpus-per-host 1`` keys each rank apart, ``--key-by job``
+puts the whole job on one partition.
 """
 
 from __future__ import annotations
@@ -22,21 +26,38 @@ import time
 
 from trainscope.cli.demo_job import publish_step
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
+from trainscope.schemas.topics import rank_key
 from trainscope.transport.bus import EVENTS_TOPIC, METRICS_TOPIC, Bus, BusError, open_bus
+
+
+def parse_clock_skew(spec: str) -> tuple[int, float]:
+    """``RANK:SECONDS`` as (rank, seconds); ValueError naming the spec otherwise."""
+    rank, sep, seconds = spec.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        parsed = int(rank), float(seconds)
+    except ValueError:
+        raise ValueError(f"--clock-skew {spec!r}: expected RANK:SECONDS, e.g. 3:-30") from None
+    if parsed[0] < 0:
+        raise ValueError(f"--clock-skew {spec!r}: the rank must be >= 0")
+    return parsed
 
 
 class _Resending:
     """A bus wrapper that publishes every ``every``-th message a second time."""
 
-    def __init__(self, bus: Bus, every: int) -> None:
+    def __init__(self, bus: Bus, every: int, job_key: bytes | None = None) -> None:
         self.bus = bus
         self.every = every
+        self.job_key = job_key  # every message under this key: the job on one partition
         self.messages = 0
         self.resent = 0
         self.refused = 0  # publish raised: the bus was down or its outbox full
 
     def publish(self, topic: str, value: bytes, key: bytes | None = None) -> None:
         self.messages += 1
+        key = self.job_key or key
         try:
             self.bus.publish(topic, value, key)
             if self.every and self.messages % self.every == 0:
@@ -75,17 +96,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resend-every", type=int, default=0)
     parser.add_argument("--flush-every", type=int, default=10,
                         help="Wait for delivery every this many steps.")
+    parser.add_argument("--clock-skew", action="append", default=[], metavar="RANK:SECONDS",
+                        help="Run RANK on a clock SECONDS ahead (negative: behind); repeatable.")
+    parser.add_argument("--gpus-per-host", type=int, default=8,
+                        help="Ranks per host; messages are keyed per host (1: per rank).")
+    parser.add_argument("--key-by", choices=("host", "job"), default="host",
+                        help="Key messages per host (default) or put the whole job under one "
+                             "key, hence on one partition.")
     args = parser.parse_args(argv)
+    try:
+        skews = tuple(parse_clock_skew(s) for s in args.clock_skew)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     spec = ClusterSpec(job_id=args.job_id, dp=args.dp, pp=args.pp, tp=args.tp,
                        steps=args.steps, seed=args.seed, start_ns=args.start_s * 10**9,
-                       window_s=args.window_s, send="spans" if args.spans else "summaries")
+                       window_s=args.window_s, send="spans" if args.spans else "summaries",
+                       gpus_per_host=args.gpus_per_host, clock_skew_s=skews)
     cluster = SimulatedCluster(spec, parse_faults(args.fault))
     raw = open_bus(args.bus)
     connect = getattr(raw, "connect", None)
     if connect is not None:
         connect([EVENTS_TOPIC, METRICS_TOPIC])
-    bus = _Resending(raw, args.resend_every)
+    bus = _Resending(raw, args.resend_every,
+                     rank_key(args.job_id, 0) if args.key_by == "job" else None)
     events = failed_flushes = 0
     last_failed_step = -1  # every step after it was reported delivered
     started = time.monotonic()

@@ -3,7 +3,8 @@
 A snapshot keeps every job's open windows and what windowing them further needs. Partials are
 kept as they arrived, not merged: a window finished from a snapshot is then the same function of
 the same inputs as one never interrupted, row for row. Progress per source is left out: after a
-restart the sources deliver again (see :meth:`WindowEngine.expect_sources`).
+restart the sources deliver again (see :meth:`WindowEngine.expect_sources`). Each rank's clock
+offset and the records held while it is estimated (:mod:`trainscope.engine.clocks`) are kept.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def take(window_ns: int, jobs: dict[str, JobState]) -> dict[str, Any]:
     """The snapshot of ``jobs`` (picklable; shares their arrays, so pickle it at once)."""
     kept = {
         job_id: dataclasses.replace(
-            job, progress_ns={}, last_arrival_s=0.0, reported_late=False, windows={},
+            job, progress_ns={}, rank_progress={}, last_arrival_s=0.0, reported_late=False,
+            windows={},
             functions=dataclasses.replace(job.functions, dictionaries={}),
         )
         for job_id, job in jobs.items()
@@ -52,6 +54,7 @@ def restore(snapshot: dict[str, Any], window_ns: int, now_s: float) -> dict[str,
         )
     jobs: dict[str, JobState] = {}
     for job_id, job in snapshot["jobs"].items():
+        _fill_new_fields(job)
         job.windows = {
             index: OpenWindow(partials, _STEPS.decode(steps), _METRICS.decode(metrics))
             for index, (partials, steps, metrics) in snapshot["windows"][job_id].items()
@@ -61,3 +64,14 @@ def restore(snapshot: dict[str, Any], window_ns: int, now_s: float) -> dict[str,
         job.restored_before = max(job.restored_before, job.closed_before)
         jobs[job_id] = job
     return jobs
+
+
+def _fill_new_fields(job: JobState) -> None:
+    """A job pickled by an older version lacks the fields added since: give them defaults."""
+    for spec in dataclasses.fields(JobState):
+        if spec.name in vars(job):
+            continue
+        if spec.default_factory is not dataclasses.MISSING:
+            setattr(job, spec.name, spec.default_factory())
+        elif spec.default is not dataclasses.MISSING:
+            setattr(job, spec.name, spec.default)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from trainscope.engine.clocks import RankClocks
 from trainscope.engine.keys import FunctionTable
 from trainscope.schemas.grouping import Partials
 from trainscope.schemas.records import MetricSample, StepRecord, Topology
@@ -30,6 +31,8 @@ class OpenWindow:
 class JobState:
     base: int | None = None  # window index the job's group keys count from (keys.WINDOW_MARGIN)
     progress_ns: dict[Hashable, int] = field(default_factory=dict)  # per source
+    # per source, per rank: (latest event time, processing time it came); see watermarks
+    rank_progress: dict[Hashable, dict[int, tuple[int, float]]] = field(default_factory=dict)
     last_arrival_s: float = 0.0  # processing time
     first_seen_s: float = 0.0  # processing time this engine started (or restored) the job
     closed_before: int = FAR_PAST  # window index: every window below it is closed
@@ -38,6 +41,7 @@ class JobState:
     functions: FunctionTable = field(default_factory=FunctionTable)
     windows: dict[int, OpenWindow] = field(default_factory=dict)
     topology: Topology | None = None
+    clocks: RankClocks = field(default_factory=RankClocks)  # per-rank clock offsets
 
     def window(self, index: int) -> OpenWindow:
         """The open window ``index``, opened if it is not yet."""

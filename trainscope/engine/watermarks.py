@@ -11,6 +11,13 @@ job's windows are also held by every busy source that has not delivered its reco
 sources carry a job is learnt, not declared, and one whose reader lags (a partition fetched
 late, a worker that forwards it started late) would otherwise not count until its first record
 of the job came, late.
+
+Within a source, progress is kept per rank, and the source's progress is what its active ranks
+agree on: the lower median of their latest event times, never the fastest. One rank whose clock
+runs ahead (or whose clock offset is still being estimated, :mod:`trainscope.engine.clocks`)
+then cannot drag the job's watermark past its peers' records and turn them late; a rank behind
+still holds its own records' windows open, as a slow source does. While a job holds records
+whose ranks' clock offsets are not known yet, none of its windows closes.
 """
 
 from __future__ import annotations
@@ -32,14 +39,30 @@ class Watermarks:
         self._source_seen_s: dict[Hashable, float] = {}
         self._expected_s: dict[Hashable, float] = {}  # sources assigned, not heard from yet
 
-    def observe(self, job: JobState, source: Hashable, event_ns: int) -> None:
-        """Advance the job's progress on ``source`` to ``event_ns`` (the latest event time)."""
+    def observe(self, job: JobState, source: Hashable, progress_ns: dict[int, int]) -> None:
+        """Advance the progress of each rank on ``source`` to its latest event time."""
         now = self._clock()
         self._source_seen_s[source] = now
         job.last_arrival_s = now
-        known = job.progress_ns.get(source)
-        if known is None or event_ns > known:
-            job.progress_ns[source] = event_ns
+        ranks = job.rank_progress.setdefault(source, {})
+        for rank, event_ns in progress_ns.items():
+            known = ranks.get(rank)
+            ranks[rank] = (event_ns if known is None else max(known[0], event_ns), now)
+        newest = max(progress_ns.values())
+        known_ns = job.progress_ns.get(source)
+        if known_ns is None or newest > known_ns:
+            job.progress_ns[source] = newest
+
+    def _agreed_ns(self, job: JobState, source: Hashable, now: float) -> int:
+        """The source's progress: the lower median of its active ranks' (see the module
+        docstring); its newest event time when it has none."""
+        ranks = job.rank_progress.get(source)
+        if not ranks:
+            return job.progress_ns[source]
+        active = sorted(p for p, seen_s in ranks.values() if now - seen_s < self.source_idle_s)
+        if not active:
+            return max(p for p, _ in ranks.values())
+        return active[(len(active) - 1) // 2]
 
     def expect_sources(self, sources: list[Hashable]) -> None:
         """Sources (partitions) just assigned: until one delivers or has been silent for
@@ -50,7 +73,7 @@ class Watermarks:
                 self._expected_s.setdefault(source, now)
 
     def watermark_ns(self, job: JobState | None) -> int:
-        if job is None or not job.progress_ns:
+        if job is None or not job.progress_ns or job.clocks.held:
             return FAR_PAST
         now = self._clock()
         if self._expected_s:
@@ -69,9 +92,12 @@ class Watermarks:
                 if source not in job.progress_ns and now - seen_s < self.source_idle_s:
                     return FAR_PAST
         active = [
-            progress
-            for source, progress in job.progress_ns.items()
+            self._agreed_ns(job, source, now)
+            for source in job.progress_ns
             if now - self._source_seen_s.get(source, now) < self.source_idle_s
         ]
-        slowest = min(active) if active else max(job.progress_ns.values())
+        slowest = (
+            min(active) if active
+            else max(self._agreed_ns(job, source, now) for source in job.progress_ns)
+        )
         return slowest - self.lateness_ns

@@ -13,6 +13,8 @@ started in, a summary to the window of its ``window_start_ns``, a metric sample 
 the interval it ends (:func:`metric_window`). The parts, each in a module of its own:
 
 - :mod:`~trainscope.engine.watermarks`: when a window closes (each source's progress, idleness);
+- :mod:`~trainscope.engine.clocks`: each rank's clock offset from its peers', corrected before
+  windowing, and the records held while it is estimated;
 - :mod:`~trainscope.engine.keys`: the group key that packs (window, rank, function) in an int64;
 - :mod:`~trainscope.engine.state`: what is kept per job and per open window;
 - :mod:`~trainscope.engine.frames`: a closed window's rows as data frames;
@@ -31,6 +33,14 @@ import msgspec
 import numpy as np
 
 from trainscope.engine import snapshot
+from trainscope.engine.clocks import (
+    MAX_HELD,
+    MAX_HELD_ROWS,
+    MIN_RANKS,
+    Held,
+    corrected,
+    rows_of,
+)
 from trainscope.engine.frames import metric_frame, step_frame, summary_frame
 from trainscope.engine.keys import (
     MAX_RANK,
@@ -82,6 +92,8 @@ class EngineStats:
     rejected: int = 0
     windows_closed: int = 0
     summaries_emitted: int = 0
+    clock_corrections: int = 0  # a rank's clock offset found beyond the tolerance
+    clock_unestimated: int = 0  # held records let go before their ranks' offsets were known
 
 
 class WindowEngine:
@@ -119,6 +131,7 @@ class WindowEngine:
         source_idle_s: float = 10.0,
         *,
         clock: Callable[[], float] = time.monotonic,
+        clock_tolerance_s: float | None = None,
     ) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
@@ -129,6 +142,10 @@ class WindowEngine:
         self.window_ns = int(window_s * 1e9)
         self.lateness_ns = int(allowed_lateness_s * 1e9)
         self.source_idle_s = source_idle_s
+        # None: every rank's clock is taken as it is (no estimate, no hold, no correction).
+        self.clock_tolerance_ns = (
+            None if clock_tolerance_s is None else int(clock_tolerance_s * 1e9)
+        )
         self.stats = EngineStats()
         self._clock = clock
         self._jobs: dict[str, JobState] = {}
@@ -236,7 +253,12 @@ class WindowEngine:
             if len(batch):
                 by_job.setdefault(batch.job_id, []).append(batch)
         for job_id, job_batches in by_job.items():
-            self._add_job_spans(self._job(job_id), job_batches, source)
+            job = self._job(job_id)
+            self._file_spans(job, self._admit(job, job_batches, source), source)
+
+    def _file_spans(self, job: JobState, batches: list[SpanBatch], source: Hashable) -> None:
+        if batches:
+            self._add_job_spans(job, batches, source)
 
     def _add_job_spans(self, job: JobState, batches: list[SpanBatch], source: Hashable) -> None:
         fids, ranks, starts, durations, moved = [], [], [], [], []
@@ -300,7 +322,7 @@ class WindowEngine:
             if len(fid) == 0:
                 return
         group = pack(index - job.base, rank, fid)
-        self._watermarks.observe(job, source, int((start + duration).max()))
+        self._watermarks.observe(job, source, _newest_per_rank(rank, start + duration))
         partials = reduce_events(group, duration, bytes_moved, unit)
         window_of_row = window_of(partials.group)
         bounds = np.flatnonzero(np.r_[True, window_of_row[1:] != window_of_row[:-1]])
@@ -329,7 +351,14 @@ class WindowEngine:
         for batch in batches:
             by_job.setdefault(batch.job_id, []).append(batch)
         for job_id, job_batches in by_job.items():
-            self._add_job_summaries(self._job(job_id), job_batches, source)
+            job = self._job(job_id)
+            self._file_summaries(job, self._admit(job, job_batches, source), source)
+
+    def _file_summaries(
+        self, job: JobState, batches: list[SummaryBatch], source: Hashable
+    ) -> None:
+        if batches:
+            self._add_job_summaries(job, batches, source)
 
     def _add_job_summaries(
         self, job: JobState, batches: list[SummaryBatch], source: Hashable
@@ -392,7 +421,7 @@ class WindowEngine:
             fid, rank, index, end_ns = fid[rows], rank[rows], index[rows], end_ns[rows]
             columns = {name: values[rows] for name, values in columns.items()}
         group = pack(index - job.base, rank, fid)
-        self._watermarks.observe(job, source, int(end_ns.max()) - 1)
+        self._watermarks.observe(job, source, _newest_per_rank(rank, end_ns - 1))
         partials = Partials(
             group=group, sketch_row=sketch_row, sketch_key=sketch_key,
             sketch_count=sketch_count, **columns,
@@ -407,25 +436,118 @@ class WindowEngine:
             job.window(int(index[rows[0]])).partials.append(partials.take(rows))
 
     def add_steps(self, steps: list[StepRecord], source: Hashable = 0) -> None:
+        """Step records also tell each rank's clock offset (:mod:`~trainscope.engine.clocks`):
+        they are noted before any is filed, so that this call's records are already
+        corrected when their ranks' offsets become known."""
+        self.stats.steps_received += len(steps)
+        by_job: dict[str, list[StepRecord]] = {}
         for step in steps:
-            self.stats.steps_received += 1
-            job = self._job(step.job_id)
+            by_job.setdefault(step.job_id, []).append(step)
+        for job_id, job_steps in by_job.items():
+            job = self._job(job_id)
+            if self.clock_tolerance_ns is not None:
+                job.clocks.note_steps(job_steps)
+                self._calibrate(job_id, job)
+            self._file_steps(job, self._admit(job, job_steps, source), source)
+
+    def _file_steps(self, job: JobState, steps: list[StepRecord], source: Hashable) -> None:
+        for step in steps:
             index = step.start_ns // self.window_ns
             if self._skip_closed(job, index, 1):
                 continue
             job.window(index).steps.append(step)
-            self._watermarks.observe(job, source, step.start_ns + step.duration_ns)
+            self._watermarks.observe(job, source, {step.rank: step.start_ns + step.duration_ns})
 
     def add_metrics(self, samples: list[MetricSample], source: Hashable = 0) -> None:
         """File each sample in the window of the interval it ends (:func:`metric_window`)."""
+        self.stats.metrics_received += len(samples)
+        by_job: dict[str, list[MetricSample]] = {}
         for sample in samples:
-            self.stats.metrics_received += 1
-            job = self._job(sample.job_id)
+            by_job.setdefault(sample.job_id, []).append(sample)
+        for job_id, job_samples in by_job.items():
+            job = self._job(job_id)
+            self._file_metrics(job, self._admit(job, job_samples, source), source)
+
+    def _file_metrics(
+        self, job: JobState, samples: list[MetricSample], source: Hashable
+    ) -> None:
+        for sample in samples:
             index = metric_window(sample.ts_ns, self.window_ns)
             if self._skip_closed(job, index, 1):
                 continue
             job.window(index).metrics.append(sample)
-            self._watermarks.observe(job, source, sample.ts_ns)
+            self._watermarks.observe(job, source, {sample.rank: sample.ts_ns})
+
+    # -- clocks -----------------------------------------------------------------------------
+
+    def _admit(self, job: JobState, records: list[Any], source: Hashable) -> list[Any]:
+        """Of ``records``, those to window now, moved to the job's clock; the others (a rank
+        whose offset is not known yet) are held (see :mod:`~trainscope.engine.clocks`)."""
+        clocks = job.clocks
+        if self.clock_tolerance_ns is None or not clocks.stepping:
+            return records
+        if job.topology is not None and len(job.topology.workers) < MIN_RANKS:
+            return records  # too few peers to tell whose clock is off
+        ready = []
+        for record in records:
+            if clocks.ready(record):
+                ready.append(corrected(record, clocks.offsets_ns, self.window_ns))
+            else:
+                if clocks.held_since_s is None:
+                    clocks.held_since_s = self._clock()
+                clocks.held.append((source, record))
+                clocks.held_rows += rows_of(record)
+        if len(clocks.held) > MAX_HELD or clocks.held_rows > MAX_HELD_ROWS:
+            self._release(job, force=True)
+        return ready
+
+    def _calibrate(self, job_id: str, job: JobState) -> None:
+        """Take the job's new clock estimates; release what they make ready."""
+        assert self.clock_tolerance_ns is not None
+        world = len(job.clocks.ranks)
+        if job.topology is not None:
+            world = max(world, len(job.topology.workers))
+        changed = job.clocks.calibrate(world, self.clock_tolerance_ns)
+        for rank in changed:
+            offset = job.clocks.offsets_ns[rank]
+            if offset:
+                self.stats.clock_corrections += 1
+                log.warning(
+                    "job %s: rank %d's clock is %+.3f s off its peers' (from %d steps); its "
+                    "event times are corrected by it", job_id, rank, offset / 1e9,
+                    job.clocks.steps_used.get(rank, 0),
+                )
+        if changed and job.clocks.held:
+            self._release(job)
+
+    def _release(self, job: JobState, force: bool = False) -> None:
+        """Window the held records whose ranks' offsets are known (all of them with
+        ``force``: the ranks still unknown are taken as they are)."""
+        clocks = job.clocks
+        if force:
+            self.stats.clock_unestimated += sum(not clocks.ready(r) for _, r in clocks.held)
+            clocks.trust_the_rest(clocks.held)
+        held, clocks.held = clocks.held, []
+        by_source: dict[Hashable, list[Held]] = {}
+        for source, record in held:
+            if clocks.ready(record):
+                by_source.setdefault(source, []).append(record)
+            else:
+                clocks.held.append((source, record))
+        clocks.held_since_s = clocks.held_since_s if clocks.held else None
+        clocks.held_rows = sum(rows_of(r) for _, r in clocks.held)
+        for source, records in by_source.items():
+            fixed = [corrected(r, clocks.offsets_ns, self.window_ns) for r in records]
+            self._file_steps(job, [r for r in fixed if isinstance(r, StepRecord)], source)
+            self._file_metrics(job, [r for r in fixed if isinstance(r, MetricSample)], source)
+            self._file_spans(job, [r for r in fixed if isinstance(r, SpanBatch)], source)
+            self._file_summaries(job, [r for r in fixed if isinstance(r, SummaryBatch)], source)
+
+    def _release_overdue(self, job: JobState, everything: bool = False) -> None:
+        """Held records wait at most ``source_idle_s`` (all of them at the end of a job)."""
+        since = job.clocks.held_since_s
+        if since is not None and (everything or self._clock() - since >= self.source_idle_s):
+            self._release(job, force=True)
 
     # -- output -----------------------------------------------------------------------------
 
@@ -433,6 +555,7 @@ class WindowEngine:
         """Close every window whose end the watermark has passed, oldest first."""
         closed = []
         for job_id, job in self._jobs.items():
+            self._release_overdue(job)
             watermark = self.watermark_ns(job_id)
             for index in sorted(job.windows):
                 if (index + 1) * self.window_ns > watermark:
@@ -444,6 +567,7 @@ class WindowEngine:
         """Close every open window (end of stream)."""
         closed = []
         for job_id, job in self._jobs.items():
+            self._release_overdue(job, everything=True)
             for index in sorted(job.windows):
                 closed.append(self._close(job_id, job, index))
         return closed
@@ -454,6 +578,7 @@ class WindowEngine:
         job = self._jobs.pop(job_id, None)
         if job is None:
             return []
+        self._release_overdue(job, everything=True)
         return [self._close(job_id, job, index) for index in sorted(job.windows)]
 
     def close_idle(self, job_idle_s: float) -> list[WindowView]:
@@ -462,10 +587,23 @@ class WindowEngine:
         now = self._clock()
         closed = []
         for job_id, job in self._jobs.items():
-            if job.windows and now - job.last_arrival_s >= job_idle_s:
+            if (job.windows or job.clocks.held) and now - job.last_arrival_s >= job_idle_s:
+                self._release_overdue(job, everything=True)
                 for index in sorted(job.windows):
                     closed.append(self._close(job_id, job, index))
         return closed
+
+    def on_job_clock(self, record: Held) -> Held:
+        """``record`` with the known clock offsets of its ranks taken off (as it is when they
+        are not known yet): which windows it will feed."""
+        job = self._jobs.get(record.job_id)
+        if job is None or not job.clocks.offsets_ns:
+            return record
+        return corrected(record, job.clocks.offsets_ns, self.window_ns)
+
+    def held_records(self) -> int:
+        """Records held while their ranks' clock offsets are estimated."""
+        return sum(len(job.clocks.held) for job in self._jobs.values())
 
     def open_windows(self) -> int:
         return sum(len(job.windows) for job in self._jobs.values())
@@ -482,6 +620,15 @@ class WindowEngine:
             steps=step_frame(window.steps),
             metrics=metric_frame(window.metrics),
             topology=job.topology,
+            clock_offsets=job.clocks.reported(),
         )
         self.stats.summaries_emitted += len(view.summaries)
         return view
+
+
+def _newest_per_rank(rank: np.ndarray, event_ns: np.ndarray) -> dict[int, int]:
+    """Each rank's latest event time among ``event_ns``."""
+    distinct, inverse = np.unique(rank, return_inverse=True)
+    newest = np.full(len(distinct), np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(newest, inverse.ravel(), event_ns.astype(np.int64))
+    return dict(zip(distinct.tolist(), newest.tolist(), strict=True))

@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 DEFAULT_EVERY_S = 600.0
 DEFAULT_MAX_PENDING = 4
 # A hung rank steps no more: a profile of it would never arrive. Too many function names
-# (cardinality) is about the telemetry, not the rank's speed: a profile would not tell more.
-NOT_PROFILED = frozenset({"hang", "cardinality"})
+# (cardinality) is about the telemetry, not the rank's speed: a profile would not tell more;
+# nor about a wrong host clock (clock-skew).
+NOT_PROFILED = frozenset({"hang", "cardinality", "clock-skew"})
 
 
 @dataclass(frozen=True)

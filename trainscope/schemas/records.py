@@ -54,6 +54,8 @@ CATEGORIES = (
     # Not performance: a rank sent more distinct functions (or windows) than the stream job's
     # caps allow, and what went over was set aside (trainscope/engine/caps.py).
     "cardinality",
+    # A rank's host clock is off its peers' (its times were corrected; fix the host's clock).
+    "clock-skew",
     # A job-level symptom (step time regressed) that no detector has narrowed down yet.
     "slowdown",
 )

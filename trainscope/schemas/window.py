@@ -49,7 +49,8 @@ class WindowView:
     - ``summaries``: one row per (rank, layer, name, callpath_id), columns ``SUMMARY_COLUMNS``;
     - ``steps``: one row per step record that started in the window, ``STEP_COLUMNS``;
     - ``metrics``: one row per metric sample taken in the window, ``METRIC_COLUMNS``;
-    - ``topology``: the job's declared layout, if a producer sent one.
+    - ``topology``: the job's declared layout, if a producer sent one;
+    - ``clock_offsets``: ranks whose clock was off and whose times were corrected.
     Detectors must not modify these frames.
     """
 
@@ -60,6 +61,9 @@ class WindowView:
     steps: pd.DataFrame = field(default_factory=lambda: empty_frame(STEP_COLUMNS))
     metrics: pd.DataFrame = field(default_factory=lambda: empty_frame(METRIC_COLUMNS))
     topology: Topology | None = None
+    # Ranks whose clock the engine found off its peers' and corrected: rank -> (offset ns, the
+    # steps the estimate rests on); their times in the frames above are already corrected.
+    clock_offsets: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def finding(self, detector: str, **fields: object) -> Finding:
         """A Finding stamped with this window's job and bounds."""

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+import msgspec
 import numpy as np
 
 from trainscope.producers.simulate.faults import Fault
@@ -33,6 +34,7 @@ from trainscope.producers.simulate.records import (
 from trainscope.producers.simulate.summaries import RankRecorders
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import (
+    SPAN_COLUMNS,
     MetricSample,
     Record,
     SpanBatch,
@@ -85,6 +87,10 @@ class ClusterSpec:
     send: Literal["summaries", "spans"] = "summaries"
     # The window the ranks condense spans over: the stream job's window length.
     window_s: float = 15.0
+    # Ranks whose host clock is off, as (rank, seconds ahead; negative: behind): every
+    # timestamp such a rank sends (spans, summaries' windows, step records, metric samples) is
+    # read off its wrong clock, while the physics (when its collectives end) stays true.
+    clock_skew_s: tuple[tuple[int, float], ...] = ()
 
     @property
     def layout(self) -> Layout:
@@ -137,6 +143,14 @@ class SimulatedCluster:
         self.faults = list(faults or [])
         for fault in self.faults:
             self._validate(fault)
+        self._skew_ns = np.zeros(self.layout.world_size, dtype=np.int64)
+        for rank, skew_s in spec.clock_skew_s:
+            if not 0 <= rank < self.layout.world_size:
+                raise ValueError(
+                    f"clock skew names rank {rank} but the job has {self.layout.world_size} "
+                    f"ranks (0..{self.layout.world_size - 1})"
+                )
+            self._skew_ns[rank] = round(skew_s * 1e9)
         self._rng = np.random.default_rng(spec.seed)
         n = self.layout.world_size
         # Chips are not identical: a persistent ±0.5% speed spread, as on real fleets.
@@ -178,12 +192,15 @@ class SimulatedCluster:
         )
         for step in range(spec.steps):
             output, start = self._step(step, start)
+            if self._skew_ns.any():
+                _read_off_clocks(output, self._skew_ns)
             if recorders is not None:
                 recorders.add(output.spans)
                 output.spans = []
                 # Each rank's clock is where its step ended; the job ends after the last step.
                 output.summaries = (
-                    recorders.flush() if step == spec.steps - 1 else recorders.closed(start)
+                    recorders.flush() if step == spec.steps - 1
+                    else recorders.closed(start + self._skew_ns)
                 )
             yield output
 
@@ -468,3 +485,25 @@ class SimulatedCluster:
                     )
                 )
         return samples
+
+
+def _read_off_clocks(output: StepOutput, skew_ns: np.ndarray) -> None:
+    """Stamp ``output``'s spans, step records and metric samples with each rank's own clock,
+    ``skew_ns`` ahead of the true one (before spans are condensed, as a producer condenses on
+    its own clock)."""
+    output.spans = [
+        msgspec.structs.replace(
+            batch, start_ns=(batch.column("start_ns") + skew_ns[batch.column("rank")])
+            .astype(SPAN_COLUMNS["start_ns"]).tobytes(),
+        )
+        for batch in output.spans
+    ]
+    output.steps = [
+        msgspec.structs.replace(r, start_ns=r.start_ns + int(skew_ns[r.rank])) if skew_ns[r.rank]
+        else r
+        for r in output.steps
+    ]
+    output.metrics = [
+        msgspec.structs.replace(m, ts_ns=m.ts_ns + int(skew_ns[m.rank])) if skew_ns[m.rank] else m
+        for m in output.metrics
+    ]

@@ -1,0 +1,201 @@
+"""One rank's clock off its peers' (NTP drift, a host set wrong) must not decide the job's windows:
+the engine estimates each rank's offset from the step records, corrects the rank's times before
+windowing, holds its records while the estimate forms, names it in a ``clock-skew`` finding, and
+no healthy rank's data is dropped as late, and no rank is called hung because of it.
+
+The estimator and the hold are shown in process; the whole path over the real broker, with
+``trainscope pipeline`` as its own process reading 8 jobs (skews of ±30 s and ±600 s, each with
+the job on one partition and spread over several) published by simulated producers whose rank 3
+runs on the wrong clock while rank 5 runs on a slow GPU."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kafka_broker import TansuBroker
+from pipeline_procs import PipelineProcess, start_publisher
+
+from trainscope.engine.clocks import MIN_STEPS, RankClocks
+from trainscope.engine.state import FAR_PAST
+from trainscope.engine.windows import WindowEngine
+from trainscope.schemas.records import StepRecord
+
+STEP_NS = 400_000_000
+
+
+def steps_of(rank: int, first: int, count: int, skew_ns: int, rng: np.random.Generator,
+             job: str = "j") -> list[StepRecord]:
+    """Steps of one rank of a synchronous job: each ends at the same true time on every rank
+    (plus a few ms of drain), stamped by the rank's clock ``skew_ns`` ahead."""
+    return [
+        StepRecord(job_id=job, rank=rank, step=s,
+                   start_ns=10**12 + s * STEP_NS + skew_ns,
+                   duration_ns=STEP_NS + int(rng.integers(0, 5_000_000)))
+        for s in range(first, first + count)
+    ]
+
+
+def test_estimator_takes_the_majority_of_ranks_and_enough_steps() -> None:
+    rng = np.random.default_rng(0)
+    clocks = RankClocks()
+    skew_ns = 30 * 10**9
+    # Only 2 of 8 ranks reported these steps: no agreement yet, whatever their clocks.
+    clocks.note_steps(steps_of(3, 0, 5, skew_ns, rng) + steps_of(0, 0, 5, 0, rng))
+    assert clocks.estimates(world_size=8) == {}
+    for rank in (1, 2, 4, 5, 6, 7):
+        clocks.note_steps(steps_of(rank, 0, MIN_STEPS - 1, 0, rng))
+    assert clocks.estimates(world_size=8) == {}  # a majority, but on too few steps
+    for rank in (1, 2, 4, 5, 6, 7):
+        clocks.note_steps(steps_of(rank, MIN_STEPS - 1, 1, 0, rng))
+    estimates = clocks.estimates(world_size=8)
+    assert set(estimates) == set(range(8))
+    assert abs(estimates[3][0] - skew_ns) < 10_000_000, estimates[3]
+    assert all(abs(offset) < 10_000_000 for rank, (offset, _) in estimates.items() if rank != 3)
+    assert clocks.calibrate(8, tolerance_ns=2 * 10**9) == list(estimates)
+    assert clocks.offsets_ns[3] == estimates[3][0]
+    assert all(clocks.offsets_ns[r] == 0 for r in range(8) if r != 3)  # jitter is not corrected
+    assert set(clocks.reported()) == {3}
+    # Bounded: only the newest step numbers are kept.
+    clocks.note_steps(steps_of(0, 10, 100, 0, rng))
+    assert len(clocks.ends) <= 32
+
+
+@pytest.mark.parametrize("skew_s", [600, -600])
+def test_first_seconds_a_far_clock_is_held_not_dragging_nor_late(skew_s: int) -> None:
+    """Before its offset is known, a rank 600 s ahead does not move the job's watermark and
+    one 600 s behind is not dropped as late: its records are held, then corrected."""
+    rng = np.random.default_rng(1)
+    now = [0.0]
+    engine = WindowEngine(window_s=1.0, allowed_lateness_s=0.5, clock=lambda: now[0],
+                          clock_tolerance_s=2.0)
+    skew_ns = skew_s * 10**9
+    first = [r for rank in range(8)
+             for r in steps_of(rank, 0, 1, skew_ns if rank == 3 else 0, rng)]
+    engine.add_steps(first[::-1])  # the skewed rank's record comes first
+    assert engine.held_records() == 8
+    assert engine.watermark_ns("j") == FAR_PAST
+    for s in range(1, 20):
+        now[0] += 0.1
+        engine.add_steps([r for rank in range(8)
+                          for r in steps_of(rank, s, 1, skew_ns if rank == 3 else 0, rng)])
+        engine.close_ready()
+    assert engine.held_records() == 0
+    assert engine.stats.late_events == 0
+    views = engine.close_all()
+    assert views and all(abs(v.clock_offsets[3][0] - skew_ns) < 10_000_000 for v in views)
+    # Every step of rank 3 lies with its peers' in the windows of true time.
+    by_window = {}
+    for view in views:
+        for rank, count in view.steps.groupby("rank").size().items():
+            by_window.setdefault(view.window_start_ns, {})[rank] = count
+    assert all(len(ranks) == 8 for ranks in by_window.values()), by_window
+
+
+# -- over the real broker -----------------------------------------------------------------
+
+SKEWED, SLOW = 3, 5
+STEPS = 40
+JOB = ["--dp", "2", "--pp", "2", "--tp", "2", "--steps", str(STEPS), "--window-s", "5",
+       "--fault", f"slow-gpu:rank={SLOW},factor=1.5"]
+CASES = [(skew_s, keying) for skew_s in (30, -30, 600, -600) for keying in ("one", "several")]
+
+_READ = r"""
+import json, sys
+from trainscope.detectors.diagnosis import diagnose
+from trainscope.schemas.records import Finding
+from trainscope.sinks.clickhouse import connect
+client = connect(sys.argv[1])
+out = {}
+for job in sys.argv[2:]:
+    steps = client.query("SELECT rank, count() FROM step_records FINAL WHERE job_id = {j:String} "
+                         "GROUP BY rank", parameters={"j": job}).result_rows
+    result = client.query("SELECT * FROM findings FINAL WHERE job_id = {j:String}",
+                          parameters={"j": job})
+    findings = [Finding(**dict(zip(result.column_names, row))) for row in result.result_rows]
+    out[job] = {
+        "steps": {str(rank): count for rank, count in steps},
+        "categories": sorted({f.category for f in findings}),
+        "skews": [(f.rank, f.evidence["offset_s"]) for f in findings
+                  if f.category == "clock-skew"],
+        "suspects": [(s.rank, s.category) for s in diagnose(findings)],
+    }
+print(json.dumps(out))
+"""
+
+
+def read_store(store: Path, jobs: list[str]) -> dict:
+    done = subprocess.run([sys.executable, "-c", _READ, str(store), *jobs],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.kafka
+def test_skewed_rank_is_named_corrected_and_never_costs_its_peers_data(
+    kafka_broker: TansuBroker, tmp_path: Path
+) -> None:
+    url = kafka_broker.url
+    jobs, publishers = {}, []
+    try:
+        for skew_s, keying in CASES:
+            job = f"skew-{tmp_path.name}-{skew_s}-{keying}"
+            # One key for the whole job, or one per rank (spread over the topic's partitions).
+            keys = ["--key-by", "job"] if keying == "one" else ["--gpus-per-host", "1"]
+            publishers.append(start_publisher(
+                url, *JOB, "--job-id", job, "--clock-skew", f"{SKEWED}:{skew_s}", *keys,
+                out=tmp_path / f"{job}.out"))
+            jobs[job] = skew_s
+        for publisher in publishers:
+            assert publisher.wait(timeout=120) == 0
+    finally:
+        for publisher in publishers:
+            if publisher.poll() is None:
+                publisher.kill()
+    pipeline = PipelineProcess(url, tmp_path / "store", f"skew-{tmp_path.name}",
+                               "--window-s", "5", "--lateness-s", "1", "--close-idle-s", "3",
+                               "--idle-exit-s", "5", "--no-auto-profile",
+                               logs=tmp_path / "pipeline")
+    try:
+        assert pipeline.wait(timeout_s=300) == 0, pipeline.err_text()
+    finally:
+        if pipeline.process.poll() is None:
+            pipeline.kill()
+    assert "Traceback" not in pipeline.err_text()
+    stats = pipeline.stats()
+    assert stats["window"]["dropped"] == 0, stats  # nothing late
+    store = read_store(tmp_path / "store", list(jobs))
+    for job, skew_s in jobs.items():
+        seen = store[job]
+        assert seen["steps"] == {str(rank): STEPS for rank in range(8)}, (job, seen["steps"])
+        assert "hang" not in seen["categories"], (job, seen)
+        assert seen["skews"], (job, seen)
+        for rank, offset_s in seen["skews"]:
+            assert rank == SKEWED, (job, seen["skews"])
+            assert abs(offset_s - skew_s) <= 0.1 * abs(skew_s), (job, offset_s)
+        # The real fault of the same job is still found, on the right rank.
+        real = [(rank, category) for rank, category in seen["suspects"]
+                if category != "clock-skew"]
+        assert real and real[0][0] == SLOW, (job, seen["suspects"])
+
+
+def test_a_job_checkpointed_before_clock_estimates_restores_with_defaults() -> None:
+    """Open windows pickled by a version whose job state had no clocks nor per-rank progress
+    restore with those fields at their defaults, and windowing goes on."""
+    rng = np.random.default_rng(2)
+    engine = WindowEngine(window_s=1.0, allowed_lateness_s=0.5, clock_tolerance_s=2.0)
+    engine.add_steps([r for rank in range(4) for r in steps_of(rank, 0, 5, 0, rng)])
+    state = engine.snapshot()
+    for job in state["jobs"].values():  # as the older version pickled it
+        del job.__dict__["clocks"], job.__dict__["rank_progress"]
+    restored = WindowEngine(window_s=1.0, allowed_lateness_s=0.5, clock_tolerance_s=2.0)
+    assert restored.restore(pickle.loads(pickle.dumps(state))) > 0
+    restored.add_steps([r for rank in range(4) for r in steps_of(rank, 5, 5, 0, rng)])
+    views = restored.close_all()
+    assert sum(len(v.steps) for v in views) == 40
+    assert restored.stats.late_events == 0

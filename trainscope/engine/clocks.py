@@ -1,0 +1,212 @@
+"""Each rank's clock against its peers': estimated from the step records, corrected before
+windowing.
+
+Event times are read off each rank's own host clock, and one wrong clock (NTP drift, a host set
+wrong) must not decide the job's windows. In synchronous training the collectives align step
+ends: step ``s`` ends at about the same true time on every rank (within a pipeline's drain,
+well under a step). So a rank's clock offset is the median, over recent steps, of its step end
+minus the median step end of the job's ranks for that step. A step counts only once a majority
+of the job's ranks reported it, so the median is the job's agreement, not whichever ranks
+arrived first.
+
+A rank whose offset is beyond ``tolerance`` has its event times shifted by it before windowing
+(its data still counts, in the windows it really belongs to); within the tolerance nothing is
+shifted, so jitter never moves a record. Until a rank's offset is known, its records are held,
+not windowed: a rank 600 s ahead would otherwise open windows 600 s in the future, one 600 s
+behind would file into windows already closed. The hold is short (``MIN_STEPS`` steps of a
+majority) and bounded: after ``hold_s`` of processing time, or ``MAX_HELD`` records, the ranks
+still unknown are taken as they are (offset 0) and their records released; a later estimate
+beyond the tolerance still corrects what follows. A job that has sent no step record yet has
+nothing to estimate from; its records are windowed as they come (the watermark's agreement
+rule keeps one fast clock from dragging the job forward).
+
+Every closed window a correction applied to names the rank and its offset in a ``clock-skew``
+finding (:func:`clock_skew_findings`, added to the detectors' findings whatever detectors run),
+so that an operator fixes the host's clock. Its score is the alert threshold: the clock needs
+fixing, but the data is corrected, so it never outranks a finding that explains a slowdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from trainscope.detectors.base import ALERT_THRESHOLD
+from trainscope.schemas.records import (
+    SPAN_COLUMNS,
+    Finding,
+    MetricSample,
+    SpanBatch,
+    StepRecord,
+    SummaryBatch,
+)
+from trainscope.schemas.window import WindowView
+
+# A rank's offset is trusted once it rests on this many steps reported by a majority.
+MIN_STEPS = 3
+# A step's median end is an agreement only among at least this many ranks.
+MIN_RANKS = 3
+# Step numbers remembered per job: enough for a robust median, bounded state.
+KEPT_STEPS = 32
+# Records held per job while offsets are being estimated, and their rows (span events,
+# summary rows): past either, the ranks still unknown are taken as they are.
+MAX_HELD = 4096
+MAX_HELD_ROWS = 1 << 20
+# Offsets beyond this are corrected and reported; within it, clocks are taken as they are.
+DEFAULT_TOLERANCE_S = 2.0
+FINDING_DETECTOR = "clock-skew"  # the ``detector`` of clock-skew findings
+
+Held = SpanBatch | SummaryBatch | StepRecord | MetricSample
+
+
+def ranks_of(record: Held) -> list[int]:
+    """The ranks whose clocks stamped ``record``."""
+    if isinstance(record, StepRecord | MetricSample):
+        return [record.rank]
+    return np.unique(record.column("rank")).tolist()
+
+
+def rows_of(record: Held) -> int:
+    """What ``record`` weighs held: its span events or summary rows, 1 for a record."""
+    return 1 if isinstance(record, StepRecord | MetricSample) else len(record)
+
+
+@dataclass
+class RankClocks:
+    """One job's clock estimates, the corrections applied, and the records held meanwhile."""
+
+    # step -> rank -> end of the step on the rank's own clock (ns)
+    ends: dict[int, dict[int, int]] = field(default_factory=dict)
+    offsets_ns: dict[int, int] = field(default_factory=dict)  # rank -> correction applied
+    steps_used: dict[int, int] = field(default_factory=dict)  # rank -> steps its estimate used
+    held: list[tuple[Hashable, Held]] = field(default_factory=list)  # (source, record)
+    held_rows: int = 0
+    held_since_s: float | None = None
+    stepping: bool = False  # the job has sent step records: offsets can be estimated
+    ranks: set[int] = field(default_factory=set)  # ranks that sent step records
+
+    def note_steps(self, steps: list[StepRecord]) -> None:
+        """Remember each step's end per rank; only the newest ``KEPT_STEPS`` step numbers."""
+        self.stepping = True
+        for step in steps:
+            self.ends.setdefault(step.step, {})[step.rank] = step.start_ns + step.duration_ns
+            self.ranks.add(step.rank)
+        if len(self.ends) > KEPT_STEPS:
+            for old in sorted(self.ends)[: len(self.ends) - KEPT_STEPS]:
+                del self.ends[old]
+
+    def estimates(self, world_size: int) -> dict[int, tuple[int, int]]:
+        """Per rank, (offset ns, steps it rests on) from steps a majority of ``world_size``
+        ranks reported; ranks with fewer than ``MIN_STEPS`` such steps are left out."""
+        quorum = max(MIN_RANKS, world_size // 2 + 1)
+        diffs: dict[int, list[int]] = {}
+        for by_rank in self.ends.values():
+            if len(by_rank) < quorum:
+                continue
+            ranks = list(by_rank)
+            ends = np.fromiter(by_rank.values(), dtype=np.int64, count=len(by_rank))
+            agreed = int(np.median(ends))
+            for rank, end in zip(ranks, (ends - agreed).tolist(), strict=True):
+                diffs.setdefault(rank, []).append(end)
+        return {
+            rank: (int(np.median(values)), len(values))
+            for rank, values in diffs.items()
+            if len(values) >= MIN_STEPS
+        }
+
+    def calibrate(self, world_size: int, tolerance_ns: int) -> list[int]:
+        """Take new estimates: a rank not calibrated yet gets its offset (0 within the
+        tolerance); a calibrated one only when its clock moved by more than the tolerance (a
+        step of its clock), so records are not shuffled by jitter. Returns the ranks changed."""
+        changed = []
+        for rank, (offset, used) in self.estimates(world_size).items():
+            applied = self.offsets_ns.get(rank)
+            wanted = offset if abs(offset) > tolerance_ns else 0
+            if applied is None or (abs(offset - applied) > tolerance_ns and wanted != applied):
+                self.offsets_ns[rank] = wanted
+                changed.append(rank)
+            self.steps_used[rank] = used
+        return changed
+
+    def ready(self, record: Held) -> bool:
+        return all(rank in self.offsets_ns for rank in ranks_of(record))
+
+    def trust_the_rest(self, records: list[tuple[Hashable, Held]]) -> None:
+        """Ranks of ``records`` still unknown are taken as they are (offset 0)."""
+        for _, record in records:
+            for rank in ranks_of(record):
+                self.offsets_ns.setdefault(rank, 0)
+
+    def reported(self) -> dict[int, tuple[int, int]]:
+        """The corrections in force: rank -> (offset ns, steps it rests on)."""
+        return {
+            rank: (offset, self.steps_used.get(rank, 0))
+            for rank, offset in self.offsets_ns.items()
+            if offset
+        }
+
+
+def corrected(record: Held, offsets_ns: dict[int, int], window_ns: int) -> Held:
+    """``record`` with its times moved from its ranks' clocks to the job's."""
+    if isinstance(record, StepRecord):
+        offset = offsets_ns.get(record.rank, 0)
+        return (
+            msgspec.structs.replace(record, start_ns=record.start_ns - offset) if offset
+            else record
+        )
+    if isinstance(record, MetricSample):
+        offset = offsets_ns.get(record.rank, 0)
+        return msgspec.structs.replace(record, ts_ns=record.ts_ns - offset) if offset else record
+    rank = record.column("rank")
+    if isinstance(record, SpanBatch):
+        shift = _offsets_of(rank, offsets_ns)
+        if not shift.any():
+            return record
+        start = (record.column("start_ns") - shift).astype(SPAN_COLUMNS["start_ns"])
+        return msgspec.structs.replace(record, start_ns=start.tobytes())
+    # A summary covers a whole window of its rank's clock: it moves by whole windows (the
+    # nearest), as one row; a batch's ranks share a host, hence a clock (else: their median).
+    offset = int(np.median(_offsets_of(rank, offsets_ns))) if len(rank) else 0
+    windows = round(offset / window_ns)
+    if not windows:
+        return record
+    return msgspec.structs.replace(
+        record, window_start_ns=record.window_start_ns - windows * window_ns,
+        window_end_ns=record.window_end_ns - windows * window_ns,
+    )
+
+
+def _offsets_of(rank: np.ndarray, offsets_ns: dict[int, int]) -> np.ndarray:
+    """Each event's rank's offset, looked up once per distinct rank."""
+    if not any(offsets_ns.values()):
+        return np.zeros(len(rank), dtype=np.int64)
+    distinct, inverse = np.unique(rank, return_inverse=True)
+    table = np.array([offsets_ns.get(r, 0) for r in distinct.tolist()], dtype=np.int64)
+    return table[inverse.ravel()]
+
+
+def clock_skew_findings(window: WindowView) -> list[Finding]:
+    """One ``clock-skew`` finding per rank whose clock was corrected in ``window``."""
+    findings = []
+    for rank, (offset_ns, steps) in sorted(window.clock_offsets.items()):
+        offset_s = offset_ns / 1e9
+        direction = "ahead of" if offset_s > 0 else "behind"
+        findings.append(
+            window.finding(
+                FINDING_DETECTOR,
+                rank=rank,
+                ranks=[rank],
+                category="clock-skew",
+                score=ALERT_THRESHOLD,
+                evidence={"offset_s": offset_s, "steps": float(steps)},
+                message=(
+                    f"clock-skew: rank {rank}'s clock is {abs(offset_s):.3f} s {direction} its "
+                    f"peers' (median over {steps} steps of its step ends against theirs); its "
+                    "event times are corrected by it"
+                ),
+            )
+        )
+    return findings
