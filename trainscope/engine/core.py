@@ -35,6 +35,8 @@ from typing import Any
 from trainscope.detectors.base import ALERT_THRESHOLD, Detector
 from trainscope.detectors.registry import DEFAULT_MAX_JOBS, DetectorRunner, load
 from trainscope.engine.caps import CapGuard, Caps, Refusal
+from trainscope.engine.clocks import DEFAULT_TOLERANCE_S as CLOCK_TOLERANCE_S
+from trainscope.engine.clocks import clock_skew_findings
 from trainscope.engine.delivery import Backoff, PendingOffsets, SeenBatches
 from trainscope.engine.sink import DeadLetterRow, Sink
 from trainscope.engine.windows import WindowEngine, metric_window
@@ -160,7 +162,7 @@ class StreamCore:
                 log.warning("detector %s not loaded: %s", name, error)
         self.engine = WindowEngine(
             window_s=window_s, allowed_lateness_s=lateness_s, source_idle_s=source_idle_s,
-            clock=clock,
+            clock=clock, clock_tolerance_s=CLOCK_TOLERANCE_S,
         )
         self.runner = DetectorRunner(detectors, max_jobs=max_jobs)
         self.validator = Validator(limits)
@@ -421,12 +423,13 @@ class StreamCore:
             + len(steps)
             + len(metrics)
         )
+        # Steps first: they tell each rank's clock offset, which the other records need.
+        if steps:
+            self.engine.add_steps(steps, source)
         if spans:
             self.engine.add_spans(spans, source)
         if summaries:
             self.engine.add_summaries(summaries, source)
-        if steps:
-            self.engine.add_steps(steps, source)
         if metrics:
             self.engine.add_metrics(metrics, source)
 
@@ -459,10 +462,13 @@ class StreamCore:
                 job_id, self.max_jobs, self._stats.jobs_evicted)
 
     def _newest_windows(self, records: list[Record]) -> dict[str, int]:
-        """Per job, the newest window the records can feed."""
+        """Per job, the newest window the records can feed (on the job's clock: a rank's
+        known clock offset is taken off, see :meth:`WindowEngine.on_job_clock`)."""
         window_ns = self.engine.window_ns
         newest: dict[str, int] = {}
         for record in records:
+            if isinstance(record, SpanBatch | StepRecord | MetricSample | SummaryBatch):
+                record = self.engine.on_job_clock(record)
             if isinstance(record, SpanBatch):
                 if not len(record):
                     continue
@@ -520,7 +526,7 @@ class StreamCore:
             self._stats.window.emitted += len(view.summaries)
             self._stats.detect.received += 1
             self.caps.closed(view.job_id, view.window_start_ns)
-            findings = [*self._cap_findings(view),
+            findings = [*clock_skew_findings(view), *self._cap_findings(view),
                         *self.runner.run(view, budget_s=self.detector_budget_s)]
             self._stats.detect.emitted += len(findings)
             self._stats.detector_errors = dict(self.runner.errors)
@@ -591,6 +597,8 @@ class StreamCore:
 
     def stats(self) -> PipelineStats:
         engine = self.engine.stats
+        self._stats.clock_corrections = engine.clock_corrections
+        self._stats.clock_unestimated = engine.clock_unestimated
         self._stats.window.rejected = engine.rejected
         self._stats.window.dropped = engine.late_events
         self._stats.replayed_events = engine.replayed
