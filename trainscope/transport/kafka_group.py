@@ -141,10 +141,30 @@ class KeepPositions(ConsumerRebalanceListener):
         self.rebalances += 1
         self.rebalancing = False
         self.changes += 1
-        for tp in assigned:
-            if tp in self._held and tp in self.handed and self.consumer is not None:
-                self.consumer.seek(tp, self.handed[tp])
+        kept = [tp for tp in assigned
+                if tp in self._held and tp in self.handed and self.consumer is not None]
+        for tp in await self._still_the_same_log(kept):
+            self.consumer.seek(tp, self.handed[tp])
         # Positions of partitions given up are not ours to resume any more.
         for tp in set(self.handed) - set(assigned):
             del self.handed[tp]
         self._held = set()
+
+    async def _still_the_same_log(self, kept: list[Any]) -> list[Any]:
+        """The partitions of ``kept`` whose log is the one read before the rebalance.
+
+        A broker that lost its data (its group's commits with it) and came back rejoins the
+        group as well: there the position handed out lies past a new, shorter log, and the
+        committed offset is gone. Resuming there would skip the new log's messages; the client's
+        own reset (the oldest offset) and the engine's check for a recreated topic apply
+        instead."""
+        if not kept:
+            return []
+        try:
+            ends = await self.consumer.end_offsets(kept)
+            committed = {tp: await self.consumer.committed(tp) for tp in kept}
+        except Exception as exc:  # unsure: the committed offset is the safe place to resume
+            log.info("resuming from the committed offsets after a rebalance: %s", exc)
+            return []
+        return [tp for tp in kept
+                if committed[tp] is not None and committed[tp] <= self.handed[tp] <= ends[tp]]
