@@ -236,6 +236,16 @@ CHECKPOINTS_DDL = """CREATE TABLE IF NOT EXISTS pipeline_checkpoints (
 ENGINE = ReplacingMergeTree(written_ns)
 ORDER BY (`group`)"""
 
+# Beside the checkpoints: the identity of each table when a checkpoint was written, so a
+# checkpoint is not trusted over tables replaced since (trainscope/sinks/store_watch.py).
+MARKS_DDL = """CREATE TABLE IF NOT EXISTS store_marks (
+    `group` String,
+    `written_ns` Int64,
+    `marks` String
+)
+ENGINE = ReplacingMergeTree(written_ns)
+ORDER BY (`group`)"""
+
 
 # Calling-context trees of profiler traces: one row per rank, window and call path, with the
 # whole path as arrays (root first), so one query gives the time of any path on any rank:

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from trainscope.config.secrets import redact_url
 from trainscope.config.settings import Settings
-from trainscope.schemas.ddl import TABLES, all_ddl
+from trainscope.schemas.ddl import MARKS_DDL, TABLES, all_ddl
 from trainscope.schemas.records import (
     SCHEMA_VERSION,
     Finding,
@@ -36,7 +36,7 @@ from trainscope.sinks.store_layout import (
     record_layout,
     set_retention,
 )
-from trainscope.sinks.store_watch import MARKS_DDL, StoreWatch
+from trainscope.sinks.store_watch import StoreWatch
 from trainscope.store.client import (
     StoreError,
     _first_line,

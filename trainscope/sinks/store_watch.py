@@ -23,14 +23,6 @@ from typing import Any
 
 from trainscope.store.client import StoreError, _first_line
 
-MARKS_DDL = """CREATE TABLE IF NOT EXISTS store_marks (
-    `group` String,
-    `written_ns` Int64,
-    `marks` String
-)
-ENGINE = ReplacingMergeTree(written_ns)
-ORDER BY (`group`)"""
-
 
 def _identity(path: Path) -> tuple[int, int] | None:
     try:
