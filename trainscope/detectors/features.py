@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from trainscope.schemas import metrics as m
 from trainscope.schemas.metrics import (
     THROTTLE_REASON_NAMES,
     THROTTLE_REASONS,
@@ -30,6 +31,15 @@ OWN_WORK_CATEGORY = {
     "sched": "cpu-contention",
 }
 WAIT_LAYERS = frozenset({"collective"})
+# What shows a job runs on GPUs: a GPU layer in its summaries, or a GPU reading from the NVML
+# sampler (the agent). Without either, own-work compute is called ``compute``, not
+# ``gpu-compute``: a CPU-only job (gloo on CPU) has no GPU to blame.
+GPU_LAYERS = frozenset({"cuda_kernel", "cuda_api", "memcpy", "gpu_user_annotation"})
+GPU_METRICS = frozenset({
+    m.SM_CLOCK_MHZ, m.SM_CLOCK_MAX_MHZ, m.MEM_CLOCK_MHZ, m.SM_UTIL_PCT, m.MEM_UTIL_PCT,
+    m.POWER_W, m.POWER_LIMIT_W, m.THROTTLE_REASONS, m.THROTTLED_FRAC,
+    m.PROCESS_GPU_UTIL_PCT, m.PROCESS_GPU_MEM_BYTES,
+})
 # MAD × 1.4826 estimates the standard deviation of normally distributed values.
 MAD_TO_SIGMA = 1.4826
 # Column of :func:`throttling_shares` with the share of readings carrying any throttling reason.
@@ -37,6 +47,19 @@ ANY_THROTTLING = "any"
 _THROTTLING_BITS = {
     bit: name for bit, name in THROTTLE_REASON_NAMES.items() if bit & THROTTLING_REASONS_MASK
 }
+
+
+def gpu_evidence(view: WindowView) -> bool:
+    """Whether anything GPU-shaped is in the window: a GPU layer or a GPU metric sample."""
+    if view.summaries["layer"].isin(GPU_LAYERS).any():
+        return True
+    return bool(not view.metrics.empty and view.metrics["name"].isin(GPU_METRICS).any())
+
+
+def honest_category(category: str, gpu: bool) -> str:
+    """``gpu-compute`` becomes ``compute`` for a job without GPU evidence (no ``gpu-*``
+    category without a GPU)."""
+    return "compute" if category == "gpu-compute" and not gpu else category
 
 
 def steps_per_rank(view: WindowView) -> pd.Series:

@@ -20,6 +20,8 @@ import pandas as pd
 from trainscope.detectors.features import (
     OWN_WORK_CATEGORY,
     WAIT_LAYERS,
+    gpu_evidence,
+    honest_category,
     metric_means,
     per_step_times,
     robust_z,
@@ -137,6 +139,8 @@ class RankAnomalyDetector:
         self.seed = seed
         self._model = None
         self._seen = 0
+        # Whether this job ever showed GPU evidence: without it, compute is not gpu-compute.
+        self._gpu_seen = False
 
     def _new_model(self):
         from river import anomaly, compose, preprocessing
@@ -184,6 +188,8 @@ class RankAnomalyDetector:
         for x in rows.values():
             self._model.learn_one(x)
         self._seen += 1
+        # getattr: a checkpoint from before the flag existed restores without it.
+        self._gpu_seen = getattr(self, "_gpu_seen", False) or gpu_evidence(window)
         if self._seen <= self.grace_windows or len(frame) < MIN_RANKS:
             return []
         z, reference = robust_z(scores, None, floor=SCORE_SCALE_FLOOR, rel_floor=0.0)
@@ -200,6 +206,7 @@ class RankAnomalyDetector:
                 category = None
             if category is None:
                 continue
+            category = honest_category(category, self._gpu_seen)
             score = round(float(min(1.0, scores[rank])) * min(1.0, float(z[rank]) / FULL_Z), 4)
             findings.append(
                 window.finding(

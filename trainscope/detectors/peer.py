@@ -32,6 +32,8 @@ from trainscope.detectors.features import (
     MAD_TO_SIGMA,
     OWN_WORK_CATEGORY,
     WAIT_LAYERS,
+    gpu_evidence,
+    honest_category,
     metric_means,
     per_call_bandwidth,
     per_step_times,
@@ -230,6 +232,9 @@ class PeerDiffDetector:
         self._streaks: dict[tuple[int, str], int] = {}
         self._history: list[pd.DataFrame] = []
         self._step_history: list[float] = []
+        # Whether this job ever showed GPU evidence (a GPU layer or metric): a window without
+        # a GPU reading does not turn a GPU job's compute into CPU compute.
+        self._gpu_seen = False
 
     def __setstate__(self, state: dict[str, object]) -> None:
         # A checkpoint written before a setting existed restores with that setting's default,
@@ -260,6 +265,9 @@ class PeerDiffDetector:
         suspects += stage_suspects
         suspects += self._network_suspects(window, table, stage, step_ns)
         self._categorise_compute(window, suspects)
+        self._gpu_seen = self._gpu_seen or gpu_evidence(window)
+        for x in suspects:
+            x.category = honest_category(x.category, self._gpu_seen)
         findings = self._findings(window, table, layout, suspects, step_ns)
         self._remember(table, step_ns)
         return findings

@@ -40,6 +40,7 @@ LAYERS = (
 
 CATEGORIES = (
     "gpu-compute",
+    "compute",  # a rank's own compute in a job with no GPU evidence (CPU-only)
     "gpu-throttle",
     "gpu-memory",
     "pcie",
