@@ -5,7 +5,10 @@
   of ``slowdown_frac`` and three times the job's own window-to-window spread, at least
   ``min_slowdown_ns``, and the slowdown must hold for ``confirm_windows`` windows in a row: a
   job whose steps always wobble by 15% has not slowed down when one window is 12% slower.
-- *Hang*: a rank that reported no step in a window while its peers kept stepping.
+- *Hang*: a rank that reported no step in a window while its peers kept stepping, after it had
+  reported steps before.
+- *No data*: a declared rank that has never sent a step record in this job while its peers
+  step: not a hang but a deployment problem (its producer is not running).
 - *Sequence imbalance*: data-parallel replicas get very different token counts in the same step,
   so the replica with the longest sequences sets the pace and the others wait — no rank is slow,
   the batches are uneven. Seen as a high spread of tokens across ranks within steps.
@@ -14,6 +17,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 
 from trainscope.detectors.features import MAD_TO_SIGMA
 from trainscope.detectors.params import check_number, check_order
@@ -36,6 +40,13 @@ MIN_STEPS_FOR_HANG = 2
 # At most this share of the ranks silent is a hang; more is the job stopping or a gap in the
 # data, which no one rank explains.
 MAX_HANG_FRAC = 0.5
+# Score of a declared rank that never reported, once peers have stepped in this many windows: at
+# the alert threshold, because nobody watches that rank until someone starts its producer, yet
+# never above a finding that explains a slowdown. In the job's first window it stays below
+# (NO_DATA_FIRST_SCORE): a rank that starts a little later than its peers is not a fault.
+NO_DATA_SCORE = 0.5
+NO_DATA_FIRST_SCORE = 0.45
+NO_DATA_CONFIRM_WINDOWS = 2
 # Sequence imbalance counts fully in the score when the longest batch's excess over the mean is
 # this share of it (0.2: the other replicas idle a fifth of the step) ...
 SEQ_FULL_WASTE_FRAC = 0.2
@@ -77,18 +88,28 @@ class StepTimeDetector:
 
     Examples
     --------
-    A window of a job of 2 stages × 4 ranks in which rank 3 reported no step while its peers
-    ran four:
+    Two windows of a job of 2 stages × 4 ranks: in the second, rank 3 reported no step while its
+    peers ran four:
 
     >>> import dataclasses
     >>> from trainscope.detectors.contract import example_windows
-    >>> window, = example_windows(1)
-    >>> silent = dataclasses.replace(window, steps=window.steps[window.steps["rank"] != 3])
-    >>> finding, = StepTimeDetector().detect(silent)
+    >>> first, second = example_windows(2)
+    >>> silent = dataclasses.replace(second, steps=second.steps[second.steps["rank"] != 3])
+    >>> detector = StepTimeDetector()
+    >>> detector.detect(first)
+    []
+    >>> finding, = detector.detect(silent)
     >>> finding.category, finding.ranks, finding.score
     ('hang', [3], 1.0)
     >>> finding.message
     'hang: 1 rank(s) reported no step while peers ran 4: 3'
+
+    Had rank 3 never sent a step, it would be no data, not a hang (score 0.45 in the job's
+    first window, 0.5 from the second on):
+
+    >>> finding, = StepTimeDetector().detect(silent)
+    >>> finding.category, finding.ranks, finding.score
+    ('no-data', [3], 0.45)
     """
 
     name = DETECTOR
@@ -119,6 +140,14 @@ class StepTimeDetector:
         self.token_cv = token_cv
         self.history_windows = history_windows
         self._medians: list[float] = []
+        # Ranks that ever sent a step record in this job, and windows in which any rank did:
+        # a rank silent from the start is no-data, one that went silent is a hang.
+        self._reported: set[int] = set()
+        self._stepping_windows = 0
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        # A checkpoint written before a field existed restores with that field's default.
+        self.__dict__.update({**StepTimeDetector().__dict__, **state})
 
     def detect(self, window: WindowView) -> list[Finding]:
         steps = window.steps
@@ -154,28 +183,56 @@ class StepTimeDetector:
         return findings
 
     def _hangs(self, window: WindowView) -> list[Finding]:
+        """A hang for declared ranks that reported before and stepped no more while their peers
+        did; no-data for declared ranks that never reported (the step records tell both)."""
+        counts = window.steps.groupby("rank").size()
+        self._stepping_windows += 1
+        known = self._reported
+        self._reported = known | {int(r) for r in counts.index}
         if window.topology is None or not window.topology.workers:
             return []
-        counts = window.steps.groupby("rank").size()
+        silent = {w.rank for w in window.topology.workers} - set(counts.index)
+        never = sorted(silent - known)
+        findings = [self._no_data(window, never, counts)] if never else []
+        went_silent = sorted(silent & known)
         if counts.median() < MIN_STEPS_FOR_HANG:
-            return []  # too few steps per window to call a missing one a hang
-        silent = sorted({w.rank for w in window.topology.workers} - set(counts.index))
-        if not silent or len(silent) > MAX_HANG_FRAC * len(window.topology.workers):
-            return []
-        return [
+            return findings  # too few steps per window to call a missing one a hang
+        if not went_silent or len(went_silent) > MAX_HANG_FRAC * len(known):
+            return findings
+        findings.append(
             window.finding(
                 self.name,
-                rank=silent[0],
-                ranks=silent,
+                rank=went_silent[0],
+                ranks=went_silent,
                 category="hang",
                 score=1.0,
-                evidence={"silent_ranks": float(len(silent)), "peer_steps": float(counts.median())},
+                evidence={"silent_ranks": float(len(went_silent)),
+                          "peer_steps": float(counts.median())},
                 message=(
-                    f"hang: {len(silent)} rank(s) reported no step while peers ran "
-                    f"{counts.median():.0f}: {', '.join(map(str, silent[:8]))}"
+                    f"hang: {len(went_silent)} rank(s) reported no step while peers ran "
+                    f"{counts.median():.0f}: {', '.join(map(str, went_silent[:8]))}"
                 ),
             )
-        ]
+        )
+        return findings
+
+    def _no_data(self, window: WindowView, never: list[int], counts: pd.Series) -> Finding:
+        first = self._stepping_windows < NO_DATA_CONFIRM_WINDOWS
+        shown = ", ".join(map(str, never[:8])) + (", …" if len(never) > 8 else "")
+        return window.finding(
+            self.name,
+            rank=never[0],
+            ranks=never,
+            category="no-data",
+            score=NO_DATA_FIRST_SCORE if first else NO_DATA_SCORE,
+            evidence={"silent_ranks": float(len(never)), "reporting_ranks": float(len(counts)),
+                      "peer_steps": float(counts.median())},
+            message=(
+                f"no-data: {len(never)} declared rank(s) never sent a step record while "
+                f"{len(counts)} peer(s) ran {counts.median():.0f} step(s): {shown}; the producer "
+                "on those ranks never reported (check that attach() or the agent runs there)"
+            ),
+        )
 
     def _seq_imbalance(self, window: WindowView) -> list[Finding]:
         steps = window.steps[window.steps["tokens"] > 0]

@@ -34,8 +34,9 @@ DEFAULT_EVERY_S = 600.0
 DEFAULT_MAX_PENDING = 4
 # A hung rank steps no more: a profile of it would never arrive. Too many function names
 # (cardinality) is about the telemetry, not the rank's speed: a profile would not tell more;
-# nor about a wrong host clock (clock-skew).
-NOT_PROFILED = frozenset({"hang", "cardinality", "clock-skew"})
+# nor about a wrong host clock (clock-skew). A rank that never reported (no-data) has no
+# producer running to profile it.
+NOT_PROFILED = frozenset({"hang", "no-data", "cardinality", "clock-skew"})
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ CATEGORIES = (
     "stage-imbalance",
     "seq-imbalance",
     "hang",
+    "no-data",  # a declared rank that never reported: its producer is not running (deployment)
     # Not performance: a rank sent more distinct functions (or windows) than the stream job's
     # caps allow, and what went over was set aside (trainscope/engine/caps.py).
     "cardinality",
