@@ -17,7 +17,7 @@ from trainscope.detectors.docs import parameters
 from trainscope.detectors.peer import PeerDiffDetector
 from trainscope.detectors.registry import available, is_builtin
 
-REGISTERED = "registered: mixture, multivariate, peer-diff, step-time"
+REGISTERED = "registered: mixture, multivariate, peer-diff, step-time, waits"
 
 
 def trainscope(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
@@ -87,7 +87,7 @@ def test_help_lists_each_detectors_parameters_from_its_docstring() -> None:
     assert "Usage: trainscope detectors [OPTIONS]" in done.stdout
     assert "--describe NAME" in done.stdout
     builtins = {name: ep for name, ep in available().items() if is_builtin(ep)}
-    assert len(builtins) == 4
+    assert len(builtins) == 5
     for name, ep in builtins.items():
         assert f"  {name} ({ep.value})\n" in done.stdout
         documented = parameters(ep.load().__doc__)

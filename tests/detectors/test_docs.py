@@ -47,7 +47,7 @@ def doc_problems(cls: type) -> list[str]:
 
 
 def test_the_built_ins_are_those_of_pyproject() -> None:
-    assert set(BUILTINS) == {"peer-diff", "multivariate", "step-time", "mixture"}
+    assert set(BUILTINS) == {"peer-diff", "multivariate", "step-time", "mixture", "waits"}
 
 
 @pytest.mark.parametrize("name", list(BUILTINS))

@@ -49,6 +49,9 @@ CATEGORIES = (
     "dataloader",
     "python-gc",
     "cpu-contention",
+    # Time on the host outside every instrumented function (loop-body Python, preprocessing):
+    # the rank's peers wait on it though none of its measured functions grew (detector waits).
+    "host",
     "stage-imbalance",
     "seq-imbalance",
     "hang",

@@ -1,0 +1,183 @@
+"""The waits detector on windows shaped like a real DDP job's: who makes the others wait.
+
+The windows are built the way a synchronous data-parallel step unfolds, not from hand-picked
+figures: each step, every rank does its own (hooked) work and its unhooked host work, with
+jitter; the all-reduce ends when the last rank has arrived plus the transfer, so a rank's
+``ddp_allreduce`` time is its wait for the last arrival plus the transfer, and every rank's step
+ends together. Summaries and step records are what the producer would send for that.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from trainscope.detectors.base import ALERT_THRESHOLD
+from trainscope.detectors.contract import check_contract, contract_windows
+from trainscope.detectors.diagnosis import diagnose
+from trainscope.detectors.params import DetectorConfigError
+from trainscope.detectors.peer import PeerDiffDetector
+from trainscope.detectors.waits import WaitDetector
+from trainscope.schemas.records import Topology, WorkerInfo
+from trainscope.schemas.window import STEP_COLUMNS, SUMMARY_COLUMNS, WindowView
+from trainscope.testing import check_detector, sample_windows
+
+MS = 1_000_000
+STEPS = 60  # per 3 s window at ~50 ms steps
+T0_NS = 1_767_225_600 * 10**9
+
+
+def ddp_windows(
+    count: int,
+    world: int = 4,
+    *,
+    outside_ms: dict[int, float] | None = None,
+    backward_extra_ms: dict[int, float] | None = None,
+    everyone_outside_ms: float = 0.0,
+    jitter_ms: float = 1.0,
+    seed: int = 3,
+    topology: Topology | None = None,
+    collective: str = "ddp_allreduce",
+) -> list[WindowView]:
+    """``count`` windows of a ``world``-rank synchronous job: per rank and step, forward ~8 ms,
+    backward ~16 ms (plus ``backward_extra_ms``), unhooked host work ~5 ms (plus
+    ``outside_ms`` and ``everyone_outside_ms``), each with ``jitter_ms`` of noise, then the
+    all-reduce: 3 ms of transfer after the last rank arrives."""
+    rng = np.random.default_rng(seed)
+    outside_ms, backward_extra_ms = outside_ms or {}, backward_extra_ms or {}
+    windows = []
+    for w in range(count):
+        start = T0_NS + w * 3_000 * MS
+        totals = {r: {"forward": 0.0, "backward": 0.0, "wait": 0.0, "pre": 0.0}
+                  for r in range(world)}
+        steps, t = [], start
+        for k in range(STEPS):
+            jitter = lambda: max(rng.normal(0, jitter_ms), -2.0) * MS  # noqa: E731
+            forward = {r: 8 * MS + jitter() for r in range(world)}
+            backward = {r: (16 + backward_extra_ms.get(r, 0.0)) * MS + jitter()
+                        for r in range(world)}
+            host = {r: (5 + outside_ms.get(r, 0.0) + everyone_outside_ms) * MS + jitter()
+                    for r in range(world)}
+            arrival = {r: forward[r] + backward[r] + host[r] for r in range(world)}
+            done = max(arrival.values()) + 3 * MS
+            for r in range(world):
+                totals[r]["forward"] += forward[r]
+                totals[r]["backward"] += backward[r]
+                totals[r]["pre"] += 0.2 * MS
+                totals[r]["wait"] += done - arrival[r]
+                steps.append((r, w * STEPS + k, int(t), int(done), 16, 0, 0, 0))
+            t += done
+        rows = []
+        for r, tot in totals.items():
+            for layer, name, key in (("torch_op", "forward", "forward"),
+                                     ("torch_op", "backward", "backward"),
+                                     ("collective", "ddp_pre_forward", "pre"),
+                                     ("collective", collective, "wait")):
+                rows.append((r, layer, name, 0, STEPS, int(tot[key]), 0, 0, 0, 0))
+        windows.append(WindowView(
+            job_id="ddp-job", window_start_ns=start, window_end_ns=start + 3_000 * MS,
+            summaries=pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS)),
+            steps=pd.DataFrame(steps, columns=list(STEP_COLUMNS)),
+            topology=topology,
+        ))
+    return windows
+
+
+def run(detector, windows: list[WindowView]) -> list[list]:
+    return [detector.detect(w) for w in windows]
+
+
+def test_a_straggler_outside_the_hooks_is_named_with_the_wait_it_costs() -> None:
+    per_window = run(WaitDetector(), ddp_windows(3, outside_ms={2: 30.0}))
+    first, *confirmed = per_window
+    assert [(f.rank, f.score) for f in first] == [(2, 0.45)]  # not yet confirmed
+    for found in confirmed:
+        finding, = found
+        assert (finding.rank, finding.category, finding.detector) == (2, "host", "waits")
+        assert finding.score >= ALERT_THRESHOLD
+        assert (finding.layer, finding.function) == ("collective", "ddp_allreduce")
+        assert finding.victims == [0, 1, 3]
+        assert finding.evidence["peers_wait_ns_per_step"] == pytest.approx(30 * MS, rel=0.1)
+        assert finding.evidence["outside_instrumented_ns_per_step"] == pytest.approx(
+            30 * MS, rel=0.15)
+        assert finding.evidence["own_excess_ns_per_step"] < 3 * MS
+        assert "outside instrumented code" in finding.message
+        assert "30 ms/step" in finding.message
+
+
+def test_the_smallest_group_of_the_measured_job_three_ranks() -> None:
+    """The job of the issue: 3 ranks, the peers ~10x the slow rank's all-reduce time."""
+    *_, last = run(WaitDetector(), ddp_windows(2, world=3, outside_ms={1: 30.0}))
+    finding, = last
+    assert (finding.rank, finding.category, finding.victims) == (1, "host", [0, 2])
+    assert finding.evidence["value_ns_per_step"] < finding.evidence["reference_ns_per_step"] / 5
+    assert finding.score >= ALERT_THRESHOLD
+
+
+def test_a_healthy_job_with_jitter_raises_nothing() -> None:
+    detector = WaitDetector()
+    for seed in range(3):
+        for world in (3, 8):
+            assert run(detector, ddp_windows(6, world=world, jitter_ms=3.0, seed=seed)) == \
+                [[]] * 6
+
+
+def test_a_job_wide_slowdown_names_no_rank() -> None:
+    windows = ddp_windows(2, seed=5) + ddp_windows(4, everyone_outside_ms=30.0, seed=6)
+    assert run(WaitDetector(), windows) == [[]] * 6
+
+
+def test_two_stragglers_in_one_group_are_both_named() -> None:
+    *_, last = run(WaitDetector(), ddp_windows(2, world=8, outside_ms={1: 25.0, 6: 25.0}))
+    assert sorted((f.rank, f.category) for f in last) == [(1, "host"), (6, "host")]
+    assert all(f.score >= ALERT_THRESHOLD for f in last)
+
+
+def test_a_straggler_peer_diff_explains_is_not_alerted_twice() -> None:
+    """Its own backward grew: peer-diff names the function; the wait is evidence here only."""
+    windows = ddp_windows(4, outside_ms={}, backward_extra_ms={3: 30.0})
+    waits = run(WaitDetector(), windows)
+    assert all(f.rank == 3 and f.score <= 0.3 for found in waits for f in found)
+    assert waits[-1], "the wait is still reported, as evidence"
+    peer = run(PeerDiffDetector(), windows)
+    suspects = diagnose([f for found in waits + peer for f in found])
+    assert [(s.rank, s.function) for s in suspects] == [(3, "backward")], suspects
+
+
+def test_tensor_parallel_groups_are_read_within_themselves() -> None:
+    """2 DP replicas x 2 TP ranks: only the late rank's TP partner waits, in ``all_reduce[tp]``."""
+    workers = [WorkerInfo(rank=r, dp_rank=r // 2, tp_rank=r % 2) for r in range(8)]
+    topology = Topology(job_id="ddp-job", dp_size=4, tp_size=2, workers=workers)
+    # Each TP pair is its own synchronous group: simulate four pairs and stack their ranks.
+    pairs = [ddp_windows(2, world=2, outside_ms={0: 30.0} if p == 2 else {}, seed=p,
+                         collective="all_reduce[tp]") for p in range(4)]
+    windows = []
+    for w in range(2):
+        parts = [pairs[p][w] for p in range(4)]
+        shift = lambda frame, p: frame.assign(rank=frame["rank"] + 2 * p)  # noqa: E731
+        windows.append(WindowView(
+            job_id="ddp-job", window_start_ns=parts[0].window_start_ns,
+            window_end_ns=parts[0].window_end_ns, topology=topology,
+            summaries=pd.concat([shift(v.summaries[v.summaries["name"] != "ddp_pre_forward"], p)
+                                 for p, v in enumerate(parts)], ignore_index=True),
+            steps=pd.concat([shift(v.steps, p) for p, v in enumerate(parts)], ignore_index=True),
+        ))
+    *_, last = run(WaitDetector(), windows)
+    finding, = last
+    assert (finding.rank, finding.function, finding.victims) == (4, "all_reduce[tp]", [5])
+    assert "TP group" in finding.message and finding.score >= ALERT_THRESHOLD
+
+
+def test_a_bad_setting_is_one_clear_error() -> None:
+    with pytest.raises(DetectorConfigError, match="waits: z_min must be > 0, got -1"):
+        WaitDetector(z_min=-1)
+    with pytest.raises(DetectorConfigError, match="waits: confirm_windows"):
+        WaitDetector(confirm_windows=0)
+
+
+def test_it_passes_the_detector_contract() -> None:
+    """Picklable (checkpoints), deterministic, never mutating its input, on both sets of
+    synthetic windows the other built-ins are held to."""
+    check_detector(WaitDetector, sample_windows())
+    check_contract(WaitDetector, contract_windows())

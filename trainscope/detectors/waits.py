@@ -1,0 +1,309 @@
+"""Who makes the others wait: localising a straggler from its peers' waiting.
+
+In a synchronous collective every member leaves together, so the rank that arrives last waits
+least while the rest of its group waits for it. The producers time every collective from issue
+to completion (DDP's gradient buckets as ``ddp_allreduce``, ``torch.distributed`` calls by op and
+group), so a straggler shows as the rank whose collective time per step is far *below* its
+group's, however its extra time is spent: in a hooked function (peer-diff then also names that
+function) or outside every hook — loop-body preprocessing, host-side Python between ops, a noisy
+neighbour. The latter is the case this detector exists for: a rank its group consistently waits
+on, none of whose measured functions grew, is reported as ``host`` (time outside instrumented
+code), with the wait it costs its peers per step and the collective where it shows.
+
+Point-to-point sends and receives are not read: a pipeline's waits there are its schedule's
+bubbles as much as a neighbour's lateness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from trainscope.detectors.features import (
+    MAD_TO_SIGMA,
+    OWN_WORK_CATEGORY,
+    WAIT_LAYERS,
+    per_step_times,
+    step_time_ns,
+    steps_per_rank,
+)
+from trainscope.detectors.params import check_number, check_order
+from trainscope.schemas.records import Finding
+from trainscope.schemas.window import WindowView
+
+DETECTOR = "waits"
+CATEGORY = "host"
+# Point-to-point exchanges: their waits are pipeline bubbles as much as lateness (not read).
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
+# Score cap for a rank not yet waited on in ``confirm_windows`` windows in a row (peer-diff's).
+UNCONFIRMED_SCORE_CAP = 0.45
+# Score cap when the rank's own measured work grew enough to explain the wait: peer-diff names
+# that function, so this finding stays evidence, not a second alert for the same rank.
+EXPLAINED_SCORE_CAP = 0.3
+# Its own measured work explains the wait when it grew by at least this share of it.
+EXPLAINED_FRAC = 0.5
+# Confidence of a rank exactly at z_min; it grows linearly to 1 at z_full.
+MIN_CONFIDENCE = 0.5
+# The smallest spread a per-step collective time is judged against, as a share of the step.
+NOISE_FLOOR_STEP_FRAC = 0.002
+# A member waiting at least this share of the straggler's cost more than it is its victim.
+VICTIM_WAIT_FRAC = 0.5
+MAX_VICTIMS = 64
+# Group kinds, read from the layout: the ranks that share each kind's communicator.
+_GROUP_KEYS = {"dp": ("pp_stage", "tp_rank"), "tp": ("pp_stage", "dp_rank"), "world": ()}
+
+
+@dataclass
+class _Late:
+    rank: int
+    kind: str
+    function: str
+    wait_ns: float  # how much longer its group waits than it, per step
+    value_ns: float
+    reference_ns: float
+    z: float
+    victims: list[int]
+
+
+class WaitDetector:
+    """Finds the rank its collective groups wait on, whether or not a hooked function grew.
+
+    Each window, every rank's collective time per step is summed per communicator kind — its
+    data-parallel group (DDP's ``ddp_allreduce``, ``ddp_pre_forward``, collectives labelled
+    ``dp``), its tensor-parallel group (labelled ``tp``), or the whole job (collectives on the
+    default group; ``[size=N]`` goes to the kind whose groups have N ranks). Within each group of
+    the layout, the reference is the median of the upper half of the members' times — what the
+    ranks that wait spend, even when a few of them are late — and the robust spread is the MAD of
+    that upper half. A rank at least ``z_min`` spreads below the reference, by at least
+    ``min_wait_ns`` and ``min_wait_frac`` of the step, is one its group waits on: the gap is the
+    wait it costs each peer per step. Its score is a confidence from the z (0.5 at ``z_min``, 1
+    at ``z_full``), capped at 0.45 until it has been waited on ``confirm_windows`` windows in a
+    row. If its own measured work (compute, data loading, GC …) grew over its group's by at
+    least half that wait, peer-diff already names it with the function: the finding is kept as
+    evidence at 0.3, never a second alert. Otherwise its extra time is outside instrumented
+    code: category ``host``, with the step time its hooked functions do not explain, against
+    its peers', in the evidence. A job whose ranks all slow down together names no rank.
+
+    State, kept across windows and pickled with checkpoints: for each rank, how many windows in
+    a row its group waited on it. Nothing is learned before the first window, and the pipeline
+    gives every job its own copy.
+
+    Parameters
+    ----------
+    z_min : float, default 4.0 (robust z)
+        Robust z below the waiting members' time at which a rank is one its group waits on. The
+        spread is floored at ``rel_floor`` of the reference, so a straggler is found even when
+        its peers wait for it to the microsecond.
+    z_full : float, default 8.0 (robust z)
+        Robust z at which the confidence reaches 1. Must be above ``z_min``.
+    rel_floor : float, default 0.05 (fraction of the reference)
+        The smallest spread, as a share of the waiting members' collective time: at the
+        defaults a rank must wait at least 20% less than its peers to count at all.
+    min_wait_ns : float, default 2e6 (ns per step)
+        The wait a rank must cost its peers per step to be reported ...
+    min_wait_frac : float, default 0.02 (fraction of the step)
+        ... and at least this share of the job's step time: less is not worth anyone's time.
+    confirm_windows : int, default 2 (windows)
+        Windows in a row a rank must be waited on before it can alert; until then its score is
+        capped at 0.45. A straggler persists; a hiccup of a busy host does not.
+
+    Examples
+    --------
+    Two windows of a job of 2 stages × 4 ranks whose rank 5 runs its backward pass 1.4 times
+    slower: every other rank waits for it in the job-wide all-reduce. Its own backward grew by
+    about half that wait, and peer-diff names that function, so from the second window on the
+    finding here stays evidence (0.3), not a second alert for the same rank:
+
+    >>> from trainscope.detectors.contract import example_windows
+    >>> detector = WaitDetector()
+    >>> first, second = example_windows(2, slow_rank=5)
+    >>> [(f.rank, f.category, f.function, f.score) for f in detector.detect(first)]
+    [(5, 'host', 'all_reduce', 0.45)]
+    >>> finding, = detector.detect(second)
+    >>> finding.score, finding.victims
+    (0.3, [0, 1, 2, 3, 4, 6, 7])
+    >>> round(finding.evidence["peers_wait_ns_per_step"] / 1e6)  # ms per step
+    165
+    """
+
+    name = DETECTOR
+
+    def __init__(
+        self,
+        z_min: float = 4.0,
+        z_full: float = 8.0,
+        rel_floor: float = 0.05,
+        min_wait_ns: float = 2e6,
+        min_wait_frac: float = 0.02,
+        confirm_windows: int = 2,
+    ) -> None:
+        check_number(DETECTOR, "z_min", z_min, gt=0)
+        check_number(DETECTOR, "z_full", z_full, gt=0)
+        check_order(DETECTOR, "z_min", z_min, "z_full", z_full)
+        check_number(DETECTOR, "rel_floor", rel_floor, gt=0, lt=1)
+        check_number(DETECTOR, "min_wait_ns", min_wait_ns, ge=0)
+        check_number(DETECTOR, "min_wait_frac", min_wait_frac, ge=0, lt=1)
+        check_number(DETECTOR, "confirm_windows", confirm_windows, ge=1, integer=True)
+        self.z_min = z_min
+        self.z_full = z_full
+        self.rel_floor = rel_floor
+        self.min_wait_ns = min_wait_ns
+        self.min_wait_frac = min_wait_frac
+        self.confirm_windows = confirm_windows
+        self._streaks: dict[int, int] = {}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        # A checkpoint written before a setting existed restores with that setting's default.
+        self.__dict__.update({**WaitDetector().__dict__, **state})
+
+    def detect(self, window: WindowView) -> list[Finding]:
+        waits = _collective_times(window)
+        if waits.empty:
+            self._streaks = {}
+            return []
+        step_ns = step_time_ns(window)
+        layout = window.rank_layout().reindex(waits.index)
+        late: dict[int, _Late] = {}
+        for kind in _GROUP_KEYS:
+            columns = [c for c in waits.columns if _kind_of(c, layout) == kind]
+            if not columns:
+                continue
+            for found in self._late_ranks(waits[columns], layout, kind, step_ns):
+                if found.rank not in late or found.wait_ns > late[found.rank].wait_ns:
+                    late[found.rank] = found
+        self._streaks = {r: self._streaks.get(r, 0) + 1 for r in late}
+        if not late:
+            return []
+        own = per_step_times(window)
+        findings = [self._finding(window, layout, own, s, step_ns) for s in late.values()]
+        findings.sort(key=lambda f: f.score, reverse=True)
+        return findings
+
+    def _late_ranks(
+        self, waits: pd.DataFrame, layout: pd.DataFrame, kind: str, step_ns: float
+    ) -> list[_Late]:
+        """The ranks of each group of ``kind`` whose members wait on them (one per rank)."""
+        total = waits.sum(axis=1, min_count=1)
+        keys = list(_GROUP_KEYS[kind])
+        groups = layout[keys].apply(tuple, axis=1) if keys else pd.Series(0, index=layout.index)
+        floor = NOISE_FLOOR_STEP_FRAC * step_ns if np.isfinite(step_ns) else 0.0
+        min_wait = max(self.min_wait_ns, self.min_wait_frac * step_ns if np.isfinite(step_ns)
+                       else 0.0)
+        found: list[_Late] = []
+        for _, members in total.dropna().groupby(groups.reindex(total.dropna().index)):
+            if len(members) < 2:
+                continue
+            upper = members[members >= members.median()]
+            reference = float(upper.median())
+            spread = max(MAD_TO_SIGMA * float((upper - reference).abs().median()),
+                         self.rel_floor * reference, floor)
+            if spread <= 0:
+                continue
+            for rank, value in members.items():
+                wait = reference - float(value)
+                z = wait / spread
+                if z < self.z_min or wait < min_wait:
+                    continue
+                # The collective where it shows: the one it spends least in against its group.
+                function = str(waits.loc[rank].sub(waits.loc[members.index].median()).idxmin())
+                victims = [int(r) for r, v in members.items()
+                           if r != rank and v - value >= VICTIM_WAIT_FRAC * wait][:MAX_VICTIMS]
+                found.append(_Late(int(rank), kind, function, wait, float(value), reference,
+                                   float(z), victims))
+        return found
+
+    def _finding(self, window: WindowView, layout: pd.DataFrame, own: pd.DataFrame, s: _Late,
+                 step_ns: float) -> Finding:
+        group = [s.rank, *s.victims]
+        own_excess, outside = _own_and_outside(window, own, s.rank, group)
+        explained = own_excess >= EXPLAINED_FRAC * s.wait_ns
+        confidence = float(np.clip(
+            MIN_CONFIDENCE + (1 - MIN_CONFIDENCE) * (s.z - self.z_min) / (self.z_full - self.z_min),
+            MIN_CONFIDENCE, 1.0))
+        score = confidence
+        if self._streaks.get(s.rank, 0) < self.confirm_windows:
+            score = min(score, UNCONFIRMED_SCORE_CAP)
+        if explained:
+            score = min(score, EXPLAINED_SCORE_CAP)
+        ms = 1e-6
+        where = ""
+        if s.rank in layout.index:
+            row = layout.loc[s.rank]
+            where = f" (dp {row['dp_rank']}, stage {row['pp_stage']}, tp {row['tp_rank']})"
+        why = (f"its own measured work grew {own_excess * ms:.0f} ms/step, which explains it"
+               if explained else
+               f"none of its measured functions explains it: {outside * ms:+.0f} ms/step "
+               "outside instrumented code against its peers")
+        message = (
+            f"{CATEGORY}: rank {s.rank}{where}: its {s.kind.upper()} group waits on it "
+            f"{s.wait_ns * ms:.0f} ms/step in collective/{s.function} ({s.value_ns * ms:.0f} "
+            f"ms/step of collectives vs {s.reference_ns * ms:.0f} ms on the waiting peers); "
+            f"{why}; {len(s.victims)} rank(s) wait on it"
+        )
+        return window.finding(
+            self.name, rank=s.rank, ranks=[s.rank], victims=s.victims,
+            pp_stage=int(layout.loc[s.rank, "pp_stage"]) if s.rank in layout.index else -1,
+            layer="collective", function=s.function, category=CATEGORY, score=round(score, 4),
+            message=message,
+            evidence={
+                "peers_wait_ns_per_step": s.wait_ns,
+                "value_ns_per_step": s.value_ns,
+                "reference_ns_per_step": s.reference_ns,
+                "z": s.z,
+                "step_ns": step_ns,
+                "own_excess_ns_per_step": own_excess,
+                "outside_instrumented_ns_per_step": outside,
+                "consecutive_windows": float(self._streaks.get(s.rank, 0)),
+            },
+        )
+
+
+def _collective_times(window: WindowView) -> pd.DataFrame:
+    """ns per step in each collective a rank took part in (NaN where it took no part)."""
+    s = window.summaries
+    s = s[s["layer"].isin(WAIT_LAYERS) & (s["count"] > 0)]
+    s = s[~s["name"].str.split("[", n=1).str[0].isin(P2P_OPS)]
+    if s.empty:
+        return pd.DataFrame()
+    table = s.pivot_table(index="rank", columns="name", values="total_ns", aggfunc="sum")
+    return table.div(steps_per_rank(window).reindex(table.index, fill_value=1.0), axis=0)
+
+
+def _kind_of(name: str, layout: pd.DataFrame) -> str | None:
+    """The communicator kind a collective's name points to (None: not one to read)."""
+    base, _, label = name.partition("[")
+    label = label.rstrip("]").lower()
+    if base.startswith("ddp_") or "dp" in label or "data" in label:
+        return "dp"
+    if "tp" in label or "tensor" in label:
+        return "tp"
+    if not label:
+        return "world"
+    if label.startswith("size="):
+        size = label.removeprefix("size=")
+        for kind, keys in _GROUP_KEYS.items():
+            sizes = layout.groupby(list(keys)).size() if keys else pd.Series([len(layout)])
+            if size.isdigit() and sizes.nunique() == 1 and int(sizes.iloc[0]) == int(size):
+                return kind
+    return None
+
+
+def _own_and_outside(window: WindowView, own: pd.DataFrame, rank: int,
+                     group: list[int]) -> tuple[float, float]:
+    """(how much the rank's own measured work exceeds its group's median, how much more of its
+    step no hooked function explains than its group's median), both ns per step."""
+    columns = [c for c in own.columns if c[0] in OWN_WORK_CATEGORY]
+    members = [r for r in group if r in own.index]
+    if rank not in own.index or len(members) < 2:
+        return 0.0, 0.0
+    work = own.loc[members, columns]
+    own_excess = float((work.loc[rank] - work.median()).clip(lower=0).sum())
+    steps = window.steps
+    if steps.empty:
+        return own_excess, float("nan")
+    step_per_rank = steps.groupby("rank")["duration_ns"].mean().reindex(members)
+    hooked = own.loc[members, [c for c in own.columns if c[0] != "step"]].sum(axis=1)
+    unexplained = step_per_rank - hooked
+    return own_excess, float(unexplained[rank] - unexplained.drop(rank).median())
