@@ -19,6 +19,7 @@ from trainscope.detectors.diagnosis import diagnose
 from trainscope.detectors.params import DetectorConfigError
 from trainscope.detectors.peer import PeerDiffDetector
 from trainscope.detectors.waits import WaitDetector
+from trainscope.loop.policy import ProfilePolicy
 from trainscope.schemas.records import Topology, WorkerInfo
 from trainscope.schemas.window import STEP_COLUMNS, SUMMARY_COLUMNS, WindowView
 from trainscope.testing import check_detector, sample_windows
@@ -181,3 +182,13 @@ def test_it_passes_the_detector_contract() -> None:
     synthetic windows the other built-ins are held to."""
     check_detector(WaitDetector, sample_windows())
     check_contract(WaitDetector, contract_windows())
+
+
+def test_the_closed_loop_profiles_a_host_finding_against_a_peer_it_does_not_name() -> None:
+    windows = ddp_windows(2, world=4, outside_ms={2: 30.0})
+    detector = WaitDetector()
+    detector.detect(windows[0])
+    findings = detector.detect(windows[1])
+    plan, = ProfilePolicy(clock=lambda: 0.0).decide(windows[1], findings, pending=0)
+    assert (plan.suspect, plan.finding.category) == (2, "host")
+    assert plan.peer != 2  # every other rank waits on it; the nearest one is the reference

@@ -5,8 +5,9 @@ Two 4-rank gloo DDP jobs on CPU under ``torchrun``, each with ``trainscope.attac
 process. In the first, rank 2 sleeps 30 ms per step inside a ``record_function("preprocess")``
 block in the loop body — outside ``forward`` and every other hooked function, so none of its
 measured functions grows; its peers wait for it in DDP's all-reduce. The ``waits`` detector
-must name rank 2 as ``host`` (outside instrumented code) at alert level; in the second job, the
-same code without the sleep, it must raise nothing.
+must name rank 2 as ``host`` (outside instrumented code) at alert level, and the closed loop,
+profiling rank 2 against a peer on that finding, must name the block and the sleep in it; in the
+second job, the same code without the sleep, the detector must raise nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ SLOW_RANK = 2
 SLEEP_S = 0.03
 WINDOW_S = 2.0
 TRAIN_S = 7.0  # windows of 2 s: three whole windows of steady training
+MAX_TRAIN_S = 60.0  # the slow job's own budget, should its profile never come
 
 SCRIPT = r'''
 import json, sys, time
@@ -42,8 +44,11 @@ import torch.distributed as dist
 
 import trainscope
 
+from pathlib import Path
+
 JOB, TRAIN_S, SLOW_RANK, SLEEP_S = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), \
     float(sys.argv[4])
+STOP = Path(sys.argv[5])
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
@@ -71,7 +76,7 @@ while not stop.item():
             optimizer.step()
             optimizer.zero_grad()
         if steps % 10 == 0:  # rank 0 decides, every rank stops at the same step
-            stop.fill_(float(rank == 0 and time.monotonic() - started > TRAIN_S))
+            stop.fill_(float(rank == 0 and (STOP.exists() or time.monotonic() - started > TRAIN_S)))
             dist.broadcast(stop, src=0)
             if stop.item():
                 break
@@ -83,15 +88,15 @@ dist.destroy_process_group()
 '''
 
 
-def _torchrun(script: Path, job_id: str, slow_rank: int, env: dict[str, str],
-              out: Path) -> subprocess.Popen[bytes]:
+def _torchrun(script: Path, job_id: str, slow_rank: int, train_s: float, stop: Path,
+              env: dict[str, str], out: Path) -> subprocess.Popen[bytes]:
     # --standalone: each job's rendezvous on a port of its own. A session of its own, so that
     # cleanup can end the ranks with their launcher.
     with out.open("wb") as sink:
         return subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc-per-node", str(WORLD), str(script), job_id, str(TRAIN_S), str(slow_rank),
-             str(SLEEP_S)],
+             "--nproc-per-node", str(WORLD), str(script), job_id, str(train_s), str(slow_rank),
+             str(SLEEP_S), str(stop)],
             stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=script.parent,
             start_new_session=True,
         )
@@ -117,8 +122,19 @@ def test_a_straggler_outside_the_hooks_is_named_and_a_healthy_job_is_not(
     try:
         # One after the other: side by side, 8 busy ranks on a 2-core machine make one of the
         # healthy job's ranks really late (CPU contention), and this test is about the sleep.
-        for job_id, slow_rank in ((slow_job, SLOW_RANK), (healthy_job, -1)):
-            jobs.append(_torchrun(script, job_id, slow_rank, env, tmp_path / f"{job_id}.out"))
+        # The slow job runs until the closed loop has profiled rank 2 (its CALL PATH line),
+        # the healthy one for TRAIN_S.
+        for job_id, slow_rank, train_s in ((slow_job, SLOW_RANK, MAX_TRAIN_S),
+                                           (healthy_job, -1, TRAIN_S)):
+            stop = tmp_path / f"{job_id}.stop"
+            jobs.append(_torchrun(script, job_id, slow_rank, train_s, stop, env,
+                                  tmp_path / f"{job_id}.out"))
+            if job_id == slow_job:
+                deadline = time.monotonic() + MAX_TRAIN_S
+                while (f"CALL PATH {slow_job}" not in pipeline.out_text()
+                       and jobs[-1].poll() is None and time.monotonic() < deadline):
+                    time.sleep(0.5)
+                stop.touch()
             code = jobs[-1].wait(timeout=120)
             output = (tmp_path / f"{job_id}.out").read_text(errors="replace")
             assert code == 0, output[-3000:]
@@ -138,7 +154,9 @@ def test_a_straggler_outside_the_hooks_is_named_and_a_healthy_job_is_not(
     slow = diagnose_store(store, slow_job, "waits")
     healthy = diagnose_store(store, healthy_job, "waits")
     # Each window's finding: (job, rank, category, score, peers' wait in ms/step).
-    rows = [ast.literal_eval(r) for r in dump_tables(store, ("findings",))["findings"]]
+    tables = dump_tables(store, ("findings", "finding_call_paths"))
+    rows = [ast.literal_eval(r) for r in tables["findings"]]
+    paths = [ast.literal_eval(r) for r in tables["finding_call_paths"]]
     waits = [(r[1], r[5], r[11], r[12], r[13]["peers_wait_ns_per_step"] / 1e6)
              for r in rows if r[4] == "waits"]
     print(f"\nwaits findings (job, rank, category, score, wait ms/step): {waits}\n"
@@ -153,3 +171,11 @@ def test_a_straggler_outside_the_hooks_is_named_and_a_healthy_job_is_not(
     # window the job ended in holds only part of its steps' spans).
     assert 20 <= statistics.median(w[4] for w in alerts) <= 40, waits
     assert healthy["suspects"] == [] and not [w for w in waits if w[0] == healthy_job], waits
+    # The closed loop profiled rank 2 against a healthy peer on the host finding: the call
+    # path that differs names the block and the sleep in it, at ~30 ms per step.
+    profiled = [(r[16], r[-1]) for r in paths if r[1] == slow_job and r[4] == "waits"]
+    assert profiled, tables["finding_call_paths"]
+    path, message = profiled[0]
+    assert path[0].startswith("train.py(") and "preprocess" in path, profiled
+    assert "sleep" in path[-1] and message.startswith("rank 2 spends +"), profiled
+    assert 20 <= float(message.split("+")[1].split(" ms/step")[0]) <= 40, profiled
