@@ -32,6 +32,7 @@ from trainscope.detectors.base import WindowView
 from trainscope.detectors.features import throttling_shares
 from trainscope.detectors.mixture import MixtureDetector
 from trainscope.detectors.peer import PeerDiffDetector
+from trainscope.detectors.throttle import BUSIER_UTIL_RATIO
 from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.producers.agent.aggregate import WindowAggregator
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
@@ -147,7 +148,9 @@ def test_each_reason_bit_on_the_suspect_alone(bit: int, background: int) -> None
     """Every reading of every rank carries ``background``; the suspect's also carry ``bit``."""
     name = m.THROTTLE_REASON_NAMES[bit]
     views = with_reasons(slow_gpu_windows(), [bit | background], peers=[background])
-    held_back_more = name in THROTTLING and not (bit & background)
+    # The power cap alone is no evidence on the straggler, busier than its peers: its own load
+    # takes it there (test_only_the_suspect_power_capped_is_throttling_unless_...).
+    held_back_more = name in THROTTLING and not (bit & background) and name != "sw_power_cap"
     assert categories(views) == {"gpu-throttle" if held_back_more else "gpu-compute"}, name
 
 
@@ -195,9 +198,45 @@ def test_a_thermal_or_hw_slowdown_among_power_capped_peers_is_throttling(reasons
     assert categories(views) == {"gpu-throttle"}
 
 
-def test_only_the_suspect_power_capped_is_throttling() -> None:
+def test_only_the_suspect_power_capped_is_throttling_unless_its_load_explains_it() -> None:
+    """At its cap while its peers are not: throttled when it is no busier than they are; the
+    straggler (its SM utilisation above theirs, as the simulator reports it) reaches the cap
+    by its own load, so it stays gpu-compute."""
     views = with_reasons(slow_gpu_windows(), [H100_BUSY_REASONS], peers=[H100_IDLE_REASONS])
-    assert categories(views) == {"gpu-throttle"}
+    found = findings(views)
+    assert {f.category for f in found} == {"gpu-compute"}
+    assert all(f.evidence["sm_util_ratio"] >= BUSIER_UTIL_RATIO for f in found)
+    as_busy = with_metric(views, m.SM_UTIL_PCT, [90.0], peers=[90.0])
+    assert categories(as_busy) == {"gpu-throttle"}
+
+
+@cache
+def simulated_views(fault: str) -> tuple[WindowView, ...]:
+    spec = ClusterSpec(steps=60, seed=11, dp=4, pp=2, tp=2, metric_interval_s=1.0)
+    views: list[WindowView] = []
+    pipeline = EmbeddedStreamJob([], window_s=15.0, on_window=lambda v, f: views.append(v))
+    for records in SimulatedCluster(spec, parse_faults([fault])).batches():
+        pipeline.process_records(records)
+    pipeline.finish()
+    return tuple(views)
+
+
+def test_a_2x_slow_gpu_whose_peers_leave_their_power_cap_is_gpu_compute() -> None:
+    """In the simulator the power cap follows utilisation: the 2x slow GPU computes ~89% of
+    the step and is capped in every reading, its peers wait half of it and are capped in none.
+    That is its load, not its GPU held back (issue 23): gpu-compute, by every detector."""
+    views = simulated_views(f"slow-gpu:rank={SLOW},factor=2.0")
+    shares = throttling_shares(views[1])
+    assert shares.loc[SLOW, "sw_power_cap"] == 1.0
+    assert shares.drop(index=SLOW)["sw_power_cap"].max() == 0.0
+    for detector in (PeerDiffDetector(), MixtureDetector()):
+        assert alert_categories(detector, list(views)) == {"gpu-compute"}, detector.name
+
+
+def test_a_throttled_gpu_in_the_simulator_is_still_gpu_throttle() -> None:
+    views = simulated_views(f"throttle:rank={SLOW}")
+    assert alert_categories(PeerDiffDetector(), list(views)) == {"gpu-throttle"}
+    assert alert_categories(MixtureDetector(), list(views)) == {"gpu-throttle"}
 
 
 def test_a_lower_power_limit_than_the_peers_is_throttling() -> None:
@@ -246,6 +285,10 @@ def test_the_agents_condensed_share_is_judged_per_reading_and_against_peers() ->
     heavy = [dataclasses.replace(v, metrics=v.metrics.assign(
         value=v.metrics["value"].where(v.metrics["name"] != m.THROTTLED_FRAC, 0.6)))
         for v in views]
+    # Condensed, the share may be the power cap, which the straggler (busier than its peers)
+    # reaches by its own load; it counts when the rank is no busier than they are.
+    assert categories(heavy) == {"gpu-compute"}
+    heavy = with_metric(heavy, m.SM_UTIL_PCT, [90.0], peers=[90.0])
     assert categories(heavy) == {"gpu-throttle"}
     # The same share is no excess when the peers are throttled as often.
     peers_too = with_reasons(heavy, [0], peers=[0x4, 0x4, 0x4, 0x0, 0x0])

@@ -155,7 +155,8 @@ class PeerDiffDetector:
     power_cap_excess_frac : float, default 0.6 (fraction of NVML readings)
         ... or when the power cap (or any reason, where a producer condensed its readings) is
         in this much larger a share: more than a straggler's own load explains, since a
-        straggler computes while its peers wait.
+        straggler computes while its peers wait; and only while its SM utilisation is under
+        1.1 times its peers' (busier, its cap is its load: ``throttle.BUSIER_UTIL_RATIO``).
     peers_capped_frac : float, default 0.25 (fraction of NVML readings)
         The peers run at their power cap, so their clocks follow their load and a lower clock
         proves nothing, when this share of their readings carries the cap.

@@ -12,12 +12,21 @@ wrong with its GPU. A GPU is throttled when it is held back more than its peers 
 - for a thermal, HW-slowdown or power-brake reason, its share of readings exceeds the peers'
   median share by ``excess_frac``; for the power cap, or for any reason where a producer
   condensed its readings (mostly the cap), by ``power_cap_excess_frac`` — more than the load of
-  a straggler explains;
+  a straggler explains — and only when it is no busier than its peers (SM utilisation below
+  ``BUSIER_UTIL_RATIO`` of theirs, or unknown): a GPU that computes while its peers wait for it
+  reaches the cap they drop out of (in the simulator, where the cap follows utilisation, a 2×
+  slow GPU is capped in every reading and its peers in none), which is its own load, not a GPU
+  held back;
 - its enforced power limit is at most ``power_limit_ratio_max`` of the peers' median — a GPU
   capped lower than the others shows the same ``sw_power_cap`` bit as they do;
 - or its mean SM clock is at most ``clock_ratio_max`` of the peers' median, but only while the
-  peers are not running at their power cap themselves (then nothing but throttling or a clock
-  setting lowers one GPU's clock below the others').
+  peers are not running at their power cap themselves, and the rank is not at its power cap
+  while busier than they are (then nothing but throttling or a clock setting lowers one GPU's
+  clock below the others').
+
+So a GPU is throttled only on its own evidence (its reasons, limit or clock worse than its
+peers' beyond what its own load explains), never because its peers left their power cap while
+waiting for it: the rank they wait on keeps its own category (``gpu-compute``).
 
 The peer detector applies this to its compute suspects; the mixture detector to a rank whose SM
 clock or power dropped, before it names ``gpu-throttle``.
@@ -37,6 +46,10 @@ from trainscope.schemas.metrics import THROTTLE_REASON_NAMES
 
 # NVML's "the GPU is at its power limit" reason: on an H100 every busy GPU reports it.
 POWER_CAP = THROTTLE_REASON_NAMES[0x004]
+# A rank whose mean SM utilisation is this much above its peers' median is busier than they are:
+# its power cap (and the lower clock under it) is its load. Healthy peers agree within a few
+# percent; a 1.3x straggler whose peers wait the rest of the step is ~1.3x as busy.
+BUSIER_UTIL_RATIO = 1.1
 
 
 @dataclass(frozen=True)
@@ -83,8 +96,16 @@ class ThrottleRule:
             if capped.empty:  # condensed readings: any throttling reason, mostly the cap
                 capped = peer_shares[ANY_THROTTLING].dropna()
             peers_capped = not capped.empty and bool(capped.median() >= self.peers_capped_frac)
+        util = ratio_to_peers(means, m.SM_UTIL_PCT, rank)
+        busier = util is not None and util >= BUSIER_UTIL_RATIO
+        if util is not None:
+            evidence["sm_util_ratio"] = util
+        own_capped = False
         if rank in shares.index:
             own = shares.loc[rank]
+            own_cap = own.get(POWER_CAP, np.nan)
+            own_cap = own[ANY_THROTTLING] if pd.isna(own_cap) else own_cap
+            own_capped = bool(own_cap >= self.peers_capped_frac)
             reference = peer_shares.median().reindex(own.index).fillna(0.0)
             excess = (own - reference).dropna()
             evidence["throttled_frac"] = float(own[ANY_THROTTLING])
@@ -92,7 +113,9 @@ class ThrottleRule:
             if not excess.empty:
                 evidence["throttled_excess_frac"] = float(excess.max())
                 load_bound = excess.index.isin([POWER_CAP, ANY_THROTTLING])
-                throttled |= bool((excess[load_bound] >= self.power_cap_excess_frac).any())
+                # The cap follows load: a busier rank's cap is not its GPU held back.
+                throttled |= not busier and bool(
+                    (excess[load_bound] >= self.power_cap_excess_frac).any())
                 throttled |= bool((excess[~load_bound] >= self.excess_frac).any())
         limit = ratio_to_peers(means, m.POWER_LIMIT_W, rank)
         if limit is not None:
@@ -101,7 +124,8 @@ class ThrottleRule:
         clock = ratio_to_peers(means, m.SM_CLOCK_MHZ, rank)
         if clock is not None:
             evidence["sm_clock_ratio"] = clock
-            throttled |= clock <= self.clock_ratio_max and not peers_capped
+            throttled |= (clock <= self.clock_ratio_max and not peers_capped
+                          and not (busier and own_capped))
         return throttled, evidence
 
 
