@@ -33,10 +33,18 @@ import numpy as np  # noqa: E402
 
 from trainscope.plan.costs import stage_costs  # noqa: E402
 from trainscope.plan.eventsim import simulate_step_s  # noqa: E402
+from trainscope.plan.incremental import IncrementalScore  # noqa: E402
 from trainscope.plan.latency import LatencyModel, default_slots  # noqa: E402
 from trainscope.plan.recommend import configurations, memory_problem, plan  # noqa: E402
-from trainscope.plan.search import search  # noqa: E402
-from trainscope.plan.spec import ClusterSpec, HostLink, Links, ModelSpec, SearchSpec  # noqa: E402
+from trainscope.plan.search import anneal, default_iterations, search  # noqa: E402
+from trainscope.plan.spec import (  # noqa: E402
+    GBIT,
+    ClusterSpec,
+    HostLink,
+    Links,
+    ModelSpec,
+    SearchSpec,
+)
 from trainscope.plan.transformer import ParallelConfig  # noqa: E402
 
 MODEL_7B = ModelSpec(layers=32, hidden=4096, heads=32, seq_len=2048, vocab=50304,
@@ -111,11 +119,13 @@ def margin() -> None:
 
 
 class Counting:
-    """Counts latency-model evaluations (placements scored) during a plan."""
+    """Counts placements scored during a plan: latency-model evaluations (from scratch) and
+    incremental proposals."""
 
     def __init__(self) -> None:
         self.placements = 0
         self._original = LatencyModel.step_s
+        self._propose = IncrementalScore.propose
 
     def __enter__(self) -> Counting:
         counter = self
@@ -124,23 +134,32 @@ class Counting:
             counter.placements += 1 if slots.ndim == 2 else len(slots)
             return counter._original(model, slots)
 
+        def propose(score: IncrementalScore, a: int, b: int) -> float:
+            counter.placements += 1
+            return counter._propose(score, a, b)
+
         LatencyModel.step_s = step_s  # type: ignore[method-assign]
+        IncrementalScore.propose = propose  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         LatencyModel.step_s = self._original  # type: ignore[method-assign]
+        IncrementalScore.propose = self._propose  # type: ignore[method-assign]
+
+
+def big_cluster(gpus: int) -> tuple[ClusterSpec, ModelSpec]:
+    hosts = gpus // 8
+    slow = SLOW_3 if hosts == 8 else random_slow(hosts, 3 * hosts // 8, seed=hosts)
+    return cluster(hosts, slow), (MODEL_7B if gpus <= 64 else MODEL_70B)
 
 
 def search_time(sizes: list[int]) -> None:
-    print("3. search time (CPU s, one core)")
+    print("3. search time (CPU s, one core); before = from-scratch scoring, after = incremental")
     print(f"{'GPUs':>6} {'model':>5} {'slow links':>10} {'configs':>7} {'baseline s':>10} "
-          f"{'plan s':>8} {'plan ÷ baseline':>15} {'placements scored':>17} {'µs/placement':>12} "
-          f"{'best':>18} {'vs default':>10}")
+          f"{'scoring':>11} {'plan s':>8} {'placements scored':>17} {'µs/placement':>12} "
+          f"{'best':>18} {'step s':>8} {'vs default':>10}")
     for gpus in sizes:
-        hosts = gpus // 8
-        slow = SLOW_3 if hosts == 8 else random_slow(hosts, 3 * hosts // 8, seed=hosts)
-        spec = cluster(hosts, slow)
-        model = MODEL_7B if gpus <= 64 else MODEL_70B
+        spec, model = big_cluster(gpus)
         links = Links.of(spec)
         search_spec = SearchSpec(top_k=1, micro_batch_sizes=(1, 2))
         t0 = time.process_time()
@@ -152,21 +171,82 @@ def search_time(sizes: list[int]) -> None:
                              cfg.microbatches(model)).step_s(default_slots(cfg))
                 scored += 1
         baseline = time.process_time() - t0
-        with Counting() as counting:
-            t0 = time.process_time()
-            result = plan(model, spec, links, search_spec)
-            took = time.process_time() - t0
-        best = result.ranked[0]
-        print(f"{gpus:>6} {'7B' if model is MODEL_7B else '70B':>5} {len(slow):>10} "
-              f"{scored:>7} {baseline:>10.3f} {took:>8.1f} {took / baseline:>15.0f} "
-              f"{counting.placements:>17,} {1e6 * took / counting.placements:>12.0f} "
-              f"{best.cfg.label():>18} {best.default_step_s / best.step_s - 1:>9.1%}")
+        for scoring in ("full", "incremental"):
+            with Counting() as counting:
+                t0 = time.process_time()
+                result = plan(model, spec, links, search_spec, scoring=scoring)
+                took = time.process_time() - t0
+            best = result.ranked[0]
+            print(f"{gpus:>6} {'7B' if model is MODEL_7B else '70B':>5} {len(spec.links):>10} "
+                  f"{scored:>7} {baseline:>10.3f} {scoring:>11} {took:>8.1f} "
+                  f"{counting.placements:>17,} {1e6 * took / counting.placements:>12.0f} "
+                  f"{best.cfg.label():>18} {best.step_s:>8.4f} "
+                  f"{best.default_step_s / best.step_s - 1:>9.1%}", flush=True)
+
+
+def lower_bound(model: LatencyModel, spec: ClusterSpec) -> float | None:
+    """When a slot is a whole host (tp = GPUs per host), every link a placement uses is a
+    host-to-host link, none faster than nominal here: the score with all links nominal (the
+    same for every placement) bounds every placement's from below. None otherwise."""
+    links = model.links
+    nominal = spec.inter_host_gbit_per_s * GBIT
+    off = ~np.eye(links.hosts, dtype=bool)
+    if (model.cfg.tp != spec.gpus_per_host or links.host_bytes_per_s[off].max() > nominal
+            or np.isfinite(links.gpu_cap_bytes_per_s).any()):
+        return None
+    uniform = LatencyModel(model.cfg, model.costs, Links.uniform(spec), model.m)
+    return float(uniform.step_s(default_slots(model.cfg)))
+
+
+def improving_swaps(model: LatencyModel, slots: np.ndarray) -> tuple[int, int]:
+    """Every single swap of the placement, scored incrementally: (improving, tried)."""
+    score = IncrementalScore(model, slots)
+    groups, better = slots.size, 0
+    for a in range(groups):
+        for b in range(a + 1, groups):
+            better += score.propose(a, b) < score.total * (1 - 1e-12)
+            score.reject()
+    return better, groups * (groups - 1) // 2
+
+
+def convergence(gpus: int) -> None:
+    """The evidence of convergence, per configuration the plan searched: the search before
+    (from scratch) and after (incremental), when the best last improved, a 5× longer cooling
+    from another seed, a lower bound where one is known, and for the recommendation every
+    single swap of its placement tried (0 improving: a local optimum)."""
+    spec, model_spec = big_cluster(gpus)
+    links = Links.of(spec)
+    result = plan(model_spec, spec, links, SearchSpec(top_k=8, micro_batch_sizes=(1, 2)))
+    print(f"4. convergence at {gpus:,} GPUs: the 8 searched configurations, from the default "
+          "placement (CPU s, one core)")
+    print(f"{'configuration':>18} {'groups':>6} {'before s':>8} {'before':>8} {'after s':>7} "
+          f"{'after':>8} {'last improved/proposals':>23} {'5x longer':>10} "
+          f"{'lower bound':>11} {'improving swaps':>15}")
+    for c in result.ranked:
+        latency = LatencyModel(c.cfg, stage_costs(model_spec, spec, c.cfg), links,
+                               c.cfg.microbatches(model_spec))
+        groups = c.cfg.dp * c.cfg.pp
+        t0 = time.process_time()
+        before = anneal(latency, scoring="full")
+        before_s = time.process_time() - t0
+        t0 = time.process_time()
+        after = anneal(latency)
+        after_s = time.process_time() - t0
+        longer = anneal(latency, iterations=5 * default_iterations(groups), seed=1)
+        bound = lower_bound(latency, spec)
+        # The 2-opt certificate costs groups²/2 proposals: for the recommendation only.
+        swaps = improving_swaps(latency, after.slots) if c is result.ranked[0] else None
+        print(f"{c.cfg.label():>18} {groups:>6} {before_s:>8.1f} {before.step_s:>8.4f} "
+              f"{after_s:>7.1f} {after.step_s:>8.4f} "
+              f"{f'{after.last_improved:,}/{after.proposals:,}':>23} {longer.step_s:>10.4f} "
+              f"{'n/a' if bound is None else f'{bound:.4f}':>11} "
+              f"{'n/a' if swaps is None else f'{swaps[0]} of {swaps[1]:,}':>15}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="search time for 64 and 512 GPUs")
-    parser.add_argument("--only", choices=("accuracy", "margin", "time"))
+    parser.add_argument("--only", choices=("accuracy", "margin", "time", "convergence"))
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -176,6 +256,8 @@ def main() -> None:
         margin()
     if args.only in (None, "time"):
         search_time([64, 512] if args.quick else [64, 512, 4096])
+    if args.only in (None, "convergence"):
+        convergence(512 if args.quick else 4096)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,10 @@ def plan(
     shortlist: int = 8,
     seed: int = 0,
     iterations: int | None = None,
+    scoring: str = "incremental",
 ) -> Plan:
+    """``scoring`` is the placement search's (see :func:`~trainscope.plan.search.anneal`):
+    "full" re-scores every proposal from scratch, the reference the benchmark compares with."""
     search_spec = search_spec or SearchSpec()
     uniform = Links.uniform(cluster)
     configs, rejected = configurations(model, cluster, search_spec)
@@ -134,7 +137,7 @@ def plan(
     for c in order[:shortlist]:
         costs = stage_costs(model, cluster, c.cfg)
         latency = LatencyModel(c.cfg, costs, links, c.cfg.microbatches(model))
-        found = search(latency, seed=seed, iterations=iterations)
+        found = search(latency, seed=seed, iterations=iterations, scoring=scoring)
         c.slots, c.step_s = found.slots, found.step_s
     searched = sorted((c for c in order[:shortlist]), key=lambda c: c.step_s)
     result.ranked = searched[: search_spec.top_k]
