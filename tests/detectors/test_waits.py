@@ -147,26 +147,26 @@ def test_a_straggler_peer_diff_explains_is_not_alerted_twice() -> None:
 
 
 def test_tensor_parallel_groups_are_read_within_themselves() -> None:
-    """2 DP replicas x 2 TP ranks: only the late rank's TP partner waits, in ``all_reduce[tp]``."""
-    workers = [WorkerInfo(rank=r, dp_rank=r // 2, tp_rank=r % 2) for r in range(8)]
-    topology = Topology(job_id="ddp-job", dp_size=4, tp_size=2, workers=workers)
-    # Each TP pair is its own synchronous group: simulate four pairs and stack their ranks.
-    pairs = [ddp_windows(2, world=2, outside_ms={0: 30.0} if p == 2 else {}, seed=p,
-                         collective="all_reduce[tp]") for p in range(4)]
+    """2 DP replicas x 4 TP ranks: only the late rank's TP peers wait, in ``all_reduce[tp]``."""
+    workers = [WorkerInfo(rank=r, dp_rank=r // 4, tp_rank=r % 4) for r in range(8)]
+    topology = Topology(job_id="ddp-job", dp_size=2, tp_size=4, workers=workers)
+    # Each TP group is its own synchronous group: simulate both and stack their ranks.
+    groups = [ddp_windows(2, world=4, outside_ms={1: 30.0} if g == 1 else {}, seed=g,
+                          collective="all_reduce[tp]") for g in range(2)]
     windows = []
     for w in range(2):
-        parts = [pairs[p][w] for p in range(4)]
-        shift = lambda frame, p: frame.assign(rank=frame["rank"] + 2 * p)  # noqa: E731
+        parts = [groups[g][w] for g in range(2)]
+        shift = lambda frame, g: frame.assign(rank=frame["rank"] + 4 * g)  # noqa: E731
         windows.append(WindowView(
             job_id="ddp-job", window_start_ns=parts[0].window_start_ns,
             window_end_ns=parts[0].window_end_ns, topology=topology,
-            summaries=pd.concat([shift(v.summaries[v.summaries["name"] != "ddp_pre_forward"], p)
-                                 for p, v in enumerate(parts)], ignore_index=True),
-            steps=pd.concat([shift(v.steps, p) for p, v in enumerate(parts)], ignore_index=True),
+            summaries=pd.concat([shift(v.summaries[v.summaries["name"] != "ddp_pre_forward"], g)
+                                 for g, v in enumerate(parts)], ignore_index=True),
+            steps=pd.concat([shift(v.steps, g) for g, v in enumerate(parts)], ignore_index=True),
         ))
     *_, last = run(WaitDetector(), windows)
     finding, = last
-    assert (finding.rank, finding.function, finding.victims) == (4, "all_reduce[tp]", [5])
+    assert (finding.rank, finding.function, finding.victims) == (5, "all_reduce[tp]", [4, 6, 7])
     assert "TP group" in finding.message and finding.score >= ALERT_THRESHOLD
 
 

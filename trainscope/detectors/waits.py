@@ -16,6 +16,7 @@ bubbles as much as a neighbour's lateness.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +52,9 @@ NOISE_FLOOR_STEP_FRAC = 0.002
 # A member waiting at least this share of the straggler's cost more than it is its victim.
 VICTIM_WAIT_FRAC = 0.5
 MAX_VICTIMS = 64
+# A group of two has no robust reference: which of a pair waits less can be its structure (who
+# issues first), not lateness; the pair's lateness shows in the larger groups around it.
+MIN_GROUP_SIZE = 3
 # Group kinds, read from the layout: the ranks that share each kind's communicator.
 _GROUP_KEYS = {"dp": ("pp_stage", "tp_rank"), "tp": ("pp_stage", "dp_rank"), "world": ()}
 
@@ -73,18 +77,21 @@ class WaitDetector:
     Each window, every rank's collective time per step is summed per communicator kind — its
     data-parallel group (DDP's ``ddp_allreduce``, ``ddp_pre_forward``, collectives labelled
     ``dp``), its tensor-parallel group (labelled ``tp``), or the whole job (collectives on the
-    default group; ``[size=N]`` goes to the kind whose groups have N ranks). Within each group of
-    the layout, the reference is the median of the upper half of the members' times — what the
-    ranks that wait spend, even when a few of them are late — and the robust spread is the MAD of
-    that upper half. A rank at least ``z_min`` spreads below the reference, by at least
-    ``min_wait_ns`` and ``min_wait_frac`` of the step, is one its group waits on: the gap is the
-    wait it costs each peer per step. Its score is a confidence from the z (0.5 at ``z_min``, 1
-    at ``z_full``), capped at 0.45 until it has been waited on ``confirm_windows`` windows in a
-    row. If its own measured work (compute, data loading, GC …) grew over its group's by at
-    least half that wait, peer-diff already names it with the function: the finding is kept as
-    evidence at 0.3, never a second alert. Otherwise its extra time is outside instrumented
-    code: category ``host``, with the step time its hooked functions do not explain, against
-    its peers', in the evidence. A job whose ranks all slow down together names no rank.
+    default group; ``[size=N]`` goes to the kind whose groups have N ranks; point-to-point
+    exchanges are not read). Within each group of 3 ranks or more of the layout, the reference is
+    the median of the upper half of the members' times — what the ranks that wait spend, even when
+    a few of them are late — and the robust spread is the MAD of that upper half. A rank at least
+    ``z_min`` spreads below the reference, by at least ``min_wait_ns`` and ``min_wait_frac`` of the
+    step, is one its group waits on: the gap is the wait it costs each peer per step. One that
+    waited at least half as long in its other communicators (a TP partner, a pipeline receive)
+    is late because it waited for someone else there: a victim, not named. Its score is
+    a confidence from the z (0.5 at ``z_min``, 1 at ``z_full``), capped at 0.45 until it has been
+    waited on ``confirm_windows`` windows in a row. If its own measured work (compute, data
+    loading, GC …) grew over its group's by at least half that wait, peer-diff already names it
+    with the function: the finding is kept as evidence at 0.3, never a second alert. Otherwise its
+    extra time is outside instrumented code: category ``host``, with the step time its hooked
+    functions do not explain, against its peers', in the evidence. A job whose ranks all slow down
+    together names no rank.
 
     State, kept across windows and pickled with checkpoints: for each rank, how many windows in
     a row its group waited on it. Nothing is learned before the first window, and the pipeline
@@ -170,7 +177,7 @@ class WaitDetector:
             columns = [c for c in waits.columns if _kind_of(c, layout) == kind]
             if not columns:
                 continue
-            for found in self._late_ranks(waits[columns], layout, kind, step_ns):
+            for found in self._late_ranks(waits, columns, layout, kind, step_ns):
                 if found.rank not in late or found.wait_ns > late[found.rank].wait_ns:
                     late[found.rank] = found
         self._streaks = {r: self._streaks.get(r, 0) + 1 for r in late}
@@ -182,10 +189,15 @@ class WaitDetector:
         return findings
 
     def _late_ranks(
-        self, waits: pd.DataFrame, layout: pd.DataFrame, kind: str, step_ns: float
+        self, every: pd.DataFrame, columns: list[str], layout: pd.DataFrame, kind: str,
+        step_ns: float,
     ) -> list[_Late]:
         """The ranks of each group of ``kind`` whose members wait on them (one per rank)."""
+        waits = every[columns]
         total = waits.sum(axis=1, min_count=1)
+        # What each rank waited in its other communicators (TP, pipeline sends, …): a rank late
+        # here because it waited there for someone else is that one's victim, not a straggler.
+        elsewhere = every.drop(columns=columns).fillna(0.0).sum(axis=1)
         keys = list(_GROUP_KEYS[kind])
         groups = layout[keys].apply(tuple, axis=1) if keys else pd.Series(0, index=layout.index)
         floor = NOISE_FLOOR_STEP_FRAC * step_ns if np.isfinite(step_ns) else 0.0
@@ -193,7 +205,7 @@ class WaitDetector:
                        else 0.0)
         found: list[_Late] = []
         for _, members in total.dropna().groupby(groups.reindex(total.dropna().index)):
-            if len(members) < 2:
+            if len(members) < MIN_GROUP_SIZE:
                 continue
             upper = members[members >= members.median()]
             reference = float(upper.median())
@@ -205,6 +217,9 @@ class WaitDetector:
                 wait = reference - float(value)
                 z = wait / spread
                 if z < self.z_min or wait < min_wait:
+                    continue
+                waited = float(elsewhere[rank] - elsewhere[members.index].median())
+                if waited >= EXPLAINED_FRAC * wait:
                     continue
                 # The collective where it shows: the one it spends least in against its group.
                 function = str(waits.loc[rank].sub(waits.loc[members.index].median()).idxmin())
@@ -264,7 +279,6 @@ def _collective_times(window: WindowView) -> pd.DataFrame:
     """ns per step in each collective a rank took part in (NaN where it took no part)."""
     s = window.summaries
     s = s[s["layer"].isin(WAIT_LAYERS) & (s["count"] > 0)]
-    s = s[~s["name"].str.split("[", n=1).str[0].isin(P2P_OPS)]
     if s.empty:
         return pd.DataFrame()
     table = s.pivot_table(index="rank", columns="name", values="total_ns", aggfunc="sum")
@@ -272,12 +286,19 @@ def _collective_times(window: WindowView) -> pd.DataFrame:
 
 
 def _kind_of(name: str, layout: pd.DataFrame) -> str | None:
-    """The communicator kind a collective's name points to (None: not one to read)."""
+    """The communicator kind a collective's name points to (None: not one to read).
+
+    Read from the words of the name and its group label: ``all_reduce[tp]``, the simulator's
+    ``tp_all_reduce``, DDP's ``ddp_allreduce``; anything that sends or receives point to point
+    (``send``, ``irecv``, ``pp_send``) is not read."""
     base, _, label = name.partition("[")
     label = label.rstrip("]").lower()
-    if base.startswith("ddp_") or "dp" in label or "data" in label:
+    words = set(re.split(r"[^a-z0-9]+", f"{base.lower()} {label}")) - {""}
+    if words & P2P_OPS or words & {"pp", "p2p"}:
+        return None
+    if words & {"dp", "ddp", "fsdp", "data"} or base.startswith("ddp_"):
         return "dp"
-    if "tp" in label or "tensor" in label:
+    if words & {"tp", "tensor"}:
         return "tp"
     if not label:
         return "world"
