@@ -192,3 +192,22 @@ def test_the_closed_loop_profiles_a_host_finding_against_a_peer_it_does_not_name
     plan, = ProfilePolicy(clock=lambda: 0.0).decide(windows[1], findings, pending=0)
     assert (plan.suspect, plan.finding.category) == (2, "host")
     assert plan.peer != 2  # every other rank waits on it; the nearest one is the reference
+
+
+def test_a_rank_late_because_it_waited_elsewhere_is_a_victim_not_named() -> None:
+    """DP group of 4 whose rank 1 arrives ~30 ms late to ``ddp_allreduce`` only because it first
+    waited ~30 ms in ``all_reduce[tp]`` for a TP partner outside this window's data: the
+    straggler is that partner, not rank 1."""
+    windows = ddp_windows(3, outside_ms={1: 30.0})
+    shifted = []
+    for view in windows:
+        tp = view.summaries[view.summaries["name"] == "ddp_pre_forward"].assign(
+            name="all_reduce[tp]",
+            total_ns=lambda f: (f["rank"] == 1) * 30 * MS * STEPS + 1 * MS * STEPS)
+        shifted.append(WindowView(
+            job_id=view.job_id, window_start_ns=view.window_start_ns,
+            window_end_ns=view.window_end_ns, steps=view.steps,
+            summaries=pd.concat([view.summaries, tp], ignore_index=True)))
+    assert run(WaitDetector(), shifted) == [[]] * 3
+    # The same lateness without the wait elsewhere is named (the control).
+    assert [f.rank for f in run(WaitDetector(), windows)[-1]] == [1]
