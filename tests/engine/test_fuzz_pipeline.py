@@ -31,6 +31,7 @@ from trainscope.detectors.steptime import StepTimeDetector
 from trainscope.engine.bus_job import BusStreamJob
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.schemas.records import Finding
+from trainscope.schemas.untrusted import BoundedPayload
 from trainscope.sinks.clickhouse import ClickHouseSink, run_query
 from trainscope.transport.bus import DEAD_LETTER_TOPIC, EVENTS_TOPIC, METRICS_TOPIC, Bus
 from trainscope.transport.memory import MemoryBus
@@ -324,6 +325,8 @@ def test_fuzzed_messages_over_kafka_are_dead_lettered_on_the_topic(kafka_broker,
         try:
             pipeline = consume(bus, topic, sink=sink)
             rows = run_query(sink.client, "SELECT error, payload FROM dead_letters")[1]
+            described = run_query(sink.client, "SELECT error, payload, payload_bytes, "
+                                  "payload_sha256 FROM dead_letters")[1]
         finally:
             sink.close()
         letters = _dead_letters_of(bus, topic, len(rows))
@@ -334,8 +337,13 @@ def test_fuzzed_messages_over_kafka_are_dead_lettered_on_the_topic(kafka_broker,
     assert stats.decode.received == len(payloads)
     assert len(rows) == stats.decode.rejected == len(letters)
     assert all(REASON.match(error) and error.startswith(f"{topic}[") for error, _ in rows)
-    # The topic's key is the reason cut to 200 bytes.
-    assert {(error.encode()[:200], bytes.fromhex(payload)) for error, payload in rows} == letters
+    # The topic's key is the reason cut to 200 bytes, then the payload's size and digest.
+    keys_and_values = set()
+    for error, payload, size_bytes, sha256 in described:
+        prefix = bytes.fromhex(payload)
+        description = BoundedPayload(prefix, int(size_bytes), sha256).describe()
+        keys_and_values.add((error.encode()[:200] + f" | {description}".encode(), prefix))
+    assert keys_and_values == letters
     rejected_payloads = {bytes.fromhex(payload) for _, payload in rows}
     for payload, must in zip(payloads, must_reject, strict=True):
         if must:
