@@ -81,7 +81,9 @@ if TYPE_CHECKING:
               help="Largest checkpoint of open windows (compressed bytes) stored with a commit; "
                    "beyond it, or at 0, a restart re-reads the open windows instead.")
 @click.option("--idle-exit-s", type=float, default=None,
-              help="Exit after this many seconds without messages (default: run until stopped).")
+              help="Exit after this many seconds without messages, counted while partitions "
+                   "are assigned (joining the group is not idleness; default: run until "
+                   "stopped).")
 @click.option("--stats-every-s", type=click.FloatRange(min=0.1), default=None,
               help="Also print the counters (one JSON line on stderr) this often.")
 @click.option("--max-jobs", type=click.IntRange(min=1), default=DEFAULT_MAX_JOBS,

@@ -443,13 +443,19 @@ class BusStreamJob(StreamCore):
         max_seconds: float | None = None,
     ) -> None:
         """Consume until ``until()`` holds and the bus is idle, or ``idle_timeout_s`` passes
-        with nothing new, or ``max_seconds`` elapse, or :meth:`request_stop` is called."""
-        started = idle_since = time.monotonic()
+        with nothing new, or ``max_seconds`` elapse, or :meth:`request_stop` is called.
+
+        Idleness is counted in :meth:`listening_s`: time spent joining the group or
+        rebalancing is not the bus being quiet (a slow join must not end the run before a
+        message was read)."""
+        started = time.monotonic()
+        idle_since = self.listening_s()
         while not self.stopping:
             now = time.monotonic()
             if self.poll_once():
-                idle_since = now
-            elif until() if until is not None else now - idle_since >= idle_timeout_s:
+                idle_since = self.listening_s()
+            elif until() if until is not None else (
+                    self.listening_s() - idle_since >= idle_timeout_s):
                 return
             if max_seconds is not None and now - started >= max_seconds:
                 return

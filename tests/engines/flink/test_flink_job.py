@@ -154,10 +154,12 @@ def summarised(url: str, job_id: str) -> int:
                if isinstance(r, FunctionSummary) and r.job_id == job_id)
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str,
+             log: Path | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}" + (
+            f"; the job's log ends:\n{log.read_text()[-6000:]}" if log is not None else "")
         time.sleep(1.0)
 
 
@@ -207,7 +209,9 @@ def test_an_unbounded_job_stopped_and_started_again_loses_and_doubles_nothing(
     flink = start()
     total = first["events"] + second["events"]
     try:
-        wait_for(lambda: summarised(url, "again") >= total, 120, "every window")
+        # A JVM restoring its state on a loaded two-core machine: minutes, not seconds.
+        wait_for(lambda: summarised(url, "again") >= total, 300,
+                 f"every window ({total} events)", tmp_path / "flink.log")
     finally:
         flink.send_signal(signal.SIGTERM)
         assert flink.wait(timeout=60) == 0
