@@ -243,7 +243,7 @@ def test_distributed_info_after_the_events_is_found(tmp_path) -> None:
     ("content", "expected"),
     [
         (b'{"traceEvents": [{"ph": "X", "name": "a", "ts": 1', "invalid JSON near byte"),
-        (gzip.compress(b'{"traceEvents": []}' * 50)[:40], "truncated gzip"),
+        (gzip.compress(b'{"traceEvents": []}' * 50, mtime=0)[:40], "truncated gzip"),
         (b'{"events": []}', "no 'traceEvents' list"),
         (b'[{"ph": "X"}]', "the top level is not an object"),
         (b'{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "a", "ts": "soon", "dur": 1}]}',
