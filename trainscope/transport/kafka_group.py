@@ -143,28 +143,44 @@ class KeepPositions(ConsumerRebalanceListener):
         self.changes += 1
         kept = [tp for tp in assigned
                 if tp in self._held and tp in self.handed and self.consumer is not None]
-        for tp in await self._still_the_same_log(kept):
-            self.consumer.seek(tp, self.handed[tp])
+        # Seek before this callback's first await: once the client's fetcher runs, it resets a
+        # freshly assigned partition to the committed offset and hands out the messages from
+        # there to ours again (a poll in flight returns them: offsets going backwards).
+        resumed = {tp: self.handed[tp] for tp in kept}
+        for tp, offset in resumed.items():
+            self.consumer.seek(tp, offset)
         # Positions of partitions given up are not ours to resume any more.
         for tp in set(self.handed) - set(assigned):
             del self.handed[tp]
         self._held = set()
+        await self._unless_the_log_changed(resumed)
 
-    async def _still_the_same_log(self, kept: list[Any]) -> list[Any]:
-        """The partitions of ``kept`` whose log is the one read before the rebalance.
+    async def _unless_the_log_changed(self, resumed: dict[Any, int]) -> None:
+        """Undo the seeks of ``resumed`` (partition -> offset) where the log is not the one
+        read before the rebalance.
 
         A broker that lost its data (its group's commits with it) and came back rejoins the
         group as well: there the position handed out lies past a new, shorter log, and the
-        committed offset is gone. Resuming there would skip the new log's messages; the client's
-        own reset (the oldest offset) and the engine's check for a recreated topic apply
-        instead."""
-        if not kept:
-            return []
+        committed offset is gone. Resuming there would skip the new log's messages: such a
+        partition is read from its oldest offset (what the client's reset does), one whose
+        committed offset does not lead up to ours from the committed offset, and the engine's
+        check for a recreated topic applies."""
+        if not resumed:
+            return
+        kept = list(resumed)
         try:
             ends = await self.consumer.end_offsets(kept)
             committed = {tp: await self.consumer.committed(tp) for tp in kept}
         except Exception as exc:  # unsure: the committed offset is the safe place to resume
             log.info("resuming from the committed offsets after a rebalance: %s", exc)
-            return []
-        return [tp for tp in kept
-                if committed[tp] is not None and committed[tp] <= self.handed[tp] <= ends[tp]]
+            try:
+                await self.consumer.seek_to_committed(*kept)
+            except Exception as again:
+                log.warning("could not resume from the committed offsets either: %s", again)
+            return
+        lost = [tp for tp in kept if committed[tp] is None]
+        if lost:
+            await self.consumer.seek_to_beginning(*lost)
+        for tp in kept:
+            if committed[tp] is not None and not committed[tp] <= resumed[tp] <= ends[tp]:
+                self.consumer.seek(tp, committed[tp])
