@@ -173,7 +173,8 @@ def test_an_operators_day(fresh_kafka_broker, tmp_path: Path) -> None:
 
             env = {**os.environ, "TRAINSCOPE_BUS": fresh_kafka_broker.url,
                    "TRAINSCOPE_WINDOW_S": str(WINDOW_S), "OMP_NUM_THREADS": "1",
-                   "PYTHONUNBUFFERED": "1"}
+                   # A rank that dies of a signal prints its threads' stacks.
+                   "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
             job_out = (tmp_path / "torchrun.out").open("wb")
             job_err = tmp_path / "torchrun.err"
             started = time.monotonic()

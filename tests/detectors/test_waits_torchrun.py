@@ -117,7 +117,8 @@ def test_a_straggler_outside_the_hooks_is_named_and_a_healthy_job_is_not(
     )
     env = {**os.environ, "TRAINSCOPE_BUS": fresh_kafka_broker.url,
            "TRAINSCOPE_WINDOW_S": str(WINDOW_S), "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1"}
+           # A rank that dies of a signal prints its threads' stacks.
+           "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     jobs: list[subprocess.Popen[bytes]] = []
     try:
         # One after the other: side by side, 8 busy ranks on a 2-core machine make one of the
