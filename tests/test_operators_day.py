@@ -92,9 +92,12 @@ while not stop.item():
                 break
 handle.detach()
 stats = handle.stats()
-print(json.dumps({"rank": rank, "steps": steps, "errors": stats["errors"],
-                  "records_sent": stats["records_sent"],
-                  "records_dropped": stats["records_dropped"]}), flush=True)
+# One write per report: unbuffered, print() writes the line and its end apart and
+# the ranks' reports interleave on the launcher's stdout.
+sys.stdout.write(json.dumps({"rank": rank, "steps": steps, "errors": stats["errors"],
+                              "records_sent": stats["records_sent"],
+                              "records_dropped": stats["records_dropped"]}) + "\n")
+sys.stdout.flush()
 dist.destroy_process_group()
 '''
 

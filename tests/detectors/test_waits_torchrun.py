@@ -82,8 +82,11 @@ while not stop.item():
                 break
 handle.detach()
 stats = handle.stats()
-print(json.dumps({"rank": rank, "steps": steps, "errors": stats["errors"],
-                  "records_dropped": stats["records_dropped"]}), flush=True)
+# One write per report: unbuffered, print() writes the line and its end apart and
+# the ranks' reports interleave on the launcher's stdout.
+sys.stdout.write(json.dumps({"rank": rank, "steps": steps, "errors": stats["errors"],
+                              "records_dropped": stats["records_dropped"]}) + "\n")
+sys.stdout.flush()
 dist.destroy_process_group()
 '''
 
@@ -136,9 +139,12 @@ def test_a_straggler_outside_the_hooks_is_named_and_a_healthy_job_is_not(
                        and jobs[-1].poll() is None and time.monotonic() < deadline):
                     time.sleep(0.5)
                 stop.touch()
-            code = jobs[-1].wait(timeout=120)
+            try:
+                code = jobs[-1].wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                code = None  # what the ranks printed says where they stand
             output = (tmp_path / f"{job_id}.out").read_text(errors="replace")
-            assert code == 0, output[-3000:]
+            assert code == 0, f"{job_id} exited {code}:\n{output[-3000:]}"
             reports = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
             assert sorted(r["rank"] for r in reports) == list(range(WORLD)), output[-3000:]
             assert all(r["errors"] == 0 and r["records_dropped"] == 0 for r in reports), reports

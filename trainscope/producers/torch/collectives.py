@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainscope.producers.torch.threadstate import keep_thread_state
+
 if TYPE_CHECKING:
     from trainscope.producers.torch.runtime import Attachment
 
@@ -145,6 +147,7 @@ def _record_on_completion(att: Attachment, name: str, start: int, nbytes: int, w
 
     def done(_future: Any) -> None:
         try:
+            keep_thread_state()  # a backend thread: see threadstate
             att.record("collective", name, start, time.time_ns() - start, nbytes)
         except Exception as exc:
             att.guard.report("collective hook", exc)
@@ -170,6 +173,7 @@ def install_ddp_comm_hook(att: Attachment, ddp: Any) -> bool:
 
         def done(fut: Any) -> torch.Tensor:
             try:
+                keep_thread_state()  # a backend thread: see threadstate
                 att.record("collective", "ddp_allreduce", start, time.time_ns() - start, nbytes)
                 att.on_ddp_allreduce(start, time.time_ns())
             except Exception as exc:
