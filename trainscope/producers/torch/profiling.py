@@ -2,7 +2,8 @@
 
 A request (from the control topic) arms the controller; the training thread starts the
 profiler at the next step boundary and stops it after K steps or when the time budget is spent,
-whichever comes first. Only one session runs per process. Stopping hands the raw result to the
+whichever comes first. Only one session runs per process, and the next starts once the last
+is summarised. Stopping hands the raw result to the
 sender thread, which walks the event tree and condenses it per function:
 
 - ``python`` (Python frames), ``user_annotation`` (``record_function`` blocks), ``torch_op``
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,8 @@ MAX_FUNCTIONS = 20_000
 # Call paths per ProfileCallPaths record: with names of a few hundred characters a part stays
 # far below Kafka's 1 MiB message limit.
 CALLPATHS_PER_PART = 1_000
+# Reports a process keeps (``ProfileController.reports``), newest last.
+KEPT_REPORTS = 16
 # Device-side layers: their time overlaps the host's, so it is not taken from a parent's self time.
 _DEVICE_LAYERS = frozenset({"cuda_kernel", "memcpy"})
 
@@ -89,8 +93,15 @@ class ProfileController:
         self._lock = threading.Lock()
         self._pending: ControlMessage | None = None
         self._active: ProfileReport | None = None
+        # The last session, until the sender thread has summarised it: the next one waits, or
+        # torch's Python tracer would record the summarising itself (on every thread alive at
+        # start), the next summary would take longer, and so on: in a stress run, back-to-back
+        # sessions grew a rank to 18 GB and held one in the profiler's stop for minutes.
+        self._summarising: ProfileReport | None = None
         self._steps_left = 0
-        self.reports: list[ProfileReport] = []
+        # The latest sessions' reports (their call-path tables): a long job profiled on every
+        # finding would otherwise keep all of them.
+        self.reports: deque[ProfileReport] = deque(maxlen=KEPT_REPORTS)
         self.counts = {"requested": 0, "started": 0, "completed": 0, "rejected": 0}
 
     # -- control thread -----------------------------------------------------------------------
@@ -122,7 +133,8 @@ class ProfileController:
                 self._stop("steps done")
             elif now_ns - self._active.started_ns > self.budget_ns:
                 self._stop("time budget spent")
-        elif self._pending is not None:
+        elif self._pending is not None and (
+                self._summarising is None or self._summarising.done.is_set()):
             self._start()
 
     def _start(self) -> None:
@@ -154,6 +166,7 @@ class ProfileController:
         result = _disable()
         report.stopped_ns = time.time_ns()
         report.stop_reason = reason
+        self._summarising = report
         att = self.att
 
         def summarise() -> list[SummaryBatch | ProfileCallPaths]:
