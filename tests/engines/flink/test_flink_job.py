@@ -175,18 +175,18 @@ def test_an_unbounded_job_stopped_and_started_again_loses_and_doubles_nothing(
     job = ["--job-id", "again", "--dp", "2", "--pp", "2", "--tp", "2", "--steps", "30", "--spans"]
     first = publish_json(url, *job, "--start-s", "1767225600")
 
-    def start() -> subprocess.Popen[bytes]:
+    def start(source_idle_s: float) -> subprocess.Popen[bytes]:
         with (tmp_path / "flink.log").open("ab") as log:
             return subprocess.Popen(
                 [sys.executable, "-m", "trainscope.cli.main", "stream", "flink", "--bus", url,
                  "--checkpoint-dir", str(checkpoints), "--checkpoint-interval-s", "1",
-                 "--source-idle-s", "1"], stdout=log, stderr=log)
+                 "--source-idle-s", str(source_idle_s)], stdout=log, stderr=log)
 
     def newest_checkpoint_s() -> float:
         done = [p.stat().st_mtime for p in checkpoints.glob("*/chk-*/_metadata")]
         return max(done, default=0.0)
 
-    flink = start()
+    flink = start(source_idle_s=1)
     try:
         # The first window fires once the events of the second are read; the one after a
         # checkpoint that follows it, the job stops with that window open.
@@ -200,18 +200,34 @@ def test_an_unbounded_job_stopped_and_started_again_loses_and_doubles_nothing(
     assert 0 < written < first["events"]
 
     second = publish_json(url, *job, "--start-s", "1767225631", "--seed", "1")
-    # An event far later, on every partition, moves the watermark past the job's windows.
+    # Events far later, on one partition (one key), move the watermark past the job's windows
+    # once the other partitions have been idle for --source-idle-s. The restored job gets 20 s:
+    # with 1 s, a JVM restoring its state on a loaded machine read the far events before it
+    # had fetched from the other partitions for a second, called those idle, and the second
+    # run's events on them came late (the whole second run, in a loaded CI run).
     far_ns = (1767225600 + 300) * 10**9
     publish_raw(servers, EVENTS_TOPIC, [json.dumps({
         "type": "batch", "t_ms": far_ns // 10**6, "spans": [
             {"job_id": "flush", "layers": ["a"], "names": ["b"],
              "events": [[0, 0, 0, far_ns, 5, 0, 0]]}]}).encode()] * 8)
-    flink = start()
+    flink = start(source_idle_s=20)
     total = first["events"] + second["events"]
+    seen: list[tuple[float, int]] = []  # (seconds since the restart, events summarised)
+    restarted = time.monotonic()
+
+    def all_summarised() -> bool:
+        seen.append((round(time.monotonic() - restarted), summarised(url, "again")))
+        return seen[-1][1] >= total
+
     try:
         # A JVM restoring its state on a loaded two-core machine: minutes, not seconds.
-        wait_for(lambda: summarised(url, "again") >= total, 300,
-                 f"every window ({total} events)", tmp_path / "flink.log")
+        try:
+            wait_for(all_summarised, 300, f"every window ({total} events)",
+                     tmp_path / "flink.log")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nsummarised by then (s, events): {seen[::10]}, "
+                                 f"{seen[-1]}") from None
+        print(f"\nall {total} events summarised {seen[-1][0]} s after the restart")
     finally:
         flink.send_signal(signal.SIGTERM)
         assert flink.wait(timeout=60) == 0
