@@ -13,7 +13,10 @@ from aiokafka.structs import TopicPartition
 
 from trainscope.schemas.topics import EVENTS_TOPIC, METRICS_TOPIC
 
-IDLE = ["--close-idle-s", "3", "--idle-exit-s", "6"]
+# A job quiet this long has its windows closed. 3 s was too short for a loaded CI machine: the
+# workers' event loops stalled 6-8 s ("woke up too late") and one worker counted 8,367
+# events late.
+IDLE = ["--close-idle-s", "12", "--idle-exit-s", "15"]
 
 
 class FaustWorker:
