@@ -3,8 +3,8 @@
 A request (from the control topic) arms the controller; the training thread starts the
 profiler at the next step boundary and stops it after K steps or when the time budget is spent,
 whichever comes first. Only one session runs per process, and the next starts once the last
-is summarised. Stopping hands the raw result to the
-sender thread, which walks the event tree and condenses it per function:
+is summarised. Stopping hands the raw result to the sender thread, which walks the event tree
+and condenses it per function:
 
 - ``python`` (Python frames), ``user_annotation`` (``record_function`` blocks), ``torch_op``
   (ATen ops), ``cuda_kernel``, ``cuda_api`` (runtime calls such as cudaLaunchKernel),
