@@ -42,6 +42,13 @@ class _Durations:
 
 
 class WindowRecorder:
+    """Open windows of function durations, filled by the hooks and emptied by the sender.
+
+    Its lock is not re-entrant, and must not be: nothing that can run inside an allocation made
+    under it (a ``gc.callbacks`` entry, a finalizer) may call :meth:`add`; such callers append
+    to a :class:`~trainscope.producers.torch.spanlog.PhaseLog` instead.
+    """
+
     def __init__(self, window_ns: int, grace_ns: int) -> None:
         if window_ns <= 0:
             raise ValueError(f"window_ns must be > 0, got {window_ns}")

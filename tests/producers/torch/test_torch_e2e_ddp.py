@@ -7,7 +7,9 @@ A healthy run must raise nothing at or above the alert threshold.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import time
 import uuid
 from multiprocessing.connection import Connection
@@ -63,6 +65,7 @@ class Net(torch.nn.Module):
 
 
 def _worker(rank: int, port: int, bus_url: str, job_id: str, fault: str, ready: Connection) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # _run_job asks on a hang
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
@@ -126,6 +129,10 @@ def _run_job(bus_url: str, fault: str) -> tuple[str, list[Finding], list[dict]]:
         for reader, _ in pipes:
             if reader.poll():
                 stats.append(reader.recv())
+        hung = [p for p in procs if p.is_alive()]
+        for p in hung:  # every thread's stack on stderr, which pytest shows with the failure
+            os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(2 if hung else 0)
         assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
         pipeline.run(idle_timeout_s=2.0, max_seconds=15)
         pipeline.finish()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 from array import array
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,3 +132,41 @@ def test_a_data_loader_with_forked_workers_trains_normally(attach, memory_bus) -
     att.detach()
     assert att.stats()["errors"] == 0
     assert len(by_type(read_records(memory_bus), StepRecord)) == 4
+
+
+# Run as its own process: with the bug this test guards against, the process deadlocks.
+_COLLECT_EVERYWHERE = """
+import gc, json, sys
+sys.path.insert(0, sys.argv[1])
+from torch_producer_helpers import TinyModel, read_records, summaries_of, train
+import trainscope
+from trainscope.transport.memory import MemoryBus
+
+bus = MemoryBus()
+att = trainscope.attach(bus=bus, job_id="collect-everywhere", window_s=0.1)
+gc.set_threshold(1)  # a collection at nearly every allocation, ours under our locks included
+train(TinyModel(), steps=300)
+gc.set_threshold(700)
+att.detach()
+pauses = [s for s in summaries_of(read_records(bus)) if s.layer == "gc"]
+sys.stdout.write(json.dumps({"steps": att.stats()["steps"], "errors": att.stats()["errors"],
+                             "gc_pauses": sum(s.count for s in pauses)}) + "\\n")
+"""
+
+
+def test_a_collection_started_inside_our_own_locks_is_timed_not_deadlocked() -> None:
+    """A GC callback runs inside whatever allocation started the collection: with one made
+    while the sender held the recorder's lock, recording the pause waited on that lock forever
+    (a DDP rank stopped, and its peers in the next all-reduce). With a collection at nearly
+    every allocation, 300 steps train, with the sender condensing 100 ms windows meanwhile, and
+    the pauses are counted."""
+    helpers = str(Path(__file__).parent)
+    try:
+        result = subprocess.run([sys.executable, "-c", _COLLECT_EVERYWHERE, helpers],
+                                capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the training process deadlocked (no exit in 120 s): {exc.stderr!r}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["steps"] == 300 and report["errors"] == 0, report
+    assert report["gc_pauses"] > 300, report

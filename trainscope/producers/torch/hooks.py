@@ -300,6 +300,14 @@ def install_dataloader_hook(att: Attachment) -> Uninstall:
 
 
 def install_gc_hook(att: Attachment) -> Uninstall:
+    """Time every collection, on whatever thread triggers it.
+
+    The pause goes to the GC's own phase log (two array appends), never to the recorder: a
+    collection starts inside any allocation, including one made while this very thread holds
+    the recorder's lock (the sender taking closed windows, a hook adding a span), and recording
+    there waited forever on a lock its own thread held. Seen as a 4-rank DDP job whose one rank
+    stopped in the sender's ``take_closed`` and its peers in the next all-reduce.
+    """
     starts: dict[int, int] = {}
 
     def callback(phase: str, info: dict[str, Any]) -> None:
@@ -308,8 +316,11 @@ def install_gc_hook(att: Attachment) -> Uninstall:
             starts[ident] = time.time_ns()
             return
         start = starts.pop(ident, 0)
-        if start:
-            att.record("gc", "gc.collect", start, time.time_ns() - start)
+        if start and att.active:
+            # Collections do not nest, so nothing else appends to this log between the two.
+            pairs = att.gc_log.pairs
+            pairs.append(start)
+            pairs.append(time.time_ns() - start)
 
     guarded = att.guard.wrap("gc hook", callback)
     gc.callbacks.append(guarded)

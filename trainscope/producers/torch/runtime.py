@@ -52,8 +52,11 @@ class Attachment:
         self.backward_log = PhaseLog("torch_op", "backward")
         self.optimizer_log = PhaseLog("torch_op", "optimizer.step")
         self.dataloader_log = PhaseLog("dataloader", "next_batch")
+        # GC pauses too, and for a second reason: see hooks.install_gc_hook.
+        self.gc_log = PhaseLog("gc", "gc.collect")
         self.phase_logs = (
-            self.forward_log, self.backward_log, self.optimizer_log, self.dataloader_log
+            self.forward_log, self.backward_log, self.optimizer_log, self.dataloader_log,
+            self.gc_log,
         )
         self.bus_url, factory, owns = _bus_factory(bus if bus is not None else options.bus_url)
         self._bus_factory = factory

@@ -22,7 +22,9 @@ class Guard:
     def __init__(self) -> None:
         self.errors: Counter[str] = Counter()
         self._warned: set[str] = set()
-        self._lock = threading.Lock()
+        # Re-entrant: a failing GC callback reports from inside whatever allocation started the
+        # collection, which may be this very thread counting another failure.
+        self._lock = threading.RLock()
 
     def report(self, kind: str, exc: BaseException) -> None:
         with self._lock:
@@ -65,4 +67,4 @@ class Guard:
 
     def reset_after_fork(self) -> None:
         # The lock may have been held by another thread at fork time.
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
