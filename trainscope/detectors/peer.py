@@ -578,9 +578,11 @@ def _message(s: _Suspect, layout: pd.DataFrame, excess: float, share: float, vic
     ms = 1e-6
     if s.category == "stage-imbalance":
         who = f"pipeline stage {s.pp_stage} ({len(s.ranks)} ranks)"
+        # The figures are the stage's whole compute per rank and step; the function is where
+        # most of it goes.
         what = (
-            f"{s.layer}/{s.name} compute {s.value_ns * ms:.0f} ms/step vs "
-            f"{s.reference_ns * ms:.0f} ms on other stages"
+            f"compute {s.value_ns * ms:.0f} ms/step vs {s.reference_ns * ms:.0f} ms on other "
+            f"stages, most in {s.layer}/{s.name}"
         )
     else:
         where = ""

@@ -25,6 +25,7 @@ from trainscope.config.extras import MODULE_EXTRAS
 from trainscope.detectors.base import Detector
 from trainscope.detectors.budget import OverBudget, time_budget
 from trainscope.detectors.contract import ContractViolation, check_contract, contract_windows
+from trainscope.detectors.explain import fold_explained
 from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
@@ -240,6 +241,7 @@ class DetectorRunner:
                 self.detect_seconds[detector.name] = (
                     self.detect_seconds.get(detector.name, 0.0) + spent_s
                 )
+        findings = fold_explained(findings)
         self.findings_emitted += len(findings)
         return findings
 

@@ -1,0 +1,73 @@
+"""Findings one alert explains are folded into it; a second fault is not."""
+
+from __future__ import annotations
+
+from trainscope.detectors.base import ALERT_THRESHOLD
+from trainscope.detectors.explain import EXPLAINED_SCORE, fold_explained
+from trainscope.detectors.registry import DetectorRunner
+from trainscope.schemas.records import Finding
+from trainscope.schemas.window import WindowView
+
+
+def _finding(detector: str, rank: int, category: str, score: float = 0.9, **extra) -> Finding:
+    return Finding(job_id="j", window_start_ns=0, window_end_ns=1, detector=detector, rank=rank,
+                   category=category, score=score, message=f"{category} on rank {rank}", **extra)
+
+
+def _alerted(findings: list[Finding]) -> set[tuple[str, int, str]]:
+    return {(f.detector, f.rank, f.category) for f in findings if f.score >= ALERT_THRESHOLD}
+
+
+def test_the_ranks_of_an_imbalanced_stage_are_not_alerted_again() -> None:
+    stage = _finding("peer-diff", 6, "stage-imbalance", ranks=[6, 7], pp_stage=3,
+                     victims=[0, 1, 2, 3, 4, 5])
+    folded = fold_explained([stage, _finding("mixture", 6, "slowdown"),
+                             _finding("mixture", 7, "slowdown"),
+                             _finding("multivariate", 7, "compute")])
+    assert _alerted(folded) == {("peer-diff", 6, "stage-imbalance")}
+    for f in folded[1:]:
+        assert f.score == EXPLAINED_SCORE and f.evidence["explained_by_rank"] == 6
+        assert "[explained: part of pipeline stage 3's imbalance, found by peer-diff]" in f.message
+
+
+def test_a_victim_is_not_a_network_culprit_but_a_second_fault_stays() -> None:
+    culprit = _finding("peer-diff", 2, "gpu-compute", victims=[0, 1, 3])
+    folded = fold_explained([culprit, _finding("mixture", 1, "network"),
+                             _finding("mixture", 3, "gpu-throttle"),
+                             _finding("peer-diff", 0, "dataloader")])
+    assert _alerted(folded) == {("peer-diff", 2, "gpu-compute"), ("mixture", 3, "gpu-throttle"),
+                                ("peer-diff", 0, "dataloader")}
+    assert "it waits for rank 2 (gpu-compute)" in folded[1].message
+
+
+def test_nothing_is_folded_without_an_explaining_alert() -> None:
+    weak = _finding("peer-diff", 2, "gpu-compute", score=0.45, victims=[0, 1, 3])
+    network = _finding("mixture", 1, "network")
+    job_level = _finding("step-time", -1, "slowdown")
+    assert fold_explained([weak, network, job_level]) == [weak, network, job_level]
+    # The suspect's own findings from other detectors are not its own victims.
+    same = [_finding("peer-diff", 2, "compute", victims=[0, 1]),
+            _finding("waits", 2, "host", victims=[0, 1])]
+    assert fold_explained(same) == same
+
+
+class _Says:
+    """A detector that says what it is given, for the runner's folding."""
+
+    def __init__(self, name: str, findings: list[Finding]) -> None:
+        self.name = name
+        self.findings = findings
+
+    def detect(self, window: WindowView) -> list[Finding]:
+        return list(self.findings)
+
+
+def test_the_runner_folds_across_detectors() -> None:
+    runner = DetectorRunner([
+        _Says("peer-diff", [_finding("peer-diff", 6, "stage-imbalance", ranks=[6, 7],
+                                     pp_stage=3)]),
+        _Says("mixture", [_finding("mixture", 7, "slowdown")]),
+    ])
+    found = runner.run(WindowView("j", 0, 1))
+    assert _alerted(found) == {("peer-diff", 6, "stage-imbalance")}
+    assert runner.findings_emitted == 2

@@ -1,0 +1,64 @@
+"""Findings one finding already explains are folded into it, whichever detector made them.
+
+Detectors look at a window each from their own angle, so one fault can be alerted twice: the
+ranks of a slow pipeline stage are also each "slower than the job" to a detector that compares
+every rank with the whole job (``mixture`` when stages are too small to be peer groups), and a
+rank that only waits for a straggler spends more of its step in collectives, which looks like a
+slow network. The detectors run independently (and plugins know nothing of each other), so the
+runner applies this one piece of cause-versus-victim reasoning to every window's findings after
+they all ran:
+
+- a rank inside an alerted ``stage-imbalance`` is not alerted again for the same time as a
+  ``slowdown`` or as its own compute: the stage finding says it, with the stage's cost;
+- a rank that an alert names as a victim (it waited for the suspect) is not alerted as a
+  ``network`` or ``slowdown`` culprit: its waiting is the suspect's cost.
+
+Such a finding is kept, as evidence below the alert threshold, with what explains it in its
+message and ``evidence["explained_by_rank"]``; a finding of any other category on such a rank
+(its own throttled clock, its own data loader) stays an alert: a second fault is not hidden.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from trainscope.detectors.base import ALERT_THRESHOLD
+from trainscope.schemas.records import Finding
+
+# Score of a folded finding: evidence, as the waits detector keeps an explained wait.
+EXPLAINED_SCORE = 0.3
+# What the ranks of an imbalanced stage look like to a detector that compares them with the
+# whole job: the stage's own extra time, not a fault of each rank.
+_STAGE_SYMPTOMS = frozenset({"slowdown", "compute", "gpu-compute"})
+# What waiting for a straggler looks like on the rank that waits.
+_WAITING_SYMPTOMS = frozenset({"slowdown", "network"})
+
+
+def fold_explained(findings: list[Finding]) -> list[Finding]:
+    """``findings`` of one window of one job, with those another alert explains demoted."""
+    alerts = [f for f in findings if f.score >= ALERT_THRESHOLD and f.rank >= 0]
+    if len(alerts) < 2:
+        return findings
+    return [_folded(f, alerts) if f.score >= ALERT_THRESHOLD and f.rank >= 0 else f
+            for f in findings]
+
+
+def _folded(finding: Finding, alerts: list[Finding]) -> Finding:
+    for cause in alerts:
+        if cause is finding:
+            continue
+        if (cause.category == "stage-imbalance" and finding.category in _STAGE_SYMPTOMS
+                and finding.rank in cause.ranks):
+            why = f"part of pipeline stage {cause.pp_stage}'s imbalance"
+        elif (finding.category in _WAITING_SYMPTOMS and finding.rank in cause.victims
+                and finding.rank != cause.rank and finding.rank not in cause.ranks):
+            why = f"it waits for rank {cause.rank} ({cause.category})"
+        else:
+            continue
+        return msgspec.structs.replace(
+            finding,
+            score=min(finding.score, EXPLAINED_SCORE),
+            evidence={**finding.evidence, "explained_by_rank": float(cause.rank)},
+            message=f"{finding.message} [explained: {why}, found by {cause.detector}]",
+        )
+    return finding
