@@ -3,8 +3,8 @@
 A request (from the control topic) arms the controller; the training thread starts the
 profiler at the next step boundary and stops it after K steps or when the time budget is spent,
 whichever comes first. Only one session runs per process, and the next starts once the last
-is summarised. Stopping hands the raw result to the sender thread, which walks the event tree
-and condenses it per function:
+is summarised. Stopping hands the raw result to the sender's task thread, which walks the
+event tree and condenses it per function:
 
 - ``python`` (Python frames), ``user_annotation`` (``record_function`` blocks), ``torch_op``
   (ATen ops), ``cuda_kernel``, ``cuda_api`` (runtime calls such as cudaLaunchKernel),
@@ -93,7 +93,7 @@ class ProfileController:
         self._lock = threading.Lock()
         self._pending: ControlMessage | None = None
         self._active: ProfileReport | None = None
-        # The last session, until the sender thread has summarised it: the next one waits, or
+        # The last session, until the task thread has summarised it: the next one waits, or
         # torch's Python tracer would record the summarising itself (on every thread alive at
         # start), the next summary would take longer, and so on: in a stress run, back-to-back
         # sessions grew a rank to 18 GB and held one in the profiler's stop for minutes.
