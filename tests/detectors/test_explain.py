@@ -1,12 +1,16 @@
-"""Findings one alert explains are folded into it; a second fault is not."""
+"""Findings one alert explains are folded into it, a second fault is not; a partial profile
+is not compared with the peers it did not cover."""
 
 from __future__ import annotations
 
+import pandas as pd
+
 from trainscope.detectors.base import ALERT_THRESHOLD
 from trainscope.detectors.explain import EXPLAINED_SCORE, fold_explained
+from trainscope.detectors.features import always_on_view
 from trainscope.detectors.registry import DetectorRunner
 from trainscope.schemas.records import Finding
-from trainscope.schemas.window import WindowView
+from trainscope.schemas.window import SUMMARY_COLUMNS, WindowView
 
 
 def _finding(detector: str, rank: int, category: str, score: float = 0.9, **extra) -> Finding:
@@ -40,6 +44,17 @@ def test_a_victim_is_not_a_network_culprit_but_a_second_fault_stays() -> None:
     assert "it waits for rank 2 (gpu-compute)" in folded[1].message
 
 
+def test_a_host_wait_is_folded_into_the_same_ranks_own_work_alert() -> None:
+    loader = _finding("peer-diff", 2, "dataloader", function="next_batch", victims=[0, 1, 3])
+    host = _finding("waits", 2, "host", victims=[0, 1, 3],
+                    evidence={"outside_instrumented_ns_per_step": 14e6})
+    other = _finding("waits", 1, "host", victims=[0, 2, 3])
+    folded = fold_explained([loader, host, other])
+    assert _alerted(folded) == {("peer-diff", 2, "dataloader"), ("waits", 1, "host")}
+    assert folded[1].evidence["outside_instrumented_ns_per_step"] == 14e6
+    assert "the same straggler, named with its own dataloader (next_batch)" in folded[1].message
+
+
 def test_nothing_is_folded_without_an_explaining_alert() -> None:
     weak = _finding("peer-diff", 2, "gpu-compute", score=0.45, victims=[0, 1, 3])
     network = _finding("mixture", 1, "network")
@@ -47,7 +62,7 @@ def test_nothing_is_folded_without_an_explaining_alert() -> None:
     assert fold_explained([weak, network, job_level]) == [weak, network, job_level]
     # The suspect's own findings from other detectors are not its own victims.
     same = [_finding("peer-diff", 2, "compute", victims=[0, 1]),
-            _finding("waits", 2, "host", victims=[0, 1])]
+            _finding("mixture", 2, "slowdown", victims=[0, 1])]
     assert fold_explained(same) == same
 
 
@@ -71,3 +86,24 @@ def test_the_runner_folds_across_detectors() -> None:
     found = runner.run(WindowView("j", 0, 1))
     assert _alerted(found) == {("peer-diff", 6, "stage-imbalance")}
     assert runner.findings_emitted == 2
+
+
+def _summaries(rows: list[tuple[int, str, str, int, int]]) -> pd.DataFrame:
+    return pd.DataFrame([dict(rank=r, layer=layer, name=name, callpath_id=cp, count=1,
+                              total_ns=total, m2_ns2=0, min_ns=total, max_ns=total,
+                              bytes_total=0) for r, layer, name, cp, total in rows],
+                        columns=list(SUMMARY_COLUMNS))
+
+
+def test_an_on_demand_profile_of_some_ranks_is_not_compared_with_their_peers() -> None:
+    always_on = [(r, "torch_op", "forward", 0, 10_000_000) for r in range(4)]
+    # The closed loop profiled ranks 1 (the suspect's peer) and 2: their Python frames.
+    profile = [(r, "python", "train.py(73): <module>", 7 + r, 88_000_000) for r in (1, 2)]
+    view = WindowView("j", 0, 2_000_000_000, summaries=_summaries(always_on + profile))
+    seen = always_on_view(view)
+    assert set(seen.summaries["layer"]) == {"torch_op"} and len(seen.summaries) == 4
+    assert len(view.summaries) == 6  # the view stored is the whole window
+    # Every rank with call paths (a replayed profiler trace): they are the data.
+    traced = [(r, "python", "train.py(73): <module>", 7, 88_000_000) for r in range(4)]
+    whole = WindowView("j", 0, 2_000_000_000, summaries=_summaries(always_on + traced))
+    assert always_on_view(whole) is whole

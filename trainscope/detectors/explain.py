@@ -11,7 +11,11 @@ they all ran:
 - a rank inside an alerted ``stage-imbalance`` is not alerted again for the same time as a
   ``slowdown`` or as its own compute: the stage finding says it, with the stage's cost;
 - a rank that an alert names as a victim (it waited for the suspect) is not alerted as a
-  ``network`` or ``slowdown`` culprit: its waiting is the suspect's cost.
+  ``network`` or ``slowdown`` culprit: its waiting is the suspect's cost;
+- a rank alerted for its own measured work (its data loader, GC, compute …) is not alerted
+  again as ``host`` by the ``waits`` detector for the same straggling: the part of the wait its
+  functions do not explain stays in that finding's evidence
+  (``outside_instrumented_ns_per_step``).
 
 Such a finding is kept, as evidence below the alert threshold, with what explains it in its
 message and ``evidence["explained_by_rank"]``; a finding of any other category on such a rank
@@ -32,6 +36,9 @@ EXPLAINED_SCORE = 0.3
 _STAGE_SYMPTOMS = frozenset({"slowdown", "compute", "gpu-compute"})
 # What waiting for a straggler looks like on the rank that waits.
 _WAITING_SYMPTOMS = frozenset({"slowdown", "network"})
+# A rank's own measured work: a finding of one of these names the straggler with its function.
+_OWN_WORK = frozenset({"compute", "gpu-compute", "gpu-throttle", "gpu-memory", "dataloader",
+                       "python-gc", "cpu-contention", "pcie"})
 
 
 def fold_explained(findings: list[Finding]) -> list[Finding]:
@@ -53,6 +60,9 @@ def _folded(finding: Finding, alerts: list[Finding]) -> Finding:
         elif (finding.category in _WAITING_SYMPTOMS and finding.rank in cause.victims
                 and finding.rank != cause.rank and finding.rank not in cause.ranks):
             why = f"it waits for rank {cause.rank} ({cause.category})"
+        elif (finding.category == "host" and cause.rank == finding.rank
+                and cause.category in _OWN_WORK):
+            why = f"the same straggler, named with its own {cause.category} ({cause.function})"
         else:
             continue
         return msgspec.structs.replace(

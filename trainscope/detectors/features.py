@@ -7,6 +7,8 @@ reference it is compared with.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pandas as pd
 
@@ -47,6 +49,28 @@ ANY_THROTTLING = "any"
 _THROTTLING_BITS = {
     bit: name for bit, name in THROTTLE_REASON_NAMES.items() if bit & THROTTLING_REASONS_MASK
 }
+
+
+def always_on_view(view: WindowView) -> WindowView:
+    """The window without the call-path summaries of an on-demand profile of some of its ranks.
+
+    A profile (the closed loop's, or ``trainscope profile``) sends every function it saw with
+    its call path on the ranks it covers only; compared with peers that sent none of them, its
+    Python frames and operators would read as extra work of the profiled ranks ("train.py(73):
+    <module> 88 ms/step vs 0 ms on peers"). Detectors compare what every rank measures all the
+    time; where every rank sent call paths (replayed profiler traces), they are the data and
+    stay.
+    """
+    summaries = view.summaries
+    if summaries.empty:
+        return view
+    profiled = summaries["callpath_id"] != 0
+    if not profiled.any():
+        return view
+    ranks = set(summaries["rank"].unique()) | set(view.steps["rank"].unique())
+    if set(summaries.loc[profiled, "rank"].unique()) >= ranks:
+        return view
+    return dataclasses.replace(view, summaries=summaries[~profiled].reset_index(drop=True))
 
 
 def gpu_evidence(view: WindowView) -> bool:
