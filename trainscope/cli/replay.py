@@ -41,7 +41,8 @@ def optrace(trace: Path, meta: Path, job_id: str | None, bus_url: str, online: b
 
     With --online (the default) the same job also goes on the events topic as live ranks
     would send it: the trace's steps back to back, ending now, each op a span of its worker,
-    so `trainscope pipeline` diagnoses it while the what-if analysis reads the op trace.
+    so `trainscope pipeline` diagnoses it; `trainscope whatif --trace` on the same file gives
+    the what-if answer beside the findings.
     """
     from trainscope.producers.replay.optrace import OPTRACE_TOPIC, encode_optrace, read_optrace
     from trainscope.producers.replay.optrace_online import online_records, trace_length_ns
