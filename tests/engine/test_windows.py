@@ -300,3 +300,30 @@ def test_each_row_keeps_its_own_sketch_whatever_order_ranks_arrive_in() -> None:
     got = {(r.rank, r.name): (list(r.sketch_keys), list(r.sketch_counts))
            for r in view.summaries.itertuples()}
     assert got == expected
+
+
+def test_a_job_whose_records_are_held_for_its_clocks_is_not_idle() -> None:
+    """A live job's first records are held while its ranks' clock offsets are estimated. The
+    job is not idle meanwhile: idle closing once released them and closed the job's first
+    window before the rest of its records came (counted late; a Faust worker lost them)."""
+    now_s = [5000.0]  # processing time, far from 0
+    engine = WindowEngine(window_s=15.0, clock=lambda: now_s[0], clock_tolerance_s=2.0)
+    t0_ns = 1_767_225_600 * 10**9
+
+    def steps(step: int) -> list[StepRecord]:
+        return [StepRecord(job_id="job", rank=r, step=step, start_ns=t0_ns + step * 10**9,
+                           duration_ns=10**9 - 1000) for r in range(4)]
+
+    engine.add_steps(steps(0))
+    assert engine.held_records() == 4  # one step of a majority: offsets not known yet
+    now_s[0] += 1.0
+    assert engine.close_idle(12.0) == [] and engine.held_records() == 4
+    for step in (1, 2, 3):
+        now_s[0] += 1.0
+        engine.add_steps(steps(step))
+        assert engine.close_idle(12.0) == []
+    assert engine.held_records() == 0 and engine.open_windows() == 1
+    now_s[0] += 12.0  # the job really went quiet
+    views = engine.close_idle(12.0)
+    assert [len(v.steps) for v in views] == [16]
+    assert engine.stats.late_events == 0

@@ -154,7 +154,8 @@ class WindowEngine:
     def _job(self, job_id: str) -> JobState:
         job = self._jobs.get(job_id)
         if job is None:
-            job = self._jobs[job_id] = JobState(first_seen_s=self._clock())
+            now = self._clock()
+            job = self._jobs[job_id] = JobState(first_seen_s=now, last_arrival_s=now)
         return job
 
     def expect_sources(self, sources: list[Hashable]) -> None:
@@ -489,6 +490,11 @@ class WindowEngine:
         if job.topology is not None and len(job.topology.workers) < MIN_RANKS:
             return records  # too few peers to tell whose clock is off
         ready = []
+        if records:
+            # Held records are arrivals too: a job whose every record is held while its
+            # clocks are estimated is not idle (idle closing would release them and close its
+            # first window before the rest of that window's records came).
+            job.last_arrival_s = self._clock()
         for record in records:
             if clocks.ready(record):
                 ready.append(corrected(record, clocks.offsets_ns, self.window_ns))
