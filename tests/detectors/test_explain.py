@@ -55,6 +55,22 @@ def test_a_host_wait_is_folded_into_the_same_ranks_own_work_alert() -> None:
     assert "the same straggler, named with its own dataloader (next_batch)" in folded[1].message
 
 
+def test_ranks_that_drew_longer_sequences_are_not_alerted_under_a_seq_imbalance() -> None:
+    """A metrics-only detector sees the ranks with the longest sequences as busier GPUs; only
+    a per-token comparison (peer-diff) can name a slow GPU beside the imbalance."""
+    seq = _finding("step-time", -1, "seq-imbalance", score=0.8)
+    folded = fold_explained([seq, _finding("mixture", 3, "gpu-compute"),
+                             _finding("waits", 4, "host"), _finding("mixture", 5, "slowdown"),
+                             _finding("peer-diff", 9, "gpu-compute"),
+                             _finding("mixture", 6, "gpu-throttle")])
+    assert _alerted(folded) == {("step-time", -1, "seq-imbalance"),
+                                ("peer-diff", 9, "gpu-compute"), ("mixture", 6, "gpu-throttle")}
+    assert "sequence-length imbalance" in folded[1].message
+    weak = fold_explained([_finding("step-time", -1, "seq-imbalance", score=0.4),
+                           _finding("mixture", 3, "gpu-compute")])
+    assert _alerted(weak) == {("mixture", 3, "gpu-compute")}
+
+
 def test_nothing_is_folded_without_an_explaining_alert() -> None:
     weak = _finding("peer-diff", 2, "gpu-compute", score=0.45, victims=[0, 1, 3])
     network = _finding("mixture", 1, "network")

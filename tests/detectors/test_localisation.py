@@ -12,10 +12,12 @@ from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 
 
-def diagnose_run(faults: list[str], steps: int = 120, seed: int = 11, **layout: int):
+def diagnose_run(faults: list[str], steps: int = 120, seed: int = 11, every_detector: bool = False,
+                 **layout: int):
     spec = ClusterSpec(steps=steps, seed=seed, **({"dp": 4, "pp": 2, "tp": 2} | layout))
     pipeline = EmbeddedStreamJob(
-        [PeerDiffDetector(), StepTimeDetector(), RankAnomalyDetector()], window_s=15.0
+        None if every_detector  # every built-in one, as `trainscope pipeline` runs them
+        else [PeerDiffDetector(), StepTimeDetector(), RankAnomalyDetector()], window_s=15.0
     )
     for records in SimulatedCluster(spec, parse_faults(faults)).batches():
         pipeline.process_records(records)
@@ -90,3 +92,22 @@ def test_job_slowdown_is_reported_once_it_persists() -> None:
     # Steps last more than a second, so step 60 starts more than 60 s into the job.
     assert all(f.window_end_ns > ClusterSpec().start_ns + 60 * 10**9 for f in slowdowns)
     assert all(f.score >= 0.5 and f.evidence["frac"] >= 0.1 for f in slowdowns)
+
+
+def test_a_smaller_second_fault_is_named_beside_the_first() -> None:
+    """Both stragglers delay the same collectives, so the GC pauses barely move the step while
+    the slow GPU is there; they are still a fault of their own (sweep job 55)."""
+    suspects, _ = diagnose_run(["slow-gpu:rank=14,factor=1.36,start=25",
+                                "gc-pause:rank=5,ms=36,every=2,start=55"],
+                               every_detector=True, seed=23055)
+    named = {(s.rank, s.category) for s in suspects}
+    assert {(14, "gpu-compute"), (5, "python-gc")} <= named, [s.as_json() for s in suspects]
+
+
+@pytest.mark.parametrize("spread", [0.2, 0.4])
+def test_seq_imbalance_from_spread_0_2_lists_no_innocent_rank(spread: float) -> None:
+    """Every built-in detector: the ranks that drew the longest sequences are busier, which
+    the metrics-only detectors once alerted as gpu-compute (8 ranks of one replica)."""
+    suspects, _ = diagnose_run([f"seq-imbalance:spread={spread},start=30"], every_detector=True,
+                               dp=4, pp=2, tp=4, seed=23041)
+    assert [s.category for s in suspects] == ["seq-imbalance"], [s.as_json() for s in suspects]

@@ -15,7 +15,12 @@ they all ran:
 - a rank alerted for its own measured work (its data loader, GC, compute …) is not alerted
   again as ``host`` by the ``waits`` detector for the same straggling: the part of the wait its
   functions do not explain stays in that finding's evidence
-  (``outside_instrumented_ns_per_step``).
+  (``outside_instrumented_ns_per_step``);
+- under an alerted ``seq-imbalance`` (the job's tokens per step vary across ranks), a rank is
+  not alerted for compute, a slowdown or host time by a detector that does not weigh work per
+  token: the ranks that drew the longest sequences compute longer (their GPUs are busier, their
+  peers wait on them) without anything wrong with them. Peer-diff compares compute per token,
+  so a slow GPU it finds beside the imbalance stays an alert.
 
 Such a finding is kept, as evidence below the alert threshold, with what explains it in its
 message and ``evidence["explained_by_rank"]``; a finding of any other category on such a rank
@@ -36,6 +41,10 @@ EXPLAINED_SCORE = 0.3
 _STAGE_SYMPTOMS = frozenset({"slowdown", "compute", "gpu-compute"})
 # What waiting for a straggler looks like on the rank that waits.
 _WAITING_SYMPTOMS = frozenset({"slowdown", "network"})
+# What longer sequences look like on the ranks that drew them, to a detector that does not
+# normalise by tokens (peer-diff does: its compute findings are per token).
+_LONGER_SEQUENCE_SYMPTOMS = frozenset({"slowdown", "compute", "gpu-compute", "host"})
+PER_TOKEN_DETECTORS = frozenset({"peer-diff"})
 # A rank's own measured work: a finding of one of these names the straggler with its function.
 _OWN_WORK = frozenset({"compute", "gpu-compute", "gpu-throttle", "gpu-memory", "dataloader",
                        "python-gc", "cpu-contention", "pcie"})
@@ -43,7 +52,8 @@ _OWN_WORK = frozenset({"compute", "gpu-compute", "gpu-throttle", "gpu-memory", "
 
 def fold_explained(findings: list[Finding]) -> list[Finding]:
     """``findings`` of one window of one job, with those another alert explains demoted."""
-    alerts = [f for f in findings if f.score >= ALERT_THRESHOLD and f.rank >= 0]
+    alerts = [f for f in findings if f.score >= ALERT_THRESHOLD
+               and (f.rank >= 0 or f.category == "seq-imbalance")]
     if len(alerts) < 2:
         return findings
     return [_folded(f, alerts) if f.score >= ALERT_THRESHOLD and f.rank >= 0 else f
@@ -54,7 +64,10 @@ def _folded(finding: Finding, alerts: list[Finding]) -> Finding:
     for cause in alerts:
         if cause is finding:
             continue
-        if (cause.category == "stage-imbalance" and finding.category in _STAGE_SYMPTOMS
+        if (cause.category == "seq-imbalance" and finding.category in _LONGER_SEQUENCE_SYMPTOMS
+                and finding.detector not in PER_TOKEN_DETECTORS):
+            why = "the job's sequence-length imbalance (this rank drew longer sequences)"
+        elif (cause.category == "stage-imbalance" and finding.category in _STAGE_SYMPTOMS
                 and finding.rank in cause.ranks):
             why = f"part of pipeline stage {cause.pp_stage}'s imbalance"
         elif (finding.category in _WAITING_SYMPTOMS and finding.rank in cause.victims

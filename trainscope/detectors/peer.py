@@ -71,6 +71,9 @@ HEALTHY_QUANTILE = 0.25
 # culprit's excess: it spends a material part of the delay waiting.
 VICTIM_WAIT_FRAC = 0.25
 
+# A function on which the reference spends at most this share of the suspect's time is work
+# the peers hardly do (see PeerDiffDetector._excess_floor).
+ABSENT_ON_PEERS_FRAC = 0.1
 DETECTOR = "peer-diff"
 
 
@@ -137,7 +140,8 @@ class PeerDiffDetector:
     excess_floor_frac : float, default 0.03 (fraction of the step)
         A suspect's score is its share of the job's step-time excess, which is taken as at
         least this share of the step, so a small suspect in a healthy job cannot claim all of
-        a near-zero excess.
+        a near-zero excess (for work its peers hardly do, such as GC pauses, at least
+        ``min_excess_frac`` and ``min_excess_ns``).
     stage_imbalance_frac : float, default 0.1 (fraction of the other stages' compute)
         A pipeline stage whose median compute per step is this much above the median of the
         other stages' is ``stage-imbalance``.
@@ -325,8 +329,9 @@ class PeerDiffDetector:
                 h_med, h_mad = history[0][(layer, name)], history[1][(layer, name)]
                 relative = HISTORY_REL_FLOOR * h_med.abs()
                 spread = np.maximum(np.maximum(MAD_TO_SIGMA * h_mad, relative), floor)
-                z_hist = (x - h_med) / spread
-                excess_hist = x - h_med
+                # Per token too: a rank that drew longer sequences is not slower than its past.
+                z_hist = (normalised - h_med) / spread
+                excess_hist = (normalised - h_med) * scale
             use_hist = z_hist.fillna(-np.inf) > z_peer.fillna(-np.inf)
             z = z_peer.where(~use_hist, z_hist)
             excess = excess_peer.where(~use_hist, excess_hist)
@@ -482,18 +487,26 @@ class PeerDiffDetector:
             totals[key] = totals.get(key, 0.0) + s.excess_ns
             if key not in merged or s.excess_ns > merged[key].excess_ns:
                 merged[key] = s
-        step_excess = max(
-            self._step_excess(step_ns),
-            sum(totals.values()),
-            self.excess_floor_frac * step_ns,
-        )
+        step_excess = max(self._step_excess(step_ns), sum(totals.values()))
         wait_cols = [c for c in table.columns if c[0] in WAIT_LAYERS]
         waits = table[wait_cols].sum(axis=1) if wait_cols else pd.Series(0.0, index=table.index)
         self._streaks = {key: self._streaks.get(key, 0) + 1 for key in merged}
         findings = []
         for key, s in merged.items():
             excess = totals[key]
-            share = min(1.0, excess / step_excess)
+            # Stragglers on different ranks overlap (every rank waits for the slowest in the
+            # same collectives), so a smaller second fault barely moves the step while the
+            # first is there, and would never reach the alert threshold as a share of the
+            # whole excess. Its share is of what the larger suspects elsewhere leave, unless
+            # it is their echo: the other end of a slow link (its pipeline neighbour's).
+            larger_elsewhere = sum(
+                e for (rank, category), e in totals.items()
+                if rank != s.rank and e > excess
+                and not (category == s.category == "network"
+                         and _pipeline_neighbours(layout, rank, s.rank))
+            )
+            share = min(1.0, excess / max(step_excess - larger_elsewhere,
+                                          self._excess_floor(s, step_ns)))
             confidence = float(np.clip(
                 MIN_CONFIDENCE
                 + (1.0 - MIN_CONFIDENCE) * (s.z - self.z_min) / (self.z_full - self.z_min),
@@ -533,6 +546,15 @@ class PeerDiffDetector:
         findings.sort(key=lambda f: f.score, reverse=True)
         return findings
 
+    def _excess_floor(self, s: _Suspect, step_ns: float) -> float:
+        """The least step-time excess a suspect's share is taken of. The floor keeps a small
+        wobble of a large function from claiming all of a near-zero excess; time in work its
+        peers hardly do at all (GC pauses, data-loader waits) is no wobble, so there the
+        floor is only the smallest excess ever reported."""
+        if s.reference_ns <= ABSENT_ON_PEERS_FRAC * s.value_ns:
+            return self._min_excess(step_ns)
+        return self.excess_floor_frac * step_ns
+
     def _step_excess(self, step_ns: float) -> float:
         if len(self._step_history) < MIN_HISTORY_WINDOWS:
             return 0.0
@@ -542,6 +564,15 @@ class PeerDiffDetector:
         self._history = [*self._history, table][-self.history_windows :]
         if np.isfinite(step_ns):
             self._step_history = [*self._step_history, step_ns][-self.history_windows :]
+
+
+def _pipeline_neighbours(layout: pd.DataFrame, a: int, b: int) -> bool:
+    """Whether ranks ``a`` and ``b`` are adjacent stages of one pipeline (one link apart)."""
+    if a not in layout.index or b not in layout.index:
+        return False
+    ra, rb = layout.loc[a], layout.loc[b]
+    return bool(ra["dp_rank"] == rb["dp_rank"] and ra["tp_rank"] == rb["tp_rank"]
+                and abs(int(ra["pp_stage"]) - int(rb["pp_stage"])) == 1)
 
 
 def _victims(

@@ -1,0 +1,282 @@
+"""A random fault sweep through the whole embedded pipeline, and the detection latency it shows.
+
+Simulated jobs of 16 to 256 ranks (``trainscope.producers.simulate``), every fault kind in
+rotation, mild to severe, each fault starting mid-run at a random step; jobs with two faults on
+different ranks; healthy jobs. Each job's records go through the embedded stream job with every
+built-in detector (decode, windows, detectors, diagnosis: what ``trainscope pipeline`` runs) and
+its diagnosis is scored:
+
+* **faulty job**: the top suspect has the fault's rank (a stage for stage imbalance; the job for
+  sequence imbalance) and category; whether it names a function; for sequence imbalance, no
+  rank listed as a suspect (every rank is innocent).
+* **two faults**: both faults among the suspects, each with its rank and category.
+* **healthy job**: no suspect at all.
+* **latency**: from the fault's onset (the start of its first step on the slowest rank) to the
+  end of the first window in which a finding at alert score names it: seconds, and windows
+  counted from the window the onset falls in (1: alerted in the onset's own window).
+
+    python benchmarks/bench_fault_sweep.py                    # 64 faulty (12 with two faults)
+                                                              # + 16 healthy jobs, 2 processes
+    python benchmarks/bench_fault_sweep.py --faulty 14 --healthy 2 --workers 1   # quick look
+    python benchmarks/bench_fault_sweep.py --json sweep.json  # every job's outcome
+
+The sweep is seeded: the same arguments give the same jobs, so a change in the detectors can be
+compared job by job (``--json`` before and after).
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ProcessPoolExecutor  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from trainscope.detectors.base import ALERT_THRESHOLD  # noqa: E402
+from trainscope.detectors.diagnosis import Suspect, diagnose  # noqa: E402
+from trainscope.engine.embedded_job import EmbeddedStreamJob  # noqa: E402
+from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults  # noqa: E402
+from trainscope.schemas.records import Finding  # noqa: E402
+
+# (dp, pp, tp): 16, 32, 64, 128 and 256 ranks
+LAYOUTS = [(4, 2, 2), (4, 2, 4), (4, 4, 4), (8, 4, 4), (16, 4, 4)]
+RANK_KINDS = ["slow-gpu", "throttle", "slow-link", "dataloader-stall", "gc-pause"]
+KINDS = [*RANK_KINDS, "stage-imbalance", "seq-imbalance"]
+CATEGORY = {
+    "slow-gpu": "gpu-compute",
+    "throttle": "gpu-throttle",
+    "slow-link": "network",
+    "dataloader-stall": "dataloader",
+    "gc-pause": "python-gc",
+    "stage-imbalance": "stage-imbalance",
+    "seq-imbalance": "seq-imbalance",
+}
+STEPS = 120
+WINDOW_S = 15.0
+
+
+@dataclass
+class Job:
+    index: int
+    layout: tuple[int, int, int]
+    faults: list[str]
+    seed: int
+
+
+@dataclass
+class FaultOutcome:
+    spec: str
+    expected: str  # "rank 5 gpu-compute", "stage 2 stage-imbalance", "job seq-imbalance"
+    top1: bool = False  # the top suspect is this fault (single-fault jobs)
+    named: bool = False  # among the suspects with its rank/stage and category
+    function: str = ""  # the function the matching suspect names
+    latency_s: float | None = None
+    latency_windows: int | None = None
+
+
+@dataclass
+class JobOutcome:
+    index: int
+    ranks: int
+    faults: list[FaultOutcome]
+    suspects: list[str] = field(default_factory=list)  # "rank 5 gpu-compute backward"
+    innocent_listed: int = 0  # ranks listed as suspects under sequence imbalance
+    cpu_s: float = 0.0
+
+    @property
+    def healthy(self) -> bool:
+        return not self.faults
+
+    @property
+    def ok(self) -> bool:
+        if self.healthy:
+            return not self.suspects
+        if len(self.faults) == 1:
+            return self.faults[0].top1 and not self.innocent_listed
+        return all(f.named for f in self.faults)
+
+
+def random_fault(kind: str, layout: tuple[int, int, int], rng: np.random.Generator,
+                 taken: set[int]) -> str:
+    dp, pp, tp = layout
+    world = dp * pp * tp
+    start = int(rng.integers(20, 61))
+    rank = int(rng.choice([r for r in range(world) if r not in taken]))
+    taken.add(rank)
+    if kind == "slow-gpu":
+        return f"slow-gpu:rank={rank},factor={rng.uniform(1.3, 2.0):.2f},start={start}"
+    if kind == "throttle":
+        return f"throttle:rank={rank},mhz={rng.uniform(1000, 1500):.0f},start={start}"
+    if kind == "slow-link":
+        return f"slow-link:rank={rank},factor={rng.uniform(2.0, 4.0):.2f},start={start}"
+    if kind == "dataloader-stall":
+        return f"dataloader-stall:rank={rank},ms={rng.uniform(50, 300):.0f},start={start}"
+    if kind == "gc-pause":
+        every = int(rng.choice([2, 5, 10]))
+        per_step_ms = rng.uniform(10, 60)  # a pause every ``every`` steps, this much per step
+        return f"gc-pause:rank={rank},ms={per_step_ms * every:.0f},every={every},start={start}"
+    if kind == "stage-imbalance":
+        return (f"stage-imbalance:stage={int(rng.integers(0, pp))},"
+                f"factor={rng.uniform(1.2, 1.5):.2f},start={start}")
+    return f"seq-imbalance:spread={rng.uniform(0.2, 0.5):.2f},start={start}"
+
+
+def make_jobs(faulty: int, healthy: int, two: int, seed: int) -> list[Job]:
+    """``faulty`` jobs (the last ``two`` of them with two rank faults) and ``healthy`` ones,
+    kinds and layouts in rotation, severities and onsets at random."""
+    rng = np.random.default_rng(seed)
+    jobs = []
+    for i in range(faulty):
+        layout = LAYOUTS[i % len(LAYOUTS)]
+        taken: set[int] = set()
+        if i < faulty - two:
+            kind = KINDS[i % len(KINDS)]
+            if kind == "stage-imbalance" and layout[1] < 2:
+                layout = LAYOUTS[0]
+            faults = [random_fault(kind, layout, rng, taken)]
+        else:
+            first, second = rng.choice(len(RANK_KINDS), size=2, replace=False)
+            faults = [random_fault(RANK_KINDS[first], layout, rng, taken),
+                      random_fault(RANK_KINDS[second], layout, rng, taken)]
+        jobs.append(Job(i, layout, faults, seed * 1000 + i))
+    for i in range(healthy):
+        jobs.append(Job(faulty + i, LAYOUTS[i % len(LAYOUTS)], [], seed * 1000 + faulty + i))
+    return jobs
+
+
+def matches(fault: str, suspect: Suspect | Finding) -> bool:
+    parsed = parse_faults([fault])[0]
+    if suspect.category != CATEGORY[parsed.kind]:
+        return False
+    if parsed.kind == "stage-imbalance":
+        return suspect.pp_stage == parsed["stage"]
+    if parsed.kind == "seq-imbalance":
+        return True
+    return suspect.rank == parsed["rank"]
+
+
+def expected_of(fault: str) -> str:
+    parsed = parse_faults([fault])[0]
+    if parsed.kind == "stage-imbalance":
+        return f"stage {parsed['stage']} stage-imbalance"
+    if parsed.kind == "seq-imbalance":
+        return "job seq-imbalance"
+    return f"rank {parsed['rank']} {CATEGORY[parsed.kind]}"
+
+
+def describe(suspect: Suspect) -> str:
+    where = (f"stage {suspect.pp_stage}" if suspect.category == "stage-imbalance"
+             else f"rank {suspect.rank}" if suspect.rank >= 0 else "job")
+    return f"{where} {suspect.category} {suspect.function}".strip()
+
+
+def run_job(job: Job) -> JobOutcome:
+    started = time.process_time()
+    dp, pp, tp = job.layout
+    spec = ClusterSpec(dp=dp, pp=pp, tp=tp, steps=STEPS, seed=job.seed, window_s=WINDOW_S)
+    faults = parse_faults(job.faults)
+    pipeline = EmbeddedStreamJob(None, window_s=WINDOW_S)
+    cluster = SimulatedCluster(spec, faults)
+    pipeline.process_records(cluster.topology_records())
+    onset_ns = {}  # step -> the latest start of that step on any rank
+    onsets = {f.start for f in faults}
+    for output in cluster.run():
+        if output.step in onsets and output.steps:
+            onset_ns[output.step] = max(s.start_ns for s in output.steps)
+        pipeline.process_records([*output.summaries, *output.steps, *output.metrics])
+    pipeline.finish()
+    suspects = diagnose(pipeline.findings)
+    alerts = sorted((f for f in pipeline.findings if f.score >= ALERT_THRESHOLD),
+                    key=lambda f: f.window_end_ns)
+    window_ns = int(WINDOW_S * 1e9)
+    outcomes = []
+    for spec_text, fault in zip(job.faults, faults, strict=True):
+        outcome = FaultOutcome(spec_text, expected_of(spec_text))
+        found = [s for s in suspects if matches(spec_text, s)]
+        outcome.named = bool(found)
+        outcome.top1 = bool(suspects) and matches(spec_text, suspects[0])
+        outcome.function = found[0].function if found else ""
+        first = next((f for f in alerts if matches(spec_text, f)), None)
+        if first is not None:
+            onset = onset_ns[fault.start]
+            outcome.latency_s = (first.window_end_ns - onset) / 1e9
+            outcome.latency_windows = first.window_end_ns // window_ns - onset // window_ns
+        outcomes.append(outcome)
+    innocent = 0
+    if any(f.kind == "seq-imbalance" for f in faults):
+        innocent = len({r for s in suspects if s.rank >= 0 for r in (s.ranks or [s.rank])})
+    return JobOutcome(job.index, dp * pp * tp, outcomes, [describe(s) for s in suspects],
+                      innocent, time.process_time() - started)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else math.nan
+
+
+def report(jobs: list[Job], outcomes: list[JobOutcome]) -> dict[str, object]:
+    single = [o for o in outcomes if len(o.faults) == 1]
+    double = [o for o in outcomes if len(o.faults) == 2]
+    healthy = [o for o in outcomes if o.healthy]
+    by_kind: dict[str, list[bool]] = {}
+    for o in single:
+        kind = o.faults[0].spec.partition(":")[0]
+        by_kind.setdefault(kind, []).append(o.ok)
+    latencies = [f for o in outcomes for f in o.faults if f.latency_s is not None]
+    with_function = [f for o in single for f in o.faults
+                     if f.top1 and not f.spec.startswith(("stage-", "seq-"))]
+    summary = {
+        "faulty_jobs": len(single) + len(double),
+        "top1_single": f"{sum(o.ok for o in single)}/{len(single)}",
+        "top1_single_pct": round(100 * sum(o.ok for o in single) / max(1, len(single)), 1),
+        "both_named_two_fault": f"{sum(o.ok for o in double)}/{len(double)}",
+        "healthy_quiet": f"{sum(o.ok for o in healthy)}/{len(healthy)}",
+        "function_named": f"{sum(bool(f.function) for f in with_function)}/{len(with_function)}",
+        "innocent_ranks_under_seq_imbalance": sum(o.innocent_listed for o in single),
+        "by_kind": {k: f"{sum(v)}/{len(v)}" for k, v in sorted(by_kind.items())},
+        "latency_windows_p50": percentile([f.latency_windows for f in latencies], 50),
+        "latency_windows_p95": percentile([f.latency_windows for f in latencies], 95),
+        "latency_s_p50": round(percentile([f.latency_s for f in latencies], 50), 1),
+        "latency_s_p95": round(percentile([f.latency_s for f in latencies], 95), 1),
+        "cpu_s": round(sum(o.cpu_s for o in outcomes), 1),
+    }
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faulty", type=int, default=64)
+    parser.add_argument("--two", type=int, default=12, help="faulty jobs with two faults")
+    parser.add_argument("--healthy", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=23)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--json", help="write every job's outcome here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    jobs = make_jobs(args.faulty, args.healthy, min(args.two, args.faulty), args.seed)
+    with ProcessPoolExecutor(args.workers) as pool:
+        outcomes = []
+        for done, outcome in enumerate(pool.map(run_job, jobs), 1):
+            outcomes.append(outcome)
+            if not outcome.ok:
+                print(f"[{done}/{len(jobs)}] MISS job {outcome.index} ({outcome.ranks} ranks): "
+                      f"{[f.spec for f in outcome.faults] or 'healthy'} -> "
+                      f"{outcome.suspects[:3]}", flush=True)
+    summary = report(jobs, outcomes)
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"summary": summary, "jobs": [
+                {**asdict(o), "ok": o.ok} for o in outcomes]}, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
