@@ -5,16 +5,26 @@ per simulated rank, so both send the same :class:`SummaryBatch` records made the
 ``attach()`` the training thread only appends integers under a lock; condensing a closed window
 into :class:`SummaryBatch` records (numpy, sketch) happens on the sender thread. Windows are
 aligned to the epoch (``window_start_ns = start_ns // window_ns * window_ns``) and a span
-belongs to the window in which it *started*, like step records.
+belongs to the window in which *its step* started, like the step's record: a window's summaries
+and its step records then cover the same steps, so a function's time per step (its total over
+the window's step count) is right whatever the window length. Filed by their own start instead,
+a step that straddles a window boundary would put its spans in one window and its record in
+the other, and with a few steps per window "ms per step" swung by up to 2x. A span before the
+first step the recorder was told of belongs to the window it started in.
 """
 
 from __future__ import annotations
 
 import threading
+from array import array
+from bisect import bisect_right
 
 from trainscope.schemas.records import SummaryBatch
 from trainscope.schemas.summaries import FunctionKey, summary_batches
 
+# Step starts kept for filing spans (a span older than the oldest kept start is filed by its own
+# start): trimmed to the newest KEPT_STEP_STARTS once there are twice as many.
+KEPT_STEP_STARTS = 1024
 # A window is condensed this long after its end (a quarter of the window if that is shorter) so
 # spans still running at the boundary (a collective, a GC pause) usually land in it; later ones
 # become a second, mergeable summary.
@@ -59,14 +69,31 @@ class WindowRecorder:
         self.recorded = 0
         self._open: dict[int, dict[FunctionKey, _Durations]] = {}
         self._lock = threading.Lock()
+        # Starts of the steps so far, ascending: appended by the training thread (one C call,
+        # no lock), read and trimmed by whoever files spans.
+        self._step_starts = array("q")
 
     @classmethod
     def for_window(cls, window_s: float) -> WindowRecorder:
         """A recorder of ``window_s`` windows with the producers' grace period."""
         return cls(window_ns_of(window_s), int(min(WINDOW_GRACE_S, window_s / 4) * 1e9))
 
+    def step_started(self, start_ns: int) -> None:
+        """A step began at ``start_ns``: spans from then on belong to its window."""
+        starts = self._step_starts
+        if not starts or start_ns >= starts[-1]:
+            starts.append(start_ns)
+
     def window_of(self, ts_ns: int) -> int:
-        return window_start_of(ts_ns, self.window_ns)
+        """The window of the step that was running at ``ts_ns`` (of ``ts_ns`` itself before the
+        first step)."""
+        starts = self._step_starts
+        if starts and ts_ns >= starts[-1]:  # the step in progress: the usual case
+            anchor = starts[-1]
+        else:
+            i = bisect_right(starts, ts_ns)
+            anchor = starts[i - 1] if i else ts_ns
+        return anchor // self.window_ns * self.window_ns
 
     def add(
         self,
@@ -77,7 +104,7 @@ class WindowRecorder:
         bytes_moved: int = 0,
         callpath_id: int = 0,
     ) -> None:
-        window = start_ns // self.window_ns * self.window_ns
+        window = self.window_of(start_ns)
         key = (layer, name, callpath_id)
         with self._lock:
             functions = self._open.get(window)
@@ -93,7 +120,7 @@ class WindowRecorder:
     def extend(
         self, layer: str, name: str, window_start_ns: int, durations_ns: list[int]
     ) -> None:
-        """Many spans of one function that all started in the window at ``window_start_ns``,
+        """Many spans of one function that all belong to the window at ``window_start_ns``,
         under one lock (the PyTorch producer's drained per-phase logs)."""
         if min(durations_ns, default=0) < 0:
             durations_ns = [d if d > 0 else 0 for d in durations_ns]
@@ -110,6 +137,9 @@ class WindowRecorder:
 
     def take_closed(self, now_ns: int) -> list[tuple[int, dict[FunctionKey, _Durations]]]:
         """Remove and return windows that ended at least ``grace_ns`` ago."""
+        starts = self._step_starts
+        if len(starts) > 2 * KEPT_STEP_STARTS:
+            del starts[: len(starts) - KEPT_STEP_STARTS]
         with self._lock:
             closed = [w for w in self._open if w + self.window_ns + self.grace_ns <= now_ns]
             return [(w, self._open.pop(w)) for w in sorted(closed)]
@@ -123,6 +153,7 @@ class WindowRecorder:
     def reset_after_fork(self) -> None:
         self._lock = threading.Lock()
         self._open = {}
+        self._step_starts = array("q")
 
     def summaries(
         self,

@@ -200,3 +200,51 @@ def test_no_bus_keeps_everything_in_process(caplog) -> None:
     finally:
         if att is not None:
             att.detach()
+
+
+class SleepyModel(torch.nn.Module):
+    """A forward of about 20 ms, after 15 ms of loop body at the start of each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return self.body(x)
+
+
+def test_a_windows_spans_and_step_records_cover_the_same_steps(attach, memory_bus) -> None:
+    """With a few steps per window, spans filed by their own start and step records by their
+    step's start disagreed at every boundary that fell between a step's start and its forward,
+    and "ms per step" swung with it; spans now go to their step's window."""
+    window_s = 0.2
+    att = attach(window_s=window_s)
+    model = SleepyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(40):
+        time.sleep(0.015)  # loop body before the forward: part of the step
+        loss = model(torch.randn(8, 16)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    att.detach()
+    records = read_records(memory_bus)
+    window_ns = int(window_s * 1e9)
+    steps_in: dict[int, int] = {}
+    for r in by_type(records, StepRecord)[1:]:  # step 0 starts at the first forward
+        steps_in[r.start_ns // window_ns * window_ns] = steps_in.get(
+            r.start_ns // window_ns * window_ns, 0) + 1
+    forward_in: dict[int, tuple[int, int]] = {}
+    for s in summaries_of(records):
+        if s.name == "forward" and s.layer == "torch_op":
+            count, total = forward_in.get(s.window_start_ns, (0, 0))
+            forward_in[s.window_start_ns] = (count + s.count, total + s.total_ns)
+    first = min(steps_in)
+    assert len(steps_in) >= 5
+    for window, steps in steps_in.items():
+        if window == first:
+            continue  # holds step 0's forward too
+        count, total_ns = forward_in.get(window, (0, 0))
+        assert count == steps, (window, count, steps)
+        assert 18e6 <= total_ns / steps <= 40e6, (window, total_ns / steps)

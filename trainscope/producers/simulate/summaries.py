@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from trainscope.schemas.recorder import WindowRecorder
-from trainscope.schemas.records import SpanBatch, SummaryBatch
+from trainscope.schemas.records import SpanBatch, StepRecord, SummaryBatch
 
 
 class RankRecorders:
@@ -23,6 +23,11 @@ class RankRecorders:
     def __init__(self, job_id: str, world_size: int, window_s: float) -> None:
         self.job_id = job_id
         self.recorders = [WindowRecorder.for_window(window_s) for _ in range(world_size)]
+
+    def steps_started(self, steps: Sequence[StepRecord]) -> None:
+        """Each rank's step began: its spans from then on go to the step's window."""
+        for step in steps:
+            self.recorders[step.rank].step_started(step.start_ns)
 
     def add(self, batches: Sequence[SpanBatch]) -> None:
         recorders = self.recorders

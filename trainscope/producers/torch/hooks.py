@@ -197,6 +197,7 @@ class ModelHooks:
         steps = att.steps
         if not steps.start_ns:
             steps.start_ns = now
+            att.recorder.step_started(now)
         first = _first_tensor(args, kwargs)
         if first is not None and first.dim() >= 1:
             tokens = first.numel() if first.dim() >= 2 and not first.is_floating_point() else 0
@@ -283,6 +284,7 @@ def install_dataloader_hook(att: Attachment) -> Uninstall:
                 if att.active:
                     if not steps.start_ns:
                         steps.start_ns = start
+                        att.recorder.step_started(start)
                     pairs = att.dataloader_log.pairs
                     pairs.append(start)
                     pairs.append(end - start)

@@ -221,12 +221,16 @@ class Attachment:
     def begin_explicit_step(self) -> None:
         if not self.steps.explicit:
             self.steps.explicit = True
-        self.steps.activity(time.time_ns())
+        if not self.steps.start_ns:  # the first step starts here
+            now_ns = time.time_ns()
+            self.steps.activity(now_ns)
+            self.recorder.step_started(now_ns)
 
     def end_step(self, now_ns: int, samples: int | None = None, tokens: int | None = None) -> None:
         if not self.active:
             return
         record = self.steps.end(now_ns, samples, tokens)
+        self.recorder.step_started(now_ns)  # the next step's spans go to its window
         self.sender.submit(record)
         if not record.step & 1023:
             for phase in self.phase_logs:

@@ -9,7 +9,7 @@ a time. Appends only ever go to the end of an array and the drain removes a pref
 first, each a single C call under the GIL, so no pair is lost or read half-written without a
 lock.
 
-A span belongs to the window in which it started, as with :meth:`WindowRecorder.add`; a pair
+A span belongs to the window its step started in, as with :meth:`WindowRecorder.add`; a pair
 drained after its window was condensed becomes a second, mergeable summary, as a late span
 always did.
 """
@@ -57,10 +57,9 @@ class PhaseLog:
         del pairs[:n]
         starts = chunk[0::2]
         durations = chunk[1::2]
-        window_ns = recorder.window_ns
-        first = starts[0] // window_ns
-        if first == max(starts) // window_ns and min(starts) // window_ns == first:
-            recorder.extend(self.layer, self.name, first * window_ns, durations.tolist())
+        first = recorder.window_of(min(starts))
+        if first == recorder.window_of(max(starts)):
+            recorder.extend(self.layer, self.name, first, durations.tolist())
         else:  # the chunk straddles a window boundary: span by span
             for start, duration in zip(starts, durations, strict=True):
                 recorder.add(self.layer, self.name, start, duration)
