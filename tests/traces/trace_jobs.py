@@ -61,8 +61,18 @@ def _loop(prof: torch.profiler.profile, model: torch.nn.Module, extra: bool,
     return extra_ns
 
 
-def _model() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+def _model(hidden: int = 32, middle: bool = False) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = [torch.nn.Linear(16, hidden), torch.nn.ReLU()]
+    if middle:
+        layers += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(hidden, 1))
+
+
+# The single-process runs compute about 50 ms per step, as a real step does: with a step of
+# about 2 ms, the in-process DataLoader's own time on a loaded machine (next() under the
+# profiler's stack recording, 1.7 ms once) was a third of a healthy run's step, and the
+# healthy run was told to load ahead.
+SINGLE_HIDDEN = 3072
 
 
 def profile_rank(rank: int, world: int, port: int, out_dir: str, extra_rank: int) -> None:
@@ -89,7 +99,7 @@ def profile_single(out_dir: Path, *, handler: bool, slow_data: bool = False) -> 
     on_ready = torch.profiler.tensorboard_trace_handler(str(out_dir)) if handler else None
     with torch.profiler.profile(schedule=schedule, with_stack=True,
                                 on_trace_ready=on_ready) as prof:
-        _loop(prof, _model(), extra=False, slow_data=slow_data)
+        _loop(prof, _model(SINGLE_HIDDEN, middle=True), extra=False, slow_data=slow_data)
     if handler:
         (path,) = out_dir.glob("*.pt.trace.json")
         return path
