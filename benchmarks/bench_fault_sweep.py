@@ -2,15 +2,17 @@
 
 Simulated jobs of 16 to 256 ranks (``trainscope.producers.simulate``), every fault kind in
 rotation, mild to severe, each fault starting mid-run at a random step; jobs with two faults on
-different ranks; healthy jobs. Each job's records go through the embedded stream job with every
-built-in detector (decode, windows, detectors, diagnosis: what ``trainscope pipeline`` runs) and
-its diagnosis is scored:
+different ranks; healthy jobs. Every other sequence-imbalance job, and every other healthy job,
+sends no token counts in its step records (as a script that does not pass them): the imbalance
+must then be seen from timing alone. Each job's records go through the embedded stream job
+with every built-in detector (decode, windows, detectors, diagnosis: what ``trainscope
+pipeline`` runs) and its diagnosis is scored:
 
 * **faulty job**: the top suspect has the fault's rank (a stage for stage imbalance; the job for
   sequence imbalance) and category; whether it names a function; for sequence imbalance, no
   rank listed as a suspect (every rank is innocent).
 * **two faults**: both faults among the suspects, each with its rank and category.
-* **healthy job**: no suspect at all.
+* **healthy job**: no suspect at all, and no finding at alert score in any window.
 * **latency**: from the fault's onset (the start of its first step on the slowest rank) to the
   end of the first window in which a finding at alert score names it: seconds, and windows
   counted from the window the onset falls in (1: alerted in the onset's own window).
@@ -70,6 +72,9 @@ class Job:
     layout: tuple[int, int, int]
     faults: list[str]
     seed: int
+    # Step records with token counts; every other sequence-imbalance job sends none, so the
+    # imbalance must be seen from timing alone.
+    send_tokens: bool = True
 
 
 @dataclass
@@ -87,9 +92,11 @@ class FaultOutcome:
 class JobOutcome:
     index: int
     ranks: int
+    send_tokens: bool
     faults: list[FaultOutcome]
     suspects: list[str] = field(default_factory=list)  # "rank 5 gpu-compute backward"
     innocent_listed: int = 0  # ranks listed as suspects under sequence imbalance
+    alerts: int = 0  # findings at alert score, any window (clock-skew aside)
     cpu_s: float = 0.0
 
     @property
@@ -99,7 +106,7 @@ class JobOutcome:
     @property
     def ok(self) -> bool:
         if self.healthy:
-            return not self.suspects
+            return not self.suspects and not self.alerts
         if len(self.faults) == 1:
             return self.faults[0].top1 and not self.innocent_listed
         return all(f.named for f in self.faults)
@@ -135,6 +142,7 @@ def make_jobs(faulty: int, healthy: int, two: int, seed: int) -> list[Job]:
     kinds and layouts in rotation, severities and onsets at random."""
     rng = np.random.default_rng(seed)
     jobs = []
+    seq_jobs = 0
     for i in range(faulty):
         layout = LAYOUTS[i % len(LAYOUTS)]
         taken: set[int] = set()
@@ -143,13 +151,17 @@ def make_jobs(faulty: int, healthy: int, two: int, seed: int) -> list[Job]:
             if kind == "stage-imbalance" and layout[1] < 2:
                 layout = LAYOUTS[0]
             faults = [random_fault(kind, layout, rng, taken)]
+            if kind == "seq-imbalance":
+                seq_jobs += 1
         else:
             first, second = rng.choice(len(RANK_KINDS), size=2, replace=False)
             faults = [random_fault(RANK_KINDS[first], layout, rng, taken),
                       random_fault(RANK_KINDS[second], layout, rng, taken)]
-        jobs.append(Job(i, layout, faults, seed * 1000 + i))
-    for i in range(healthy):
-        jobs.append(Job(faulty + i, LAYOUTS[i % len(LAYOUTS)], [], seed * 1000 + faulty + i))
+        timing_only = bool(faults[0].startswith("seq-imbalance") and seq_jobs % 2 == 0)
+        jobs.append(Job(i, layout, faults, seed * 1000 + i, send_tokens=not timing_only))
+    for i in range(healthy):  # every other healthy job sends no token counts either
+        jobs.append(Job(faulty + i, LAYOUTS[i % len(LAYOUTS)], [], seed * 1000 + faulty + i,
+                        send_tokens=bool(i % 2)))
     return jobs
 
 
@@ -182,7 +194,8 @@ def describe(suspect: Suspect) -> str:
 def run_job(job: Job) -> JobOutcome:
     started = time.process_time()
     dp, pp, tp = job.layout
-    spec = ClusterSpec(dp=dp, pp=pp, tp=tp, steps=STEPS, seed=job.seed, window_s=WINDOW_S)
+    spec = ClusterSpec(dp=dp, pp=pp, tp=tp, steps=STEPS, seed=job.seed, window_s=WINDOW_S,
+                       send_tokens=job.send_tokens)
     faults = parse_faults(job.faults)
     pipeline = EmbeddedStreamJob(None, window_s=WINDOW_S)
     cluster = SimulatedCluster(spec, faults)
@@ -195,7 +208,8 @@ def run_job(job: Job) -> JobOutcome:
         pipeline.process_records([*output.summaries, *output.steps, *output.metrics])
     pipeline.finish()
     suspects = diagnose(pipeline.findings)
-    alerts = sorted((f for f in pipeline.findings if f.score >= ALERT_THRESHOLD),
+    alerts = sorted((f for f in pipeline.findings
+                     if f.score >= ALERT_THRESHOLD and f.category != "clock-skew"),
                     key=lambda f: f.window_end_ns)
     window_ns = int(WINDOW_S * 1e9)
     outcomes = []
@@ -214,8 +228,9 @@ def run_job(job: Job) -> JobOutcome:
     innocent = 0
     if any(f.kind == "seq-imbalance" for f in faults):
         innocent = len({r for s in suspects if s.rank >= 0 for r in (s.ranks or [s.rank])})
-    return JobOutcome(job.index, dp * pp * tp, outcomes, [describe(s) for s in suspects],
-                      innocent, time.process_time() - started)
+    return JobOutcome(job.index, dp * pp * tp, job.send_tokens, outcomes,
+                      [describe(s) for s in suspects], innocent, len(alerts),
+                      time.process_time() - started)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -229,6 +244,8 @@ def report(jobs: list[Job], outcomes: list[JobOutcome]) -> dict[str, object]:
     by_kind: dict[str, list[bool]] = {}
     for o in single:
         kind = o.faults[0].spec.partition(":")[0]
+        if not o.send_tokens:
+            kind += " (no token counts)"
         by_kind.setdefault(kind, []).append(o.ok)
     latencies = [f for o in outcomes for f in o.faults if f.latency_s is not None]
     with_function = [f for o in single for f in o.faults
@@ -239,6 +256,7 @@ def report(jobs: list[Job], outcomes: list[JobOutcome]) -> dict[str, object]:
         "top1_single_pct": round(100 * sum(o.ok for o in single) / max(1, len(single)), 1),
         "both_named_two_fault": f"{sum(o.ok for o in double)}/{len(double)}",
         "healthy_quiet": f"{sum(o.ok for o in healthy)}/{len(healthy)}",
+        "healthy_alerts": sum(o.alerts for o in healthy),
         "function_named": f"{sum(bool(f.function) for f in with_function)}/{len(with_function)}",
         "innocent_ranks_under_seq_imbalance": sum(o.innocent_listed for o in single),
         "by_kind": {k: f"{sum(v)}/{len(v)}" for k, v in sorted(by_kind.items())},

@@ -61,11 +61,14 @@ def test_ranks_that_drew_longer_sequences_are_not_alerted_under_a_seq_imbalance(
     seq = _finding("step-time", -1, "seq-imbalance", score=0.8)
     folded = fold_explained([seq, _finding("mixture", 3, "gpu-compute"),
                              _finding("waits", 4, "host"), _finding("mixture", 5, "slowdown"),
-                             _finding("peer-diff", 9, "gpu-compute"),
+                             _finding("peer-diff", 9, "gpu-compute",
+                                      evidence={"per_token": 1.0}),
+                             _finding("peer-diff", 8, "gpu-compute"),
                              _finding("mixture", 6, "gpu-throttle")])
     assert _alerted(folded) == {("step-time", -1, "seq-imbalance"),
                                 ("peer-diff", 9, "gpu-compute"), ("mixture", 6, "gpu-throttle")}
-    assert "sequence-length imbalance" in folded[1].message
+    assert "the job's seq-imbalance" in folded[1].message
+    assert folded[5].score == EXPLAINED_SCORE  # peer-diff without token counts: not per token
     weak = fold_explained([_finding("step-time", -1, "seq-imbalance", score=0.4),
                            _finding("mixture", 3, "gpu-compute")])
     assert _alerted(weak) == {("mixture", 3, "gpu-compute")}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from trainscope.detectors.base import ALERT_THRESHOLD
 from trainscope.detectors.diagnosis import diagnose
 from trainscope.detectors.multivariate import RankAnomalyDetector
 from trainscope.detectors.peer import PeerDiffDetector
@@ -13,8 +14,9 @@ from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_f
 
 
 def diagnose_run(faults: list[str], steps: int = 120, seed: int = 11, every_detector: bool = False,
-                 **layout: int):
-    spec = ClusterSpec(steps=steps, seed=seed, **({"dp": 4, "pp": 2, "tp": 2} | layout))
+                 send_tokens: bool = True, **layout: int):
+    spec = ClusterSpec(steps=steps, seed=seed, send_tokens=send_tokens,
+                       **({"dp": 4, "pp": 2, "tp": 2} | layout))
     pipeline = EmbeddedStreamJob(
         None if every_detector  # every built-in one, as `trainscope pipeline` runs them
         else [PeerDiffDetector(), StepTimeDetector(), RankAnomalyDetector()], window_s=15.0
@@ -111,3 +113,29 @@ def test_seq_imbalance_from_spread_0_2_lists_no_innocent_rank(spread: float) -> 
     suspects, _ = diagnose_run([f"seq-imbalance:spread={spread},start=30"], every_detector=True,
                                dp=4, pp=2, tp=4, seed=23041)
     assert [s.category for s in suspects] == ["seq-imbalance"], [s.as_json() for s in suspects]
+
+
+@pytest.mark.parametrize(("spread", "dp", "pp", "tp"), [(0.2, 4, 2, 2), (0.3, 16, 4, 4)])
+def test_imbalance_that_moves_is_named_from_timing_alone(
+    spread: float, dp: int, pp: int, tp: int
+) -> None:
+    """No token counts in the step records: the imbalance is read from the DP groups' waits
+    (each member waits on whichever is slowest that step), with its cost per step."""
+    suspects, _ = diagnose_run([f"seq-imbalance:spread={spread},start=30"], every_detector=True,
+                               send_tokens=False, dp=dp, pp=pp, tp=tp, seed=7)
+    assert [s.category for s in suspects] == ["seq-imbalance"], [s.as_json() for s in suspects]
+    assert suspects[0].detectors == {"waits"}
+    assert suspects[0].evidence["wait_ns_per_step"] > 0.05 * suspects[0].evidence["step_ns"]
+
+
+@pytest.mark.parametrize("fault", ["", "gc-pause:rank=3,ms=400,every=20,start=30",
+                                   "slow-gpu:rank=5,factor=1.3,start=30"])
+def test_no_token_counts_and_no_moving_imbalance_names_none(fault: str) -> None:
+    """A healthy job, one rank that stalls now and then (its peers wait on it in those steps
+    only) and a persistent straggler are not an imbalance that moves."""
+    suspects, pipeline = diagnose_run([fault] if fault else [], every_detector=True,
+                                      send_tokens=False, seed=7)
+    assert not [f for f in pipeline.findings if f.category == "seq-imbalance"
+                and f.score >= ALERT_THRESHOLD]
+    if not fault:
+        assert suspects == [], [s.as_json() for s in suspects]

@@ -40,11 +40,15 @@ def ddp_windows(
     seed: int = 3,
     topology: Topology | None = None,
     collective: str = "ddp_allreduce",
+    moving_ms: float = 0.0,
+    moving_from: int = 0,
 ) -> list[WindowView]:
     """``count`` windows of a ``world``-rank synchronous job: per rank and step, forward ~8 ms,
-    backward ~16 ms (plus ``backward_extra_ms``), unhooked host work ~5 ms (plus
-    ``outside_ms`` and ``everyone_outside_ms``), each with ``jitter_ms`` of noise, then the
-    all-reduce: 3 ms of transfer after the last rank arrives."""
+    backward ~16 ms (plus ``backward_extra_ms``, and from window ``moving_from`` on up to
+    ``moving_ms`` more on a member drawn at random each step: uneven data), unhooked host work
+    ~5 ms (plus ``outside_ms`` and ``everyone_outside_ms``), each with ``jitter_ms`` of noise,
+    then the all-reduce: 3 ms of transfer after the last rank arrives. Summaries carry each
+    function's quickest call (``min_ns``) and spread (``m2_ns2``) as the producers' do."""
     rng = np.random.default_rng(seed)
     outside_ms, backward_extra_ms = outside_ms or {}, backward_extra_ms or {}
     windows = []
@@ -52,21 +56,27 @@ def ddp_windows(
         start = T0_NS + w * 3_000 * MS
         totals = {r: {"forward": 0.0, "backward": 0.0, "wait": 0.0, "pre": 0.0}
                   for r in range(world)}
+        mins = {r: dict.fromkeys(totals[r], np.inf) for r in range(world)}
+        squares = {r: dict.fromkeys(totals[r], 0.0) for r in range(world)}
         steps, t = [], start
         for k in range(STEPS):
             jitter = lambda: max(rng.normal(0, jitter_ms), -2.0) * MS  # noqa: E731
+            uneven = (rng.uniform(0, moving_ms, world) if w >= moving_from
+                      else np.zeros(world))
             forward = {r: 8 * MS + jitter() for r in range(world)}
-            backward = {r: (16 + backward_extra_ms.get(r, 0.0)) * MS + jitter()
+            backward = {r: (16 + backward_extra_ms.get(r, 0.0) + uneven[r]) * MS + jitter()
                         for r in range(world)}
             host = {r: (5 + outside_ms.get(r, 0.0) + everyone_outside_ms) * MS + jitter()
                     for r in range(world)}
             arrival = {r: forward[r] + backward[r] + host[r] for r in range(world)}
             done = max(arrival.values()) + 3 * MS
             for r in range(world):
-                totals[r]["forward"] += forward[r]
-                totals[r]["backward"] += backward[r]
-                totals[r]["pre"] += 0.2 * MS
-                totals[r]["wait"] += done - arrival[r]
+                took = {"forward": forward[r], "backward": backward[r], "pre": 0.2 * MS,
+                        "wait": done - arrival[r]}
+                for key, ns in took.items():
+                    totals[r][key] += ns
+                    squares[r][key] += ns * ns
+                    mins[r][key] = min(mins[r][key], ns)
                 steps.append((r, w * STEPS + k, int(t), int(done), 16, 0, 0, 0))
             t += done
         rows = []
@@ -75,7 +85,9 @@ def ddp_windows(
                                      ("torch_op", "backward", "backward"),
                                      ("collective", "ddp_pre_forward", "pre"),
                                      ("collective", collective, "wait")):
-                rows.append((r, layer, name, 0, STEPS, int(tot[key]), 0, 0, 0, 0))
+                m2 = max(squares[r][key] - tot[key] ** 2 / STEPS, 0.0)  # as the sketch keeps it
+                rows.append((r, layer, name, 0, STEPS, int(tot[key]), m2, int(mins[r][key]), 0,
+                             0))
         windows.append(WindowView(
             job_id="ddp-job", window_start_ns=start, window_end_ns=start + 3_000 * MS,
             summaries=pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS)),
@@ -211,3 +223,29 @@ def test_a_rank_late_because_it_waited_elsewhere_is_a_victim_not_named() -> None
     assert run(WaitDetector(), shifted) == [[]] * 3
     # The same lateness without the wait elsewhere is named (the control).
     assert [f.rank for f in run(WaitDetector(), windows)[-1]] == [1]
+
+
+def test_an_imbalance_that_moves_is_named_for_the_job_with_its_cost() -> None:
+    """From the third window, one member drawn at random each step computes up to 30 ms more
+    (uneven data, no token counts): no rank is late on average, every rank waits. Alerted from
+    its second window (confirmed as a late rank is)."""
+    per_window = run(WaitDetector(), ddp_windows(5, world=8, moving_ms=30.0, moving_from=2))
+    assert per_window[:2] == [[], []]
+    pending = [(f.category, f.score) for f in per_window[2]]
+    assert pending == [("seq-imbalance", 0.45)]  # not yet confirmed
+    for found in per_window[3:]:
+        finding, = (f for f in found if f.score >= ALERT_THRESHOLD)  # the only alert
+        assert (finding.rank, finding.category, finding.function) == (
+            -1, "seq-imbalance", "ddp_allreduce")
+        assert finding.ranks == list(range(8)) and finding.score >= ALERT_THRESHOLD
+        # Expected wait: E[max of 8 uniform(0, 30)] - E[uniform(0, 30)] = 26.7 - 15 ms.
+        assert finding.evidence["wait_ns_per_step"] == pytest.approx(11.7 * MS, rel=0.35)
+
+
+@pytest.mark.parametrize("jitter_ms", [1.0, 3.0, 6.0])
+def test_jitter_of_every_rank_is_not_an_imbalance_that_moves(jitter_ms: float) -> None:
+    """Every rank waits on whichever the jitter made slowest, from the first window on: that is
+    the job's own level, not an imbalance rising from it."""
+    for seed in range(3):
+        assert run(WaitDetector(), ddp_windows(6, world=8, jitter_ms=jitter_ms, seed=seed)) \
+            == [[]] * 6

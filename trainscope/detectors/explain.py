@@ -16,11 +16,13 @@ they all ran:
   again as ``host`` by the ``waits`` detector for the same straggling: the part of the wait its
   functions do not explain stays in that finding's evidence
   (``outside_instrumented_ns_per_step``);
-- under an alerted ``seq-imbalance`` (the job's tokens per step vary across ranks), a rank is
-  not alerted for compute, a slowdown or host time by a detector that does not weigh work per
-  token: the ranks that drew the longest sequences compute longer (their GPUs are busier, their
-  peers wait on them) without anything wrong with them. Peer-diff compares compute per token,
-  so a slow GPU it finds beside the imbalance stays an alert.
+- under a ``seq-imbalance`` (the job's work per step varies across ranks: tokens, or timing
+  alone), alerted or awaiting its confirmation, a rank is not alerted for compute, a slowdown
+  or host time by a comparison that did not weigh work per token: the ranks that drew the
+  longest sequences compute longer (their GPUs are busier, their peers wait on them) without
+  anything wrong with them. Peer-diff compares compute per token when the steps report
+  tokens (``evidence["per_token"]``), so a slow GPU it finds beside the imbalance stays an
+  alert.
 
 Such a finding is kept, as evidence below the alert threshold, with what explains it in its
 message and ``evidence["explained_by_rank"]``; a finding of any other category on such a rank
@@ -36,15 +38,18 @@ from trainscope.schemas.records import Finding
 
 # Score of a folded finding: evidence, as the waits detector keeps an explained wait.
 EXPLAINED_SCORE = 0.3
+# A seq-imbalance finding awaiting its confirmation (capped just under the alert threshold)
+# already explains the ranks that drew the most work in its window: in the imbalance's first
+# window they would otherwise be alerted, each, for one window.
+PENDING_SCORE = 0.45
 # What the ranks of an imbalanced stage look like to a detector that compares them with the
 # whole job: the stage's own extra time, not a fault of each rank.
 _STAGE_SYMPTOMS = frozenset({"slowdown", "compute", "gpu-compute"})
 # What waiting for a straggler looks like on the rank that waits.
 _WAITING_SYMPTOMS = frozenset({"slowdown", "network"})
-# What longer sequences look like on the ranks that drew them, to a detector that does not
-# normalise by tokens (peer-diff does: its compute findings are per token).
+# What longer sequences look like on the ranks that drew them, to a comparison that does not
+# weigh work per token (a finding that did says so: ``evidence["per_token"]``).
 _LONGER_SEQUENCE_SYMPTOMS = frozenset({"slowdown", "compute", "gpu-compute", "host"})
-PER_TOKEN_DETECTORS = frozenset({"peer-diff"})
 # A rank's own measured work: a finding of one of these names the straggler with its function.
 _OWN_WORK = frozenset({"compute", "gpu-compute", "gpu-throttle", "gpu-memory", "dataloader",
                        "python-gc", "cpu-contention", "pcie"})
@@ -52,8 +57,8 @@ _OWN_WORK = frozenset({"compute", "gpu-compute", "gpu-throttle", "gpu-memory", "
 
 def fold_explained(findings: list[Finding]) -> list[Finding]:
     """``findings`` of one window of one job, with those another alert explains demoted."""
-    alerts = [f for f in findings if f.score >= ALERT_THRESHOLD
-               and (f.rank >= 0 or f.category == "seq-imbalance")]
+    alerts = [f for f in findings if (f.score >= ALERT_THRESHOLD and f.rank >= 0)
+              or (f.category == "seq-imbalance" and f.score >= PENDING_SCORE)]
     if len(alerts) < 2:
         return findings
     return [_folded(f, alerts) if f.score >= ALERT_THRESHOLD and f.rank >= 0 else f
@@ -65,8 +70,9 @@ def _folded(finding: Finding, alerts: list[Finding]) -> Finding:
         if cause is finding:
             continue
         if (cause.category == "seq-imbalance" and finding.category in _LONGER_SEQUENCE_SYMPTOMS
-                and finding.detector not in PER_TOKEN_DETECTORS):
-            why = "the job's sequence-length imbalance (this rank drew longer sequences)"
+                and not finding.evidence.get("per_token")):
+            why = ("the job's seq-imbalance (this rank drew longer sequences or more data "
+                   "than its peers)")
         elif (cause.category == "stage-imbalance" and finding.category in _STAGE_SYMPTOMS
                 and finding.rank in cause.ranks):
             why = f"part of pipeline stage {cause.pp_stage}'s imbalance"

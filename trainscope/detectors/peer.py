@@ -318,8 +318,8 @@ class PeerDiffDetector:
                 continue
             x = table[(layer, name)]
             # Compare compute per token: longer sequences are not a slower GPU.
-            scale = tokens / tokens.median() if tokens is not None and category == "gpu-compute" \
-                else pd.Series(1.0, index=x.index)
+            per_token = tokens is not None and category == "gpu-compute"
+            scale = tokens / tokens.median() if per_token else pd.Series(1.0, index=x.index)
             normalised = x / scale
             z_peer, ref_peer = robust_z(normalised, stage, floor)
             excess_peer = (normalised - ref_peer) * scale
@@ -354,6 +354,8 @@ class PeerDiffDetector:
                         value_ns=float(x[rank]),
                         reference_ns=float(x[rank] - excess[rank]),
                         source="history" if hist else "peers",
+                        # Compared per token: not a rank that merely drew longer sequences.
+                        evidence={"per_token": 1.0} if per_token else None,
                     )
                 )
         return suspects

@@ -12,6 +12,11 @@ code), with the wait it costs its peers per step and the collective where it sho
 
 Point-to-point sends and receives are not read: a pipeline's waits there are its schedule's
 bubbles as much as a neighbour's lateness.
+
+When no member is late on average but most groups wait every step, on a different member each
+time (uneven data or sequence lengths the script does not report as token counts), the groups'
+imbalance is reported as ``seq-imbalance`` for the job, with its cost per step
+(:mod:`trainscope.detectors.moving`).
 """
 
 from __future__ import annotations
@@ -30,12 +35,21 @@ from trainscope.detectors.features import (
     step_time_ns,
     steps_per_rank,
 )
+from trainscope.detectors.moving import (
+    RISE_FACTOR,
+    MovingImbalance,
+    moving_imbalance,
+    waited_per_step,
+)
 from trainscope.detectors.params import check_number, check_order
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
 
 DETECTOR = "waits"
 CATEGORY = "host"
+MOVING_CATEGORY = "seq-imbalance"
+# Earlier windows whose waiting level forms the job's usual level (2 minutes at 15-s windows).
+WAIT_LEVEL_WINDOWS = 8
 # Point-to-point exchanges: their waits are pipeline bubbles as much as lateness (not read).
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 # Score cap for a rank not yet waited on in ``confirm_windows`` windows in a row (peer-diff's).
@@ -115,6 +129,15 @@ class WaitDetector:
     confirm_windows : int, default 2 (windows)
         Windows in a row a rank must be waited on before it can alert; until then its score is
         capped at 0.45. A straggler persists; a hiccup of a busy host does not.
+    moving_min_frac : float, default 0.05 (fraction of the step)
+        An imbalance that moves is reported when the median member of most groups waits at
+        least this share of the step (and ``min_wait_ns``) per step, and twice the job's usual
+        level of waiting (the median over its last 8 earlier windows without one: its own
+        jitter); its confidence
+        reaches 1 at twice ``moving_min_frac``, and it too must hold ``confirm_windows``
+        windows in a row. It is read only when the steps report no token counts: with them,
+        step-time names the imbalance. An imbalance present from the job's first window is not
+        read (there is no level to rise from).
 
     Examples
     --------
@@ -145,8 +168,10 @@ class WaitDetector:
         min_wait_ns: float = 2e6,
         min_wait_frac: float = 0.02,
         confirm_windows: int = 2,
+        moving_min_frac: float = 0.05,
     ) -> None:
         check_number(DETECTOR, "z_min", z_min, gt=0)
+        check_number(DETECTOR, "moving_min_frac", moving_min_frac, gt=0, lt=1)
         check_number(DETECTOR, "z_full", z_full, gt=0)
         check_order(DETECTOR, "z_min", z_min, "z_full", z_full)
         check_number(DETECTOR, "rel_floor", rel_floor, gt=0, lt=1)
@@ -159,7 +184,12 @@ class WaitDetector:
         self.min_wait_ns = min_wait_ns
         self.min_wait_frac = min_wait_frac
         self.confirm_windows = confirm_windows
+        self.moving_min_frac = moving_min_frac
         self._streaks: dict[int, int] = {}
+        self._moving_streak = 0  # windows in a row with an imbalance that moves
+        # The waiting levels (shares of the step) of the last earlier windows without an
+        # imbalance that moves: the job's own jitter, which such an imbalance must rise above.
+        self._wait_levels: list[float] = []
 
     def __setstate__(self, state: dict[str, object]) -> None:
         # A checkpoint written before a setting existed restores with that setting's default.
@@ -169,6 +199,7 @@ class WaitDetector:
         waits = _collective_times(window)
         if waits.empty:
             self._streaks = {}
+            self._moving_streak = 0
             return []
         step_ns = step_time_ns(window)
         layout = window.rank_layout().reindex(waits.index)
@@ -181,12 +212,55 @@ class WaitDetector:
                 if found.rank not in late or found.wait_ns > late[found.rank].wait_ns:
                     late[found.rank] = found
         self._streaks = {r: self._streaks.get(r, 0) + 1 for r in late}
-        if not late:
-            return []
-        own = per_step_times(window)
-        findings = [self._finding(window, layout, own, s, step_ns) for s in late.values()]
+        findings = self._moving(window, layout, step_ns)
+        if late:
+            own = per_step_times(window)
+            findings += [self._finding(window, layout, own, s, step_ns) for s in late.values()]
         findings.sort(key=lambda f: f.score, reverse=True)
         return findings
+
+    def _moving(self, window: WindowView, layout: pd.DataFrame, step_ns: float) -> list[Finding]:
+        """The job's imbalance that moves, read from timing when no token counts came."""
+        found: MovingImbalance | None = None
+        steps = window.steps
+        if np.isfinite(step_ns) and step_ns > 0 and (
+                steps.empty or not (steps["tokens"] > 0).any()):
+            waited, level = waited_per_step(window, layout, _kind_of)
+            if self._wait_levels:
+                usual = float(np.median(self._wait_levels))
+                min_cost = max(self.min_wait_ns, self.moving_min_frac * step_ns,
+                               RISE_FACTOR * usual * step_ns)
+                found = moving_imbalance(waited, layout, _GROUP_KEYS, min_cost, MIN_GROUP_SIZE)
+            if level is not None and found is None:
+                self._wait_levels = [*self._wait_levels, level / step_ns][-WAIT_LEVEL_WINDOWS:]
+        self._moving_streak = self._moving_streak + 1 if found is not None else 0
+        if found is None:
+            return []
+        frac = found.cost_ns / step_ns
+        confidence = float(np.clip(
+            MIN_CONFIDENCE + (1 - MIN_CONFIDENCE) * (frac / self.moving_min_frac - 1.0),
+            MIN_CONFIDENCE, 1.0))
+        # Held for confirmation as a late rank is: a window in which the closed loop profiled
+        # a rank, or a few hiccups, can have every member waiting on a different one. Pending,
+        # it already explains the ranks that drew the most work (detectors/explain.py).
+        score = confidence
+        if self._moving_streak < self.confirm_windows:
+            score = min(score, UNCONFIRMED_SCORE_CAP)
+        ms = 1e-6
+        return [window.finding(
+            self.name, ranks=found.ranks, layer="collective", function=found.function,
+            category=MOVING_CATEGORY, score=round(score, 4),
+            message=(
+                f"{MOVING_CATEGORY}: the slowest member of {found.groups} of "
+                f"{found.of_groups} {found.kind.upper()} groups changes from step to step "
+                f"(uneven data or sequence lengths; the steps report no token counts): their "
+                f"members wait {found.cost_ns * ms:.0f} ms/step in collective/{found.function} "
+                f"on whichever is slowest, {frac:.0%} of the step"
+            ),
+            evidence={"wait_ns_per_step": found.cost_ns, "step_ns": step_ns,
+                      "groups": float(found.groups), "of_groups": float(found.of_groups),
+                      "consecutive_windows": float(self._moving_streak)},
+        )]
 
     def _late_ranks(
         self, every: pd.DataFrame, columns: list[str], layout: pd.DataFrame, kind: str,

@@ -91,6 +91,9 @@ class ClusterSpec:
     # timestamp such a rank sends (spans, summaries' windows, step records, metric samples) is
     # read off its wrong clock, while the physics (when its collectives end) stays true.
     clock_skew_s: tuple[tuple[int, float], ...] = ()
+    # Whether step records carry token counts and sequence lengths (a script that does not
+    # pass them to trainscope.step() sends none): without them, imbalance is seen from timing.
+    send_tokens: bool = True
 
     @property
     def layout(self) -> Layout:
@@ -195,6 +198,7 @@ class SimulatedCluster:
             if self._skew_ns.any():
                 _read_off_clocks(output, self._skew_ns)
             if recorders is not None:
+                recorders.steps_started(output.steps)
                 recorders.add(output.spans)
                 output.spans = []
                 # Each rank's clock is where its step ended; the job ends after the last step.
@@ -269,7 +273,8 @@ class SimulatedCluster:
         output.spans = emit.batches(spec.job_id, layout, step)
         output.span_count = sum(len(b) for b in output.spans)
         output.steps = step_records(
-            spec.job_id, layout, spec.microbatches, step, start, end, tokens
+            spec.job_id, layout, spec.microbatches, step, start, end,
+            tokens if spec.send_tokens else None,
         )
         output.metrics = self._metrics(step, start, end, busy, compute, link)
         if ops is not None:

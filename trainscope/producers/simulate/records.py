@@ -161,13 +161,13 @@ def step_records(
     step: int,
     start: np.ndarray,
     end: np.ndarray,
-    tokens: np.ndarray,
+    tokens: np.ndarray | None,
 ) -> list[StepRecord]:
-    """One StepRecord per rank; ``tokens`` is (dp replica, micro-batch)."""
+    """One StepRecord per rank; ``tokens`` is (dp replica, micro-batch), None: not sent."""
     records = []
     for rank in range(layout.world_size):
         dp_rank, _, _ = layout.coords(rank)
-        seq = tokens[dp_rank]
+        seq = tokens[dp_rank] if tokens is not None else None
         records.append(
             StepRecord(
                 job_id=job_id,
@@ -176,9 +176,9 @@ def step_records(
                 start_ns=int(start[rank]),
                 duration_ns=int(end[rank] - start[rank]),
                 samples=microbatches,
-                tokens=int(seq.sum()),
-                seq_len_mean=float(seq.mean()),
-                seq_len_max=int(seq.max()),
+                tokens=int(seq.sum()) if seq is not None else 0,
+                seq_len_mean=float(seq.mean()) if seq is not None else 0.0,
+                seq_len_max=int(seq.max()) if seq is not None else 0,
             )
         )
     return records
