@@ -187,6 +187,7 @@ class WaitDetector:
         self.moving_min_frac = moving_min_frac
         self._streaks: dict[int, int] = {}
         self._moving_streak = 0  # windows in a row with an imbalance that moves
+        self._moving_last: MovingImbalance | None = None  # the last window's, if any
         # The waiting levels (shares of the step) of the last earlier windows without an
         # imbalance that moves: the job's own jitter, which such an imbalance must rise above.
         self._wait_levels: list[float] = []
@@ -233,9 +234,19 @@ class WaitDetector:
                 found = moving_imbalance(waited, layout, _GROUP_KEYS, min_cost, MIN_GROUP_SIZE)
             if level is not None and found is None:
                 self._wait_levels = [*self._wait_levels, level / step_ns][-WAIT_LEVEL_WINDOWS:]
+        # A confirmed imbalance does not vanish in one window: a window too short to show it
+        # (the job's last, a few steps) keeps it pending, so that the ranks that drew the most
+        # work in those steps are still explained by it rather than alerted as late.
+        held = (self._moving_last if found is None and self._moving_streak >= self.confirm_windows
+                else None)
         self._moving_streak = self._moving_streak + 1 if found is not None else 0
-        if found is None:
+        self._moving_last = found
+        if found is None and held is None:
             return []
+        if found is None:
+            assert held is not None
+            return [self._moving_finding(window, held, held.cost_ns / step_ns,
+                                         UNCONFIRMED_SCORE_CAP, step_ns)]
         frac = found.cost_ns / step_ns
         confidence = float(np.clip(
             MIN_CONFIDENCE + (1 - MIN_CONFIDENCE) * (frac / self.moving_min_frac - 1.0),
@@ -246,8 +257,12 @@ class WaitDetector:
         score = confidence
         if self._moving_streak < self.confirm_windows:
             score = min(score, UNCONFIRMED_SCORE_CAP)
+        return [self._moving_finding(window, found, frac, score, step_ns)]
+
+    def _moving_finding(self, window: WindowView, found: MovingImbalance, frac: float,
+                        score: float, step_ns: float) -> Finding:
         ms = 1e-6
-        return [window.finding(
+        return window.finding(
             self.name, ranks=found.ranks, layer="collective", function=found.function,
             category=MOVING_CATEGORY, score=round(score, 4),
             message=(
@@ -260,7 +275,7 @@ class WaitDetector:
             evidence={"wait_ns_per_step": found.cost_ns, "step_ns": step_ns,
                       "groups": float(found.groups), "of_groups": float(found.of_groups),
                       "consecutive_windows": float(self._moving_streak)},
-        )]
+        )
 
     def _late_ranks(
         self, every: pd.DataFrame, columns: list[str], layout: pd.DataFrame, kind: str,
