@@ -241,12 +241,9 @@ class WaitDetector:
                 else None)
         self._moving_streak = self._moving_streak + 1 if found is not None else 0
         self._moving_last = found
-        if found is None and held is None:
-            return []
         if found is None:
-            assert held is not None
-            return [self._moving_finding(window, held, held.cost_ns / step_ns,
-                                         UNCONFIRMED_SCORE_CAP, step_ns)]
+            return [] if held is None else [self._moving_finding(
+                window, held, held.cost_ns / step_ns, UNCONFIRMED_SCORE_CAP, step_ns)]
         frac = found.cost_ns / step_ns
         confidence = float(np.clip(
             MIN_CONFIDENCE + (1 - MIN_CONFIDENCE) * (frac / self.moving_min_frac - 1.0),
