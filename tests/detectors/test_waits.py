@@ -42,15 +42,18 @@ def ddp_windows(
     collective: str = "ddp_allreduce",
     moving_ms: float = 0.0,
     moving_from: int = 0,
+    stalls_ms: dict[int, dict[int, float]] | None = None,
 ) -> list[WindowView]:
     """``count`` windows of a ``world``-rank synchronous job: per rank and step, forward ~8 ms,
     backward ~16 ms (plus ``backward_extra_ms``, and from window ``moving_from`` on up to
     ``moving_ms`` more on a member drawn at random each step: uneven data), unhooked host work
-    ~5 ms (plus ``outside_ms`` and ``everyone_outside_ms``), each with ``jitter_ms`` of noise,
+    ~5 ms (plus ``outside_ms`` and ``everyone_outside_ms``, and in every tenth step of window
+    ``w`` ``stalls_ms[w][rank]`` more), each with ``jitter_ms`` of noise,
     then the all-reduce: 3 ms of transfer after the last rank arrives. Summaries carry each
     function's quickest call (``min_ns``) and spread (``m2_ns2``) as the producers' do."""
     rng = np.random.default_rng(seed)
     outside_ms, backward_extra_ms = outside_ms or {}, backward_extra_ms or {}
+    stalls_ms = stalls_ms or {}
     windows = []
     for w in range(count):
         start = T0_NS + w * 3_000 * MS
@@ -66,7 +69,9 @@ def ddp_windows(
             forward = {r: 8 * MS + jitter() for r in range(world)}
             backward = {r: (16 + backward_extra_ms.get(r, 0.0) + uneven[r]) * MS + jitter()
                         for r in range(world)}
-            host = {r: (5 + outside_ms.get(r, 0.0) + everyone_outside_ms) * MS + jitter()
+            stalls = stalls_ms.get(w, {}) if k % 10 == 0 else {}
+            host = {r: (5 + outside_ms.get(r, 0.0) + everyone_outside_ms
+                        + stalls.get(r, 0.0)) * MS + jitter()
                     for r in range(world)}
             arrival = {r: forward[r] + backward[r] + host[r] for r in range(world)}
             done = max(arrival.values()) + 3 * MS
@@ -249,3 +254,61 @@ def test_jitter_of_every_rank_is_not_an_imbalance_that_moves(jitter_ms: float) -
     for seed in range(3):
         assert run(WaitDetector(), ddp_windows(6, world=8, jitter_ms=jitter_ms, seed=seed)) \
             == [[]] * 6
+
+
+@pytest.mark.parametrize("stall_ms", [150.0, 250.0])
+def test_a_straggler_whose_peer_stalls_now_and_then_is_no_imbalance_that_moves(
+        stall_ms: float) -> None:
+    """Rank 2 is 50 ms late in every step; from the third window, rank 1 stalls ``stall_ms`` in
+    every tenth step (as while the closed loop profiles it, or on a loaded host). Every member
+    then waits in some calls, rank 2 too, and each one's calls spread: an imbalance that moves
+    by the per-call test alone. It is not one: rank 2 spends far less in the all-reduce than
+    the others, late on average by more than what they wait. A real 4-rank job in
+    tests/test_operators_day.py alerted this as seq-imbalance before."""
+    for seed in range(3):
+        per_window = run(WaitDetector(), ddp_windows(
+            6, world=4, outside_ms={2: 50.0}, jitter_ms=3.0, seed=seed,
+            stalls_ms={w: {1: stall_ms} for w in (2, 3, 4)}))
+        assert all(f.category != "seq-imbalance" for found in per_window for f in found)
+        assert all(any(f.rank == 2 and f.score >= ALERT_THRESHOLD for f in found)
+                   for found in per_window[1:])
+
+
+# Measured: ``ddp_allreduce`` of the 4-rank gloo job of tests/test_operators_day.py (rank 2
+# sleeps 50 ms in its forward every step) on a loaded 2-core host, 3-s windows; per window and
+# rank: calls (one per step), mean ms, quickest call ms, standard deviation ms. In the fourth
+# and fifth windows the closed loop profiled ranks 1 and 2, and everyone's calls spread.
+MEASURED_STRAGGLER_UNDER_LOAD = [
+    [(30, 56.56, 43.52, 4.658), (30, 56.40, 48.43, 4.214), (30, 6.600, 1.603, 3.482),
+     (30, 56.99, 52.14, 3.640)],
+    [(51, 57.11, 50.43, 3.061), (51, 56.91, 50.22, 3.427), (51, 6.418, 1.811, 2.699),
+     (51, 57.06, 48.48, 3.318)],
+    [(52, 56.25, 50.91, 3.563), (52, 56.32, 50.68, 3.075), (52, 5.802, 1.750, 2.477),
+     (52, 56.32, 51.64, 2.867)],
+    [(45, 69.43, 38.51, 38.79), (45, 68.87, 25.92, 38.66), (45, 16.44, 1.536, 37.03),
+     (45, 69.89, 39.60, 39.70)],
+    [(41, 65.12, 35.65, 26.13), (41, 65.58, 36.76, 26.87), (41, 14.33, 1.473, 24.74),
+     (41, 65.12, 37.48, 26.06)],
+]
+
+
+def test_a_measured_straggler_on_a_loaded_host_is_no_imbalance_that_moves() -> None:
+    """The measured windows above: rank 2 is named, and nothing moves. Before the straggler
+    test in detectors/moving.py, the fourth and fifth windows were alerted as seq-imbalance."""
+    windows = []
+    for w, per_rank in enumerate(MEASURED_STRAGGLER_UNDER_LOAD):
+        start = T0_NS + w * 3_000 * MS
+        rows, steps = [], []
+        for r, (count, mean_ms, min_ms, sd_ms) in enumerate(per_rank):
+            rows.append((r, "collective", "ddp_allreduce", 0, count, int(count * mean_ms * MS),
+                         count * (sd_ms * MS) ** 2, int(min_ms * MS), 0, 0))
+            step_ns = 3_000 * MS // count
+            steps += [(r, k, start + k * step_ns, step_ns, 16, 0, 0, 0) for k in range(count)]
+        windows.append(WindowView(
+            job_id="ddp-job", window_start_ns=start, window_end_ns=start + 3_000 * MS,
+            summaries=pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS)),
+            steps=pd.DataFrame(steps, columns=list(STEP_COLUMNS))))
+    per_window = run(WaitDetector(), windows)
+    assert [[(f.rank, f.category) for f in found if f.score >= ALERT_THRESHOLD]
+            for found in per_window[1:]] == [[(2, "host")]] * 4
+    assert all(f.category != "seq-imbalance" for found in per_window for f in found)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from trainscope.detectors.features import WAIT_LAYERS, steps_per_rank
@@ -45,6 +46,16 @@ NEVER_WAITS_FRAC = 0.1
 # in which another member happened to be late, a hiccup) puts the minimum far below the mean
 # with hardly any spread; waits that come and go with the data spread the calls.
 SPREAD_FRAC = 0.3
+# No member is late on average: the group's median member spends no more per step in the
+# collective than its quickest member, beyond chance (``STRAGGLER_Z`` standard errors of the
+# two means) and beyond this share of what the members wait. A persistent straggler spends far
+# less there than the others (it never waits, they always wait for it), and on a loaded host,
+# or while the closed loop profiles two ranks, its peers' waits also swing from call to call
+# around that lateness: what moves then is noise on top of a straggler that the late-rank rule
+# names, not an imbalance of the data. In an imbalance that moves, which member drew the least
+# work in a window is chance: with few calls or two-member groups, a large share of the wait.
+STRAGGLER_FRAC = 0.5
+STRAGGLER_Z = 3.0
 
 
 @dataclass(frozen=True)
@@ -59,14 +70,26 @@ class MovingImbalance:
     ranks: list[int]
 
 
+@dataclass(frozen=True)
+class CollectiveWaits:
+    """What each member of one collective's communicators waited and spent in it per step."""
+
+    name: str
+    kind: str  # communicator kind: "dp" or "world"
+    waited_ns: pd.Series  # per rank: ``mean - min`` of its calls times its calls per step
+    spent_ns: pd.Series  # per rank: its whole time in the collective per step
+    spent_se_ns: pd.Series  # per rank: the standard error of ``spent_ns``, from its calls
+
+
 def waited_per_step(
     window: WindowView, layout: pd.DataFrame, kind_of: object,
-) -> tuple[list[tuple[str, str, pd.Series]], float | None]:
-    """Per collective read (its name, its kind): what each member waited per step on average,
-    ``mean - min`` of its calls times its calls per step (ns); 0 for a member whose calls
-    hardly spread (``SPREAD_FRAC``). And the window's waiting level: the largest over those
-    collectives of the median member's ``mean - min`` per step, spread or not (the job's usual
-    level an imbalance must rise above; None when nothing was read)."""
+) -> tuple[list[CollectiveWaits], float | None]:
+    """Per collective read: what each member waited per step on average, ``mean - min`` of its
+    calls times its calls per step (ns; 0 for a member whose calls hardly spread,
+    ``SPREAD_FRAC``), and what it spent in the collective per step. And the window's waiting
+    level: the largest over those collectives of the median member's ``mean - min`` per step,
+    spread or not (the job's usual level an imbalance must rise above; None when nothing was
+    read)."""
     s = window.summaries
     # A summary without a per-call minimum (min_ns 0: not measured) tells nothing here.
     s = s[s["layer"].isin(WAIT_LAYERS) & (s["count"] > 0) & (s["min_ns"] > 0)
@@ -93,21 +116,24 @@ def waited_per_step(
         levels.append(float((per_call * calls).median()))
         # Waiting in one call only is no share of the waiting: counted as none.
         per_call = per_call.where(spread_ns >= SPREAD_FRAC * per_call, 0.0)
-        out.append((str(name), kind, per_call * calls))
+        out.append(CollectiveWaits(str(name), kind, per_call * calls, mean_ns * calls,
+                                   spread_ns / per_rank["count"] ** 0.5 * calls))
     return out, (max(levels) if levels else None)
 
 
 def moving_imbalance(
-    waited: list[tuple[str, str, pd.Series]], layout: pd.DataFrame,
+    waited: list[CollectiveWaits], layout: pd.DataFrame,
     group_keys: dict[str, tuple[str, ...]], min_cost_ns: float, min_group_size: int,
 ) -> MovingImbalance | None:
     """The costliest collective in which most groups of one kind show an imbalance that moves
     (each group's median member waits at least ``min_cost_ns`` per step and most members wait
     about as much), or None. A member that drew less work on average in the window may also be
-    found late by the waits detector; its group still counts here (a persistent straggler
-    fails the test by itself: it never waits, and its peers wait the same in every call)."""
+    found late by the waits detector; its group still counts here as long as it is late by
+    less than what the members wait (``STRAGGLER_FRAC``): a persistent straggler never waits,
+    and its peers wait for it in every call."""
     best: MovingImbalance | None = None
-    for name, kind, per_member in waited:
+    for collective in waited:
+        name, kind, per_member = collective.name, collective.kind, collective.waited_ns
         keys = list(group_keys[kind])
         groups = (layout.loc[per_member.index, keys].apply(tuple, axis=1) if keys
                   else pd.Series(0, index=per_member.index))
@@ -120,7 +146,8 @@ def moving_imbalance(
             read += 1
             cost = float(members.median())
             if (cost < min_cost_ns or float((members >= cost / 2).mean()) < SHARED_FRAC
-                    or float(members.min()) < NEVER_WAITS_FRAC * cost):
+                    or float(members.min()) < NEVER_WAITS_FRAC * cost
+                    or _has_straggler(collective, members.index, cost)):
                 continue
             showing += 1
             costs.append(cost)
@@ -132,3 +159,15 @@ def moving_imbalance(
         if best is None or found.cost_ns > best.cost_ns:
             best = found
     return best
+
+
+def _has_straggler(collective: CollectiveWaits, members: pd.Index, cost_ns: float) -> bool:
+    """Whether the member that spends least in the collective is late on average: the median
+    member spends more than ``STRAGGLER_FRAC`` of the wait and ``STRAGGLER_Z`` standard errors
+    more per step."""
+    spent = collective.spent_ns.loc[members]
+    quickest = spent.idxmin()
+    middle = (spent - spent.median()).abs().idxmin()
+    lead_ns = float(spent.median() - spent.min())
+    se_ns = float(np.hypot(collective.spent_se_ns[quickest], collective.spent_se_ns[middle]))
+    return lead_ns > STRAGGLER_FRAC * cost_ns and lead_ns > STRAGGLER_Z * se_ns

@@ -187,13 +187,20 @@ def values(samples: list[MetricSample], dev: int, rank: int | None = None) -> di
 
 @contextmanager
 def processes(*envs: dict[str, str]) -> Iterator[list[int]]:
-    """Real processes with the given environments, alive until the block ends."""
+    """Real processes with the given environments, alive until the block ends.
+
+    Each has exec'd before its pid is handed out: until then ``/proc/PID/environ`` is the
+    forked parent's environment, and the sampler reads it once per process.
+    """
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, env=env
+            [sys.executable, "-c", "import sys; print(flush=True); sys.stdin.read()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
         )
         for env in envs
     ]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline() == b"\n"
     try:
         yield [p.pid for p in procs]
     finally:
