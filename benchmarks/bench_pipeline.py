@@ -47,10 +47,7 @@ import pyarrow as pa  # noqa: E402
 
 from trainscope.cli.demo_job import publish_step  # noqa: E402
 from trainscope.detectors.base import WindowView  # noqa: E402
-from trainscope.detectors.multivariate import RankAnomalyDetector  # noqa: E402
-from trainscope.detectors.peer import PeerDiffDetector  # noqa: E402
-from trainscope.detectors.registry import DetectorRunner  # noqa: E402
-from trainscope.detectors.steptime import StepTimeDetector  # noqa: E402
+from trainscope.detectors.registry import DetectorRunner, load  # noqa: E402
 from trainscope.engine.embedded_job import EmbeddedStreamJob  # noqa: E402
 from trainscope.producers.agent.aggregate import WindowAggregator  # noqa: E402
 from trainscope.producers.simulate import (  # noqa: E402
@@ -120,7 +117,7 @@ def window_pass(payloads: list[bytes]) -> tuple[list, float]:
 
 
 def detect_and_sink(views: list, sink: ClickHouseSink) -> tuple[int, float, float]:
-    runner = DetectorRunner([PeerDiffDetector(), StepTimeDetector(), RankAnomalyDetector()])
+    runner = DetectorRunner(load().detectors)  # every built-in detector, as the pipeline runs
     detect_s = sink_s = 0.0
     summaries = 0
     for view in views:
@@ -281,7 +278,7 @@ class SummaryRun:
 def summaries_pass(messages: Iterator[list[bytes]], sink: ClickHouseSink) -> SummaryRun:
     """The production path; detectors + sink run on each window as it closes, timed apart."""
     run = SummaryRun()
-    runner = DetectorRunner([PeerDiffDetector(), StepTimeDetector(), RankAnomalyDetector()])
+    runner = DetectorRunner(load().detectors)  # every built-in detector, as the pipeline runs
 
     sink_thread_s = 0.0  # the pipeline thread's share of the sink, taken out of engine time
 

@@ -66,6 +66,30 @@ def test_estimator_takes_the_majority_of_ranks_and_enough_steps() -> None:
     assert len(clocks.ends) <= 32
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_estimates_are_each_ranks_median_of_its_differences_to_the_agreed_end(seed: int) -> None:
+    """The estimates, taken for all ranks at once, are those of a median per rank (np.median's,
+    even counts included) over the steps a majority reported."""
+    rng = np.random.default_rng(seed)
+    clocks = RankClocks()
+    world = 12
+    for rank in range(world):
+        first = int(rng.integers(0, 4))  # ranks that joined late: fewer steps, even counts
+        clocks.note_steps(steps_of(rank, first, int(rng.integers(1, 9)),
+                                   int(rng.integers(-3, 4)) * 10**9, rng))
+    quorum = world // 2 + 1
+    differences: dict[int, list[int]] = {}
+    for by_rank in clocks.ends.values():
+        if len(by_rank) >= quorum:
+            agreed = int(np.median(list(by_rank.values())))
+            for rank, end in by_rank.items():
+                differences.setdefault(rank, []).append(end - agreed)
+    expected = {rank: (int(np.median(d)), len(d)) for rank, d in differences.items()
+                if len(d) >= MIN_STEPS}
+    assert expected  # the case is not empty
+    assert clocks.estimates(world_size=world) == expected
+
+
 @pytest.mark.parametrize("skew_s", [600, -600])
 def test_first_seconds_a_far_clock_is_held_not_dragging_nor_late(skew_s: int) -> None:
     """Before its offset is known, a rank 600 s ahead does not move the job's watermark and

@@ -42,7 +42,7 @@ from trainscope.detectors.features import (
     throttling_shares,
 )
 from trainscope.detectors.params import check_number, check_order
-from trainscope.detectors.throttle import ThrottleRule
+from trainscope.detectors.throttle import PeerMedians, ThrottleRule
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
@@ -459,12 +459,12 @@ class PeerDiffDetector:
         rule = ThrottleRule(self.throttled_excess_frac, self.power_cap_excess_frac,
                             self.peers_capped_frac, self.clock_ratio_max,
                             self.power_limit_ratio_max)
-        means = metric_means(window)
-        shares = throttling_shares(window)
+        means = PeerMedians(metric_means(window))
+        shares = PeerMedians(throttling_shares(window))
         for s in suspects:
             if s.category != "gpu-compute":
                 continue
-            throttled, evidence = rule.judge(shares, means, s.rank)
+            throttled, evidence = rule.judge_with(shares, means, s.rank)
             s.evidence = {**(s.evidence or {}), **evidence} or None
             if throttled:
                 s.category = "gpu-throttle"
@@ -492,6 +492,8 @@ class PeerDiffDetector:
         step_excess = max(self._step_excess(step_ns), sum(totals.values()))
         wait_cols = [c for c in table.columns if c[0] in WAIT_LAYERS]
         waits = table[wait_cols].sum(axis=1) if wait_cols else pd.Series(0.0, index=table.index)
+        groups = _Groups(layout, waits)
+        larger = _LargerElsewhere(totals, groups)
         self._streaks = {key: self._streaks.get(key, 0) + 1 for key in merged}
         findings = []
         for key, s in merged.items():
@@ -501,12 +503,7 @@ class PeerDiffDetector:
             # first is there, and would never reach the alert threshold as a share of the
             # whole excess. Its share is of what the larger suspects elsewhere leave, unless
             # it is their echo: the other end of a slow link (its pipeline neighbour's).
-            larger_elsewhere = sum(
-                e for (rank, category), e in totals.items()
-                if rank != s.rank and e > excess
-                and not (category == s.category == "network"
-                         and _pipeline_neighbours(layout, rank, s.rank))
-            )
+            larger_elsewhere = larger.than(s.rank, s.category, excess)
             share = min(1.0, excess / max(step_excess - larger_elsewhere,
                                           self._excess_floor(s, step_ns)))
             confidence = float(np.clip(
@@ -519,7 +516,7 @@ class PeerDiffDetector:
             if self._streaks[key] < self.confirm_windows:
                 score = min(score, UNCONFIRMED_SCORE_CAP)
             ranks = list(s.ranks) or [s.rank]
-            victims = _victims(layout, waits, ranks, excess, s.category == "network")
+            victims = _victims(groups, ranks, excess, s.category == "network")
             evidence = {
                 "excess_ns_per_step": excess,
                 "value_ns_per_step": s.value_ns,
@@ -568,43 +565,96 @@ class PeerDiffDetector:
             self._step_history = [*self._step_history, step_ns][-self.history_windows :]
 
 
-def _pipeline_neighbours(layout: pd.DataFrame, a: int, b: int) -> bool:
-    """Whether ranks ``a`` and ``b`` are adjacent stages of one pipeline (one link apart)."""
-    if a not in layout.index or b not in layout.index:
-        return False
-    ra, rb = layout.loc[a], layout.loc[b]
-    return bool(ra["dp_rank"] == rb["dp_rank"] and ra["tp_rank"] == rb["tp_rank"]
-                and abs(int(ra["pp_stage"]) - int(rb["pp_stage"])) == 1)
+class _Groups:
+    """The window's ranks by communicator group (TP: stage and DP rank; DP: stage and TP rank;
+    PP: DP and TP rank) as integer codes, with each rank's collective time, so that the
+    victims and pipeline neighbours of hundreds of suspects in a 10,000-rank window are array
+    lookups rather than a pass over the layout per suspect."""
+
+    def __init__(self, layout: pd.DataFrame, waits: pd.Series) -> None:
+        self.ranks = layout.index.to_numpy()
+        self.position = {int(r): i for i, r in enumerate(self.ranks)}
+        stage, dp, tp = (layout[c].to_numpy(dtype=np.int64)
+                         for c in ("pp_stage", "dp_rank", "tp_rank"))
+        self.stage = stage
+        width = int(max(dp.max(initial=0), tp.max(initial=0), stage.max(initial=0))) + 2
+        self.tp_group = (stage + 1) * width + dp + 1
+        self.dp_group = (stage + 1) * width + tp + 1
+        self.pp_group = (dp + 1) * width + tp + 1
+        self.waits = waits
+        self.wait_of = {int(r): float(w) for r, w in zip(waits.index, waits.to_numpy(dtype=float),
+                                                         strict=True) if not np.isnan(w)}
+        self.waits_by_position = waits.reindex(layout.index).fillna(0.0).to_numpy(dtype=float)
+        self._healthy_wait: float | None = None
+        self._by_pipeline: dict[tuple[int, int], int] | None = None
+
+    def healthy_wait(self) -> float:
+        """The job's lower quartile of collective time (computed once)."""
+        if self._healthy_wait is None:
+            self._healthy_wait = float(self.waits.quantile(HEALTHY_QUANTILE))
+        return self._healthy_wait
+
+    def pipeline_neighbours(self, rank: int) -> list[int]:
+        """The ranks one pipeline link away from ``rank`` (the stages before and after it)."""
+        i = self.position.get(rank)
+        if i is None:
+            return []
+        if self._by_pipeline is None:
+            self._by_pipeline = {(int(g), int(st)): int(r) for g, st, r
+                                 in zip(self.pp_group, self.stage, self.ranks, strict=True)}
+        key = int(self.pp_group[i])
+        return [r for st in (self.stage[i] - 1, self.stage[i] + 1)
+                if (r := self._by_pipeline.get((key, int(st)))) is not None]
+
+
+class _LargerElsewhere:
+    """For each suspect, the summed excess of the larger suspects on other ranks, leaving out
+    the other end of a slow link (a network suspect on a pipeline neighbour): a sort and a
+    running sum, not a pass over every suspect per suspect."""
+
+    def __init__(self, totals: dict[tuple[int, str], float], groups: _Groups) -> None:
+        self._totals = totals
+        self._groups = groups
+        self._ascending = np.sort(np.fromiter(totals.values(), dtype=float, count=len(totals)))
+        self._running = np.concatenate([[0.0], np.cumsum(self._ascending)])
+        self._by_rank: dict[int, list[float]] = {}
+        for (rank, _), excess in totals.items():
+            self._by_rank.setdefault(rank, []).append(excess)
+
+    def than(self, rank: int, category: str, excess: float) -> float:
+        above = int(np.searchsorted(self._ascending, excess, side="right"))
+        larger = float(self._running[-1] - self._running[above])
+        larger -= sum(e for e in self._by_rank[rank] if e > excess)
+        if category == "network":
+            for neighbour in self._groups.pipeline_neighbours(rank):
+                e = self._totals.get((neighbour, "network"), 0.0)
+                if e > excess:
+                    larger -= e
+        return max(larger, 0.0)
 
 
 def _victims(
-    layout: pd.DataFrame,
-    waits: pd.Series,
+    groups: _Groups,
     culprits: list[int],
     excess: float,
     culprit_waits_too: bool = False,
 ) -> list[int]:
     """Ranks sharing a TP, DP or PP group with a culprit whose collective time is inflated."""
+    waits = groups.waits
     if waits.empty:
         return []
     # Everyone in a synchronous job waits for a straggler, so the healthy reference is the
     # culprit's own wait: it arrives last and waits least. A slow link is the exception: the
     # culprit sits in the slow collective too, so compare with the job's lower quartile.
-    present = [r for r in culprits if r in waits.index]
-    if present and not culprit_waits_too:
-        baseline = float(waits[present].min())
-    else:
-        baseline = float(waits.quantile(HEALTHY_QUANTILE))
-    culprit_rows = layout.loc[[r for r in culprits if r in layout.index]]
-    related = pd.Series(False, index=layout.index)
-    for _, c in culprit_rows.iterrows():
-        same_stage = layout["pp_stage"] == c["pp_stage"]
-        related |= same_stage & (layout["dp_rank"] == c["dp_rank"])  # TP group
-        related |= same_stage & (layout["tp_rank"] == c["tp_rank"])  # DP group
-        related |= (layout["dp_rank"] == c["dp_rank"]) & (layout["tp_rank"] == c["tp_rank"])  # PP
-    related[[r for r in culprits if r in related.index]] = False
-    inflated = waits.reindex(layout.index).fillna(0.0) >= baseline + VICTIM_WAIT_FRAC * excess
-    return [int(r) for r in layout.index[related & inflated]][:MAX_VICTIMS]
+    present = [w for r in culprits if (w := groups.wait_of.get(r)) is not None]
+    baseline = min(present) if present and not culprit_waits_too else groups.healthy_wait()
+    at = np.array([groups.position[r] for r in culprits if r in groups.position], dtype=np.int64)
+    related = (np.isin(groups.tp_group, groups.tp_group[at])
+               | np.isin(groups.dp_group, groups.dp_group[at])
+               | np.isin(groups.pp_group, groups.pp_group[at]))
+    related[at] = False
+    inflated = groups.waits_by_position >= baseline + VICTIM_WAIT_FRAC * excess
+    return [int(r) for r in groups.ranks[related & inflated][:MAX_VICTIMS]]
 
 
 def _message(s: _Suspect, layout: pd.DataFrame, excess: float, share: float, victims: int) -> str:

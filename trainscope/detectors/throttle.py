@@ -87,26 +87,34 @@ class ThrottleRule:
         """(throttled, evidence) of ``rank``, from the window's per-reason throttling shares
         (:func:`~trainscope.detectors.features.throttling_shares`) and metric means
         (:func:`~trainscope.detectors.features.metric_means`)."""
+        return self.judge_with(PeerMedians(shares), PeerMedians(means), rank)
+
+    def judge_with(
+        self, shares: PeerMedians, means: PeerMedians, rank: int
+    ) -> tuple[bool, dict[str, float]]:
+        """``judge`` with the window's shares and means wrapped once for all the ranks judged
+        in it (a 10,000-rank window with hundreds of suspects: one sort per column, not a
+        median over the peers per suspect and column)."""
         evidence: dict[str, float] = {}
         throttled = False
-        peer_shares = shares.drop(index=rank, errors="ignore")
         peers_capped = False
-        if not peer_shares.empty:
-            capped = peer_shares[POWER_CAP].dropna()
-            if capped.empty:  # condensed readings: any throttling reason, mostly the cap
-                capped = peer_shares[ANY_THROTTLING].dropna()
-            peers_capped = not capped.empty and bool(capped.median() >= self.peers_capped_frac)
+        if shares.has_peers(rank):
+            capped = shares.without(POWER_CAP, rank)
+            if np.isnan(capped):  # condensed readings: any throttling reason, mostly the cap
+                capped = shares.without(ANY_THROTTLING, rank)
+            peers_capped = bool(capped >= self.peers_capped_frac)  # False for NaN
         util = ratio_to_peers(means, m.SM_UTIL_PCT, rank)
         busier = util is not None and util >= BUSIER_UTIL_RATIO
         if util is not None:
             evidence["sm_util_ratio"] = util
         own_capped = False
-        if rank in shares.index:
-            own = shares.loc[rank]
+        if rank in shares.frame.index:
+            own = shares.frame.loc[rank]
             own_cap = own.get(POWER_CAP, np.nan)
             own_cap = own[ANY_THROTTLING] if pd.isna(own_cap) else own_cap
             own_capped = bool(own_cap >= self.peers_capped_frac)
-            reference = peer_shares.median().reindex(own.index).fillna(0.0)
+            reference = pd.Series([shares.without(c, rank) for c in own.index],
+                                  index=own.index, dtype=float).fillna(0.0)
             excess = (own - reference).dropna()
             evidence["throttled_frac"] = float(own[ANY_THROTTLING])
             evidence["peers_throttled_frac"] = float(reference[ANY_THROTTLING])
@@ -129,12 +137,48 @@ class ThrottleRule:
         return throttled, evidence
 
 
-def ratio_to_peers(means: pd.DataFrame, metric: str, rank: int) -> float | None:
+def ratio_to_peers(means: PeerMedians, metric: str, rank: int) -> float | None:
     """A rank's window mean of ``metric`` over the median of the other ranks' (None if unknown)."""
-    if metric not in means.columns or rank not in means.index:
+    frame = means.frame
+    if metric not in frame.columns or rank not in frame.index:
         return None
-    own = float(means.at[rank, metric])
-    reference = float(means[metric].drop(index=rank).median()) if len(means) > 1 else np.nan
+    own = float(frame.at[rank, metric])
+    reference = means.without(metric, rank)
     if not (np.isfinite(own) and np.isfinite(reference)) or reference <= 0:
         return None
     return own / reference
+
+
+class PeerMedians:
+    """Each column's median over the ranks (the index) other than one, as pandas' ``median``
+    of the column without that rank gives it (NaN skipped; NaN when nothing is left). Each
+    column is sorted once, when first asked for; then every rank's answer is a lookup."""
+
+    def __init__(self, frame: pd.DataFrame) -> None:
+        self.frame = frame
+        self._sorted: dict[str, np.ndarray] = {}
+
+    def has_peers(self, rank: int) -> bool:
+        """Whether a rank other than ``rank`` has a row."""
+        return len(self.frame) - int(rank in self.frame.index) > 0
+
+    def without(self, column: str, rank: int) -> float:
+        if column not in self.frame.columns:
+            return np.nan
+        values = self._sorted.get(column)
+        if values is None:
+            column_values = self.frame[column].to_numpy(dtype=float)
+            values = self._sorted[column] = np.sort(column_values[~np.isnan(column_values)])
+        own = float(self.frame.at[rank, column]) if rank in self.frame.index else np.nan
+        # Removing any one of equal values leaves the same numbers: the first will do.
+        skip = int(np.searchsorted(values, own)) if not np.isnan(own) else len(values)
+        left = len(values) - (skip < len(values))
+        if left == 0:
+            return np.nan
+
+        def at(k: int) -> float:
+            return float(values[k] if k < skip else values[k + 1])
+
+        if left % 2:
+            return at(left // 2)
+        return (at(left // 2 - 1) + at(left // 2)) / 2

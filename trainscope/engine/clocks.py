@@ -87,6 +87,9 @@ class RankClocks:
     held_since_s: float | None = None
     stepping: bool = False  # the job has sent step records: offsets can be estimated
     ranks: set[int] = field(default_factory=set)  # ranks that sent step records
+    # The steps a majority had reported when the estimates were last taken: until another
+    # step reaches one, or records wait for an offset, new estimates would say nothing new.
+    agreed_steps: tuple[int, ...] = ()
 
     def note_steps(self, steps: list[StepRecord]) -> None:
         """Remember each step's end per rank; only the newest ``KEPT_STEPS`` step numbers."""
@@ -100,27 +103,45 @@ class RankClocks:
 
     def estimates(self, world_size: int) -> dict[int, tuple[int, int]]:
         """Per rank, (offset ns, steps it rests on) from steps a majority of ``world_size``
-        ranks reported; ranks with fewer than ``MIN_STEPS`` such steps are left out."""
-        quorum = max(MIN_RANKS, world_size // 2 + 1)
-        diffs: dict[int, list[int]] = {}
+        ranks reported; ranks with fewer than ``MIN_STEPS`` such steps are left out. The
+        medians are ``np.median``'s, taken for all ranks at once (a 10,000-rank job asks on
+        every poll that brings step records)."""
+        quorum = _quorum(world_size)
+        rank_parts: list[np.ndarray] = []
+        diff_parts: list[np.ndarray] = []
         for by_rank in self.ends.values():
             if len(by_rank) < quorum:
                 continue
-            ranks = list(by_rank)
             ends = np.fromiter(by_rank.values(), dtype=np.int64, count=len(by_rank))
-            agreed = int(np.median(ends))
-            for rank, end in zip(ranks, (ends - agreed).tolist(), strict=True):
-                diffs.setdefault(rank, []).append(end)
-        return {
-            rank: (int(np.median(values)), len(values))
-            for rank, values in diffs.items()
-            if len(values) >= MIN_STEPS
-        }
+            rank_parts.append(np.fromiter(by_rank.keys(), dtype=np.int64, count=len(by_rank)))
+            diff_parts.append(ends - int(np.median(ends)))
+        if not rank_parts:
+            return {}
+        ranks, diffs = np.concatenate(rank_parts), np.concatenate(diff_parts)
+        order = np.lexsort((diffs, ranks))
+        ranks, diffs = ranks[order], diffs[order]
+        starts = np.flatnonzero(np.r_[True, ranks[1:] != ranks[:-1]])
+        counts = np.diff(np.r_[starts, len(ranks)])
+        enough = counts >= MIN_STEPS
+        starts, counts = starts[enough], counts[enough]
+        # The middle value, or the mean of the middle two, in float64 as np.median takes it.
+        middle = (diffs[starts + (counts - 1) // 2].astype(np.float64)
+                  + diffs[starts + counts // 2].astype(np.float64)) / 2
+        return {rank: (int(offset), used) for rank, offset, used
+                in zip(ranks[starts].tolist(), middle.tolist(), counts.tolist(), strict=True)}
 
     def calibrate(self, world_size: int, tolerance_ns: int) -> list[int]:
         """Take new estimates: a rank not calibrated yet gets its offset (0 within the
         tolerance); a calibrated one only when its clock moved by more than the tolerance (a
-        step of its clock), so records are not shuffled by jitter. Returns the ranks changed."""
+        step of its clock), so records are not shuffled by jitter. Returns the ranks changed.
+
+        New estimates are taken when a step has newly reached a majority, or while records
+        wait for an offset: a clock that steps is seen at the job's next step."""
+        quorum = _quorum(world_size)
+        agreed = tuple(step for step, by_rank in self.ends.items() if len(by_rank) >= quorum)
+        if agreed == self.agreed_steps and not self.held:
+            return []
+        self.agreed_steps = agreed
         changed = []
         for rank, (offset, used) in self.estimates(world_size).items():
             applied = self.offsets_ns.get(rank)
@@ -147,6 +168,11 @@ class RankClocks:
             for rank, offset in self.offsets_ns.items()
             if offset
         }
+
+
+def _quorum(world_size: int) -> int:
+    """Ranks that must have reported a step for its median end to be the job's agreement."""
+    return max(MIN_RANKS, world_size // 2 + 1)
 
 
 def corrected(record: Held, offsets_ns: dict[int, int], window_ns: int) -> Held:
@@ -180,11 +206,12 @@ def corrected(record: Held, offsets_ns: dict[int, int], window_ns: int) -> Held:
 
 
 def _offsets_of(rank: np.ndarray, offsets_ns: dict[int, int]) -> np.ndarray:
-    """Each event's rank's offset, looked up once per distinct rank."""
-    if not any(offsets_ns.values()):
-        return np.zeros(len(rank), dtype=np.int64)
+    """Each event's rank's offset, looked up once per distinct rank (of this record only: a
+    pass over every rank's offset per record grows with the job's size)."""
     distinct, inverse = np.unique(rank, return_inverse=True)
     table = np.array([offsets_ns.get(r, 0) for r in distinct.tolist()], dtype=np.int64)
+    if not table.any():
+        return np.zeros(len(rank), dtype=np.int64)
     return table[inverse.ravel()]
 
 

@@ -1,0 +1,100 @@
+"""The peer detector's per-window lookups that replace a pass over every rank per suspect give
+the answers of that pass (a 10,240-rank window holds hundreds of suspects: see
+benchmarks/README.md). Each is checked against the straightforward computation it replaces, on
+random windows with NaNs, ties, pipelines and many suspects."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from trainscope.detectors.peer import (
+    HEALTHY_QUANTILE,
+    MAX_VICTIMS,
+    VICTIM_WAIT_FRAC,
+    _Groups,
+    _LargerElsewhere,
+    _victims,
+)
+from trainscope.detectors.throttle import PeerMedians
+
+
+def random_layout(rng: np.random.Generator, dp: int, pp: int, tp: int) -> pd.DataFrame:
+    ranks = rng.permutation(dp * pp * tp)[: dp * pp * tp - rng.integers(0, 3)]  # some missing
+    return pd.DataFrame({"rank": ranks, "dp_rank": ranks // (pp * tp), "pp_stage": ranks // tp % pp,
+                         "tp_rank": ranks % tp}).set_index("rank")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_median_of_the_other_ranks_is_pandas_median_without_the_rank(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(1, 40))
+    frame = pd.DataFrame({
+        "a": rng.integers(0, 4, rows).astype(float),  # ties
+        "b": np.where(rng.random(rows) < 0.3, np.nan, rng.random(rows)),  # NaNs
+        "c": np.full(rows, np.nan),  # nothing known
+    }, index=rng.permutation(1000)[:rows])
+    peers = PeerMedians(frame)
+    for rank in [*frame.index, 5000]:  # and a rank without a row
+        for column in ("a", "b", "c", "missing"):
+            expected = (frame[column].drop(index=rank, errors="ignore").median()
+                        if column in frame else np.nan)
+            got = peers.without(column, rank)
+            assert got == pytest.approx(expected, nan_ok=True), (rank, column)
+        assert peers.has_peers(rank) == (not frame.drop(index=rank, errors="ignore").empty)
+
+
+def naive_pipeline_neighbours(layout: pd.DataFrame, a: int, b: int) -> bool:
+    ra, rb = layout.loc[a], layout.loc[b]
+    return bool(ra["dp_rank"] == rb["dp_rank"] and ra["tp_rank"] == rb["tp_rank"]
+                and abs(int(ra["pp_stage"]) - int(rb["pp_stage"])) == 1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_larger_suspects_elsewhere_are_those_of_a_pass_over_all(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    layout = random_layout(rng, 4, 4, 2)
+    ranks = list(layout.index)
+    totals = {(int(r), c): float(rng.choice([1e6, 2e6, rng.random() * 1e7]))  # ties too
+              for r in rng.choice(ranks, 20, replace=False)
+              for c in rng.choice(["network", "host", "gpu-compute"], rng.integers(1, 3),
+                                  replace=False)}
+    larger = _LargerElsewhere(totals, _Groups(layout, pd.Series(0.0, index=layout.index)))
+    for (rank, category), excess in totals.items():
+        expected = sum(
+            e for (r, c), e in totals.items()
+            if r != rank and e > excess
+            and not (c == category == "network" and naive_pipeline_neighbours(layout, r, rank)))
+        assert larger.than(rank, category, excess) == pytest.approx(expected, abs=1e-3)
+
+
+def naive_victims(layout: pd.DataFrame, waits: pd.Series, culprits: list[int], excess: float,
+                  culprit_waits_too: bool) -> list[int]:
+    present = [r for r in culprits if r in waits.index]
+    baseline = (float(waits[present].min()) if present and not culprit_waits_too
+                else float(waits.quantile(HEALTHY_QUANTILE)))
+    related = pd.Series(False, index=layout.index)
+    for _, c in layout.loc[[r for r in culprits if r in layout.index]].iterrows():
+        same_stage = layout["pp_stage"] == c["pp_stage"]
+        related |= same_stage & (layout["dp_rank"] == c["dp_rank"])
+        related |= same_stage & (layout["tp_rank"] == c["tp_rank"])
+        related |= (layout["dp_rank"] == c["dp_rank"]) & (layout["tp_rank"] == c["tp_rank"])
+    related[[r for r in culprits if r in related.index]] = False
+    inflated = waits.reindex(layout.index).fillna(0.0) >= baseline + VICTIM_WAIT_FRAC * excess
+    return [int(r) for r in layout.index[related & inflated]][:MAX_VICTIMS]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_victims_are_those_of_a_pass_over_the_layout_per_culprit(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    layout = random_layout(rng, 8, 4, 2)
+    waits = pd.Series(rng.random(len(layout)) * 1e8, index=layout.index)
+    waits = waits.drop(index=waits.index[:2])  # ranks without collective time
+    groups = _Groups(layout, waits)
+    for _ in range(20):
+        culprits = [int(r) for r in rng.choice(layout.index, rng.integers(1, 6), replace=False)]
+        excess = float(rng.random() * 5e7)
+        for network in (False, True):
+            assert _victims(groups, culprits, excess, network) == naive_victims(
+                layout, waits, culprits, excess, network)
