@@ -574,17 +574,16 @@ class _Groups:
     def __init__(self, layout: pd.DataFrame, waits: pd.Series) -> None:
         self.ranks = layout.index.to_numpy()
         self.position = {int(r): i for i, r in enumerate(self.ranks)}
-        stage, dp, tp = (layout[c].to_numpy(dtype=np.int64)
-                         for c in ("pp_stage", "dp_rank", "tp_rank"))
+        # A rank outside the declared topology has no coordinates (NaN): it shares no group.
+        stage, dp, tp = (layout[c].to_numpy(dtype=float) for c in ("pp_stage", "dp_rank",
+                                                                    "tp_rank"))
         self.stage = stage
-        width = int(max(dp.max(initial=0), tp.max(initial=0), stage.max(initial=0))) + 2
-        self.tp_group = (stage + 1) * width + dp + 1
-        self.dp_group = (stage + 1) * width + tp + 1
-        self.pp_group = (dp + 1) * width + tp + 1
+        self.tp_group = _group_codes(stage, dp)
+        self.dp_group = _group_codes(stage, tp)
+        self.pp_group = _group_codes(dp, tp)
         self.waits = waits
-        self.wait_of = {int(r): float(w) for r, w in zip(waits.index, waits.to_numpy(dtype=float),
-                                                         strict=True) if not np.isnan(w)}
-        self.waits_by_position = waits.reindex(layout.index).fillna(0.0).to_numpy(dtype=float)
+        # Each rank's collective time, by position; NaN for a rank that has none.
+        self.wait_at = waits.reindex(layout.index).to_numpy(dtype=float)
         self._healthy_wait: float | None = None
         self._by_pipeline: dict[tuple[int, int], int] | None = None
 
@@ -597,14 +596,26 @@ class _Groups:
     def pipeline_neighbours(self, rank: int) -> list[int]:
         """The ranks one pipeline link away from ``rank`` (the stages before and after it)."""
         i = self.position.get(rank)
-        if i is None:
+        if i is None or np.isnan(self.stage[i]):
             return []
         if self._by_pipeline is None:
             self._by_pipeline = {(int(g), int(st)): int(r) for g, st, r
-                                 in zip(self.pp_group, self.stage, self.ranks, strict=True)}
+                                 in zip(self.pp_group, self.stage, self.ranks, strict=True)
+                                 if not np.isnan(st)}
         key = int(self.pp_group[i])
         return [r for st in (self.stage[i] - 1, self.stage[i] + 1)
                 if (r := self._by_pipeline.get((key, int(st)))) is not None]
+
+
+def _group_codes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """One integer per distinct (a, b) pair; a row with an unknown (NaN) coordinate gets a
+    code of its own, so that it shares a group with no other rank."""
+    unknown = np.isnan(a) | np.isnan(b)
+    _, codes = np.unique(np.stack([np.nan_to_num(a), np.nan_to_num(b)], axis=1), axis=0,
+                         return_inverse=True)
+    codes = codes.ravel().astype(np.int64)
+    codes[unknown] = -1 - np.flatnonzero(unknown)
+    return codes
 
 
 class _LargerElsewhere:
@@ -646,14 +657,15 @@ def _victims(
     # Everyone in a synchronous job waits for a straggler, so the healthy reference is the
     # culprit's own wait: it arrives last and waits least. A slow link is the exception: the
     # culprit sits in the slow collective too, so compare with the job's lower quartile.
-    present = [w for r in culprits if (w := groups.wait_of.get(r)) is not None]
-    baseline = min(present) if present and not culprit_waits_too else groups.healthy_wait()
     at = np.array([groups.position[r] for r in culprits if r in groups.position], dtype=np.int64)
+    own = groups.wait_at[at]
+    own = own[~np.isnan(own)]
+    baseline = float(own.min()) if len(own) and not culprit_waits_too else groups.healthy_wait()
     related = (np.isin(groups.tp_group, groups.tp_group[at])
                | np.isin(groups.dp_group, groups.dp_group[at])
                | np.isin(groups.pp_group, groups.pp_group[at]))
     related[at] = False
-    inflated = groups.waits_by_position >= baseline + VICTIM_WAIT_FRAC * excess
+    inflated = np.nan_to_num(groups.wait_at) >= baseline + VICTIM_WAIT_FRAC * excess
     return [int(r) for r in groups.ranks[related & inflated][:MAX_VICTIMS]]
 
 
