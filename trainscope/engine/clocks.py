@@ -87,9 +87,6 @@ class RankClocks:
     held_since_s: float | None = None
     stepping: bool = False  # the job has sent step records: offsets can be estimated
     ranks: set[int] = field(default_factory=set)  # ranks that sent step records
-    # The steps a majority had reported when the estimates were last taken: until another
-    # step reaches one, or records wait for an offset, new estimates would say nothing new.
-    agreed_steps: tuple[int, ...] = ()
 
     def note_steps(self, steps: list[StepRecord]) -> None:
         """Remember each step's end per rank; only the newest ``KEPT_STEPS`` step numbers."""
@@ -135,13 +132,9 @@ class RankClocks:
         tolerance); a calibrated one only when its clock moved by more than the tolerance (a
         step of its clock), so records are not shuffled by jitter. Returns the ranks changed.
 
-        New estimates are taken when a step has newly reached a majority, or while records
-        wait for an offset: a clock that steps is seen at the job's next step."""
-        quorum = _quorum(world_size)
-        agreed = tuple(step for step, by_rank in self.ends.items() if len(by_rank) >= quorum)
-        if agreed == self.agreed_steps and not self.held:
-            return []
-        self.agreed_steps = agreed
+        Taken on every call: a rank taken as it was (offset 0, its records released after the
+        hold) whose steps come after its peers' gets its estimate from steps that already had
+        a majority, so no cheaper sign of news will do."""
         changed = []
         for rank, (offset, used) in self.estimates(world_size).items():
             applied = self.offsets_ns.get(rank)
