@@ -43,6 +43,8 @@ def ddp_windows(
     moving_ms: float = 0.0,
     moving_from: int = 0,
     stalls_ms: dict[int, dict[int, float]] | None = None,
+    moving_runqueue: bool = False,
+    runqueue_ms: float | None = None,
 ) -> list[WindowView]:
     """``count`` windows of a ``world``-rank synchronous job: per rank and step, forward ~8 ms,
     backward ~16 ms (plus ``backward_extra_ms``, and from window ``moving_from`` on up to
@@ -50,14 +52,18 @@ def ddp_windows(
     ~5 ms (plus ``outside_ms`` and ``everyone_outside_ms``, and in every tenth step of window
     ``w`` ``stalls_ms[w][rank]`` more), each with ``jitter_ms`` of noise,
     then the all-reduce: 3 ms of transfer after the last rank arrives. Summaries carry each
-    function's quickest call (``min_ns``) and spread (``m2_ns2``) as the producers' do."""
+    function's quickest call (``min_ns``) and spread (``m2_ns2``) as the producers' do.
+
+    With ``moving_runqueue`` the moving extra is time a member waited for a CPU rather than
+    more data; given ``runqueue_ms`` (or ``moving_runqueue``), each rank also sends its
+    training thread's run-queue wait: ``runqueue_ms`` per step, plus that extra."""
     rng = np.random.default_rng(seed)
     outside_ms, backward_extra_ms = outside_ms or {}, backward_extra_ms or {}
     stalls_ms = stalls_ms or {}
     windows = []
     for w in range(count):
         start = T0_NS + w * 3_000 * MS
-        totals = {r: {"forward": 0.0, "backward": 0.0, "wait": 0.0, "pre": 0.0}
+        totals = {r: {"forward": 0.0, "backward": 0.0, "wait": 0.0, "pre": 0.0, "runq": 0.0}
                   for r in range(world)}
         mins = {r: dict.fromkeys(totals[r], np.inf) for r in range(world)}
         squares = {r: dict.fromkeys(totals[r], 0.0) for r in range(world)}
@@ -77,7 +83,9 @@ def ddp_windows(
             done = max(arrival.values()) + 3 * MS
             for r in range(world):
                 took = {"forward": forward[r], "backward": backward[r], "pre": 0.2 * MS,
-                        "wait": done - arrival[r]}
+                        "wait": done - arrival[r],
+                        "runq": ((runqueue_ms or 0.0) + (uneven[r] if moving_runqueue else 0.0))
+                        * MS}
                 for key, ns in took.items():
                     totals[r][key] += ns
                     squares[r][key] += ns * ns
@@ -85,11 +93,12 @@ def ddp_windows(
                 steps.append((r, w * STEPS + k, int(t), int(done), 16, 0, 0, 0))
             t += done
         rows = []
+        functions = [("torch_op", "forward", "forward"), ("torch_op", "backward", "backward"),
+                     ("collective", "ddp_pre_forward", "pre"), ("collective", collective, "wait")]
+        if moving_runqueue or runqueue_ms is not None:
+            functions.append(("sched", "process_runqueue_wait", "runq"))
         for r, tot in totals.items():
-            for layer, name, key in (("torch_op", "forward", "forward"),
-                                     ("torch_op", "backward", "backward"),
-                                     ("collective", "ddp_pre_forward", "pre"),
-                                     ("collective", collective, "wait")):
+            for layer, name, key in functions:
                 m2 = max(squares[r][key] - tot[key] ** 2 / STEPS, 0.0)  # as the sketch keeps it
                 rows.append((r, layer, name, 0, STEPS, int(tot[key]), m2, int(mins[r][key]), 0,
                              0))
@@ -245,6 +254,32 @@ def test_an_imbalance_that_moves_is_named_for_the_job_with_its_cost() -> None:
         assert finding.ranks == list(range(8)) and finding.score >= ALERT_THRESHOLD
         # Expected wait: E[max of 8 uniform(0, 30)] - E[uniform(0, 30)] = 26.7 - 15 ms.
         assert finding.evidence["wait_ns_per_step"] == pytest.approx(11.7 * MS, rel=0.35)
+
+
+def test_ranks_taking_turns_waiting_for_a_cpu_are_contention_not_uneven_data() -> None:
+    """The same turns, but each member's extra time is its training thread waiting for a CPU
+    (the kernel's run-queue wait, which the producer sends): the host is oversubscribed. Named
+    for the job as ``cpu-contention``, with the wait per step, never as uneven data."""
+    per_window = run(WaitDetector(), ddp_windows(5, world=4, moving_ms=30.0, moving_from=2,
+                                                 moving_runqueue=True, runqueue_ms=0.05))
+    assert per_window[:2] == [[], []]
+    for found in per_window[3:]:
+        finding, = (f for f in found if f.score >= ALERT_THRESHOLD)
+        assert (finding.rank, finding.category) == (-1, "cpu-contention"), finding.message
+        assert "waiting for a CPU" in finding.message
+        # Each member waits ~15 ms/step for a CPU (the mean of uniform(0, 30)).
+        assert finding.evidence["runqueue_wait_ns_per_step"] == pytest.approx(15 * MS, rel=0.2)
+
+
+def test_uneven_data_on_a_busy_host_is_still_uneven_data() -> None:
+    """Uneven data where every thread also waits ~1 ms per step for a CPU (a busy host, the
+    same on every rank): the run-queue wait is far too small to explain the turns."""
+    per_window = run(WaitDetector(), ddp_windows(5, world=8, moving_ms=30.0, moving_from=2,
+                                                 runqueue_ms=1.0))
+    for found in per_window[3:]:
+        finding, = (f for f in found if f.score >= ALERT_THRESHOLD)
+        assert finding.category == "seq-imbalance", finding.message
+        assert finding.evidence["runqueue_wait_ns_per_step"] == pytest.approx(1 * MS, rel=0.01)
 
 
 @pytest.mark.parametrize("jitter_ms", [1.0, 3.0, 6.0])

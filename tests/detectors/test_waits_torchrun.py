@@ -164,9 +164,13 @@ def test_a_straggler_outside_the_hooks_is_named_and_a_healthy_job_is_not(
     tables = dump_tables(store, ("findings", "finding_call_paths"))
     rows = [ast.literal_eval(r) for r in tables["findings"]]
     paths = [ast.literal_eval(r) for r in tables["finding_call_paths"]]
-    waits = [(r[1], r[5], r[11], r[12], r[13]["peers_wait_ns_per_step"] / 1e6)
+    # A late rank's finding carries its peers' wait, a job-level one (turns) its members'.
+    waits = [(r[1], r[5], r[11], r[12],
+              r[13].get("peers_wait_ns_per_step", r[13].get("wait_ns_per_step", 0.0)) / 1e6,
+              r[13].get("runqueue_wait_ns_per_step", 0.0) / 1e6)
              for r in rows if r[4] == "waits"]
-    print(f"\nwaits findings (job, rank, category, score, wait ms/step): {waits}\n"
+    print(f"\nwaits findings (job, rank, category, score, wait ms/step, run-queue wait ms/step): "
+          f"{waits}\n"
           f"slow job: {slow}\nhealthy job: {healthy}\n{time.monotonic() - started:.1f} s")
     assert [(s["rank"], s["category"]) for s in slow["suspects"]] == [(SLOW_RANK, "host")], slow
     top = slow["suspects"][0]
@@ -177,7 +181,13 @@ def test_a_straggler_outside_the_hooks_is_named_and_a_healthy_job_is_not(
     # The sleep is 30 ms per step: what its peers wait for it, give or take the busy host (a
     # window the job ended in holds only part of its steps' spans).
     assert 20 <= statistics.median(w[4] for w in alerts) <= 40, waits
-    assert healthy["suspects"] == [] and not [w for w in waits if w[0] == healthy_job], waits
+    # The healthy job names no rank and no uneven data. Should the machine get busy beside it
+    # (4 ranks on 2 cores, and whatever else runs), its ranks take turns waiting for a CPU:
+    # that, and only with the run-queue wait measured, is said for the job as a whole.
+    contention = [w for w in waits if w[0] == healthy_job]
+    assert all(w[1] == -1 and w[2] == "cpu-contention" and w[5] > 0 for w in contention), waits
+    assert all(s["category"] == "cpu-contention" and s["rank"] == -1
+               for s in healthy["suspects"]), healthy
     # The closed loop profiled rank 2 against a healthy peer on the host finding: the call
     # path that differs names the block and the sleep in it, at ~30 ms per step.
     profiled = [(r[16], r[-1]) for r in paths if r[1] == slow_job and r[4] == "waits"]

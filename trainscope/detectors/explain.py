@@ -55,10 +55,17 @@ _OWN_WORK = frozenset({"compute", "gpu-compute", "gpu-throttle", "gpu-memory", "
                        "python-gc", "cpu-contention", "pcie"})
 
 
+def _takes_turns(finding: Finding) -> bool:
+    """A job-level finding whose ranks take turns being the slowest: uneven work, or ranks
+    taking turns waiting for a CPU (the waits detector's imbalance that moves)."""
+    return finding.category == "seq-imbalance" or (
+        finding.category == "cpu-contention" and finding.rank < 0)
+
+
 def fold_explained(findings: list[Finding]) -> list[Finding]:
     """``findings`` of one window of one job, with those another alert explains demoted."""
     alerts = [f for f in findings if (f.score >= ALERT_THRESHOLD and f.rank >= 0)
-              or (f.category == "seq-imbalance" and f.score >= PENDING_SCORE)]
+              or (_takes_turns(f) and f.score >= PENDING_SCORE)]
     if len(alerts) < 2:
         return findings
     return [_folded(f, alerts) if f.score >= ALERT_THRESHOLD and f.rank >= 0 else f
@@ -73,6 +80,9 @@ def _folded(finding: Finding, alerts: list[Finding]) -> Finding:
                 and not finding.evidence.get("per_token")):
             why = ("the job's seq-imbalance (this rank drew longer sequences or more data "
                    "than its peers)")
+        elif (_takes_turns(cause) and cause.category == "cpu-contention"
+                and finding.category in _LONGER_SEQUENCE_SYMPTOMS and finding.rank in cause.ranks):
+            why = "the job's cpu-contention (its ranks take turns waiting for a CPU)"
         elif (cause.category == "stage-imbalance" and finding.category in _STAGE_SYMPTOMS
                 and finding.rank in cause.ranks):
             why = f"part of pipeline stage {cause.pp_stage}'s imbalance"

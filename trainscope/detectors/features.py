@@ -119,6 +119,23 @@ def per_step_times(view: WindowView) -> pd.DataFrame:
     return table
 
 
+def runqueue_wait_per_step(view: WindowView) -> pd.Series:
+    """ns per step each rank spent runnable without a CPU (index rank; empty when not measured).
+
+    The agent's process-wide figure and the producer's training-thread one cover the same
+    waiting (the thread is part of the process): the larger is taken, never their sum.
+    """
+    s = view.summaries
+    if s.empty:
+        return pd.Series(dtype=float)
+    sched = s[(s["layer"] == m.SCHED_LAYER) & s["name"].isin(m.RUNQUEUE_WAIT_FUNCTIONS)]
+    if sched.empty:
+        return pd.Series(dtype=float)
+    per_name = sched.groupby(["rank", "name"])["total_ns"].sum().unstack("name")
+    waited = per_name.max(axis=1)
+    return waited.div(steps_per_rank(view).reindex(waited.index, fill_value=1.0))
+
+
 def per_call_bandwidth(view: WindowView) -> pd.DataFrame:
     """Achieved bytes/s per rank and function, for functions that move bytes."""
     s = view.summaries

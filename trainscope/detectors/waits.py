@@ -32,6 +32,7 @@ from trainscope.detectors.features import (
     OWN_WORK_CATEGORY,
     WAIT_LAYERS,
     per_step_times,
+    runqueue_wait_per_step,
     step_time_ns,
     steps_per_rank,
 )
@@ -48,6 +49,14 @@ from trainscope.schemas.window import WindowView
 DETECTOR = "waits"
 CATEGORY = "host"
 MOVING_CATEGORY = "seq-imbalance"
+CONTENTION_CATEGORY = "cpu-contention"
+# Members that take turns being the slowest because they take turns waiting for a CPU (more
+# runnable threads than cores): each one's run-queue wait per step, the median member's, is at
+# least this share of what the members wait in the collective. In a group of N members whose
+# delays come one at a time, each member waits up to N - 1 times its own run-queue wait (the
+# late one's delay, less its own): at 4 members, a third; data imbalance on a quiet host has
+# next to none.
+CONTENTION_EXPLAINS_FRAC = 0.25
 # Earlier windows whose waiting level forms the job's usual level (2 minutes at 15-s windows).
 WAIT_LEVEL_WINDOWS = 8
 # Point-to-point exchanges: their waits are pipeline bubbles as much as lateness (not read).
@@ -259,19 +268,30 @@ class WaitDetector:
     def _moving_finding(self, window: WindowView, found: MovingImbalance, frac: float,
                         score: float, step_ns: float) -> Finding:
         ms = 1e-6
+        runqueue = runqueue_wait_per_step(window).reindex(found.ranks).dropna()
+        runqueue_ns = float(runqueue.median()) if len(runqueue) else 0.0
+        evidence = {"wait_ns_per_step": found.cost_ns, "step_ns": step_ns,
+                    "groups": float(found.groups), "of_groups": float(found.of_groups),
+                    "consecutive_windows": float(self._moving_streak)}
+        if len(runqueue):
+            evidence["runqueue_wait_ns_per_step"] = runqueue_ns
+        turns = (f"the slowest member of {found.groups} of {found.of_groups} "
+                 f"{found.kind.upper()} groups changes from step to step")
+        cost = (f"their members wait {found.cost_ns * ms:.0f} ms/step in "
+                f"collective/{found.function} on whichever is slowest, {frac:.0%} of the step")
+        if runqueue_ns >= CONTENTION_EXPLAINS_FRAC * found.cost_ns:
+            # Not the data: the ranks take turns waiting for a CPU. A host matter, no one rank's.
+            category = CONTENTION_CATEGORY
+            message = (f"{category}: {turns} as they take turns waiting for a CPU (each spends "
+                       f"{runqueue_ns * ms:.1f} ms/step runnable without one: more busy "
+                       f"threads than cores); {cost}")
+        else:
+            category = MOVING_CATEGORY
+            message = (f"{category}: {turns} (uneven data or sequence lengths; the steps "
+                       f"report no token counts): {cost}")
         return window.finding(
             self.name, ranks=found.ranks, layer="collective", function=found.function,
-            category=MOVING_CATEGORY, score=round(score, 4),
-            message=(
-                f"{MOVING_CATEGORY}: the slowest member of {found.groups} of "
-                f"{found.of_groups} {found.kind.upper()} groups changes from step to step "
-                f"(uneven data or sequence lengths; the steps report no token counts): their "
-                f"members wait {found.cost_ns * ms:.0f} ms/step in collective/{found.function} "
-                f"on whichever is slowest, {frac:.0%} of the step"
-            ),
-            evidence={"wait_ns_per_step": found.cost_ns, "step_ns": step_ns,
-                      "groups": float(found.groups), "of_groups": float(found.of_groups),
-                      "consecutive_windows": float(self._moving_streak)},
+            category=category, score=round(score, 4), message=message, evidence=evidence,
         )
 
     def _late_ranks(

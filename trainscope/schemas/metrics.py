@@ -57,3 +57,12 @@ THROTTLE_REASON_NAMES: dict[int, str] = {
 # clocks someone chose (application, sync-boost or display clock settings), do not — an idle
 # moment between steps would otherwise turn every slow GPU into a throttled one.
 THROTTLING_REASONS_MASK = 0x004 | 0x008 | 0x020 | 0x040 | 0x080
+
+# Scheduler pseudo-functions (``FunctionSummary.layer == SCHED_LAYER``): time a thread spent
+# runnable but without a CPU, summed over a process's threads. The eBPF agent reports it from
+# the scheduler's tracepoints, the PyTorch producer from the kernel's schedstat; the names
+# differ so that neither is added to the other.
+SCHED_LAYER = "sched"
+RUNQUEUE_WAIT = "runqueue_wait"
+PROCESS_RUNQUEUE_WAIT = "process_runqueue_wait"
+RUNQUEUE_WAIT_FUNCTIONS = (RUNQUEUE_WAIT, PROCESS_RUNQUEUE_WAIT)

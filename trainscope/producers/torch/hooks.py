@@ -318,7 +318,9 @@ def install_gc_hook(att: Attachment) -> Uninstall:
             starts[ident] = time.time_ns()
             return
         start = starts.pop(ident, 0)
-        if start and att.active:
+        # Before the first sign of training (imports, building the model) a pause is no
+        # step's cost, and in windows without steps it would read as a cost per step.
+        if start and att.active and att.steps.start_ns:
             # Collections do not nest, so nothing else appends to this log between the two.
             pairs = att.gc_log.pairs
             pairs.append(start)

@@ -18,6 +18,7 @@ from typing import Any
 from trainscope.config.secrets import redact_url
 from trainscope.producers.torch.options import Options
 from trainscope.producers.torch.safety import Guard, log
+from trainscope.producers.torch.schedstat import RunQueueClock
 from trainscope.producers.torch.sender import Sender
 from trainscope.producers.torch.spanlog import PhaseLog
 from trainscope.producers.torch.steps import StepTracker
@@ -58,6 +59,8 @@ class Attachment:
             self.forward_log, self.backward_log, self.optimizer_log, self.dataloader_log,
             self.gc_log,
         )
+        # attach() runs on the training thread: the thread whose wait for a CPU is read.
+        self.runqueue = RunQueueClock()
         self.bus_url, factory, owns = _bus_factory(bus if bus is not None else options.bus_url)
         self._bus_factory = factory
         self._owns_bus = owns
@@ -162,6 +165,7 @@ class Attachment:
         self.recorder.reset_after_fork()
         for phase in self.phase_logs:
             phase.clear()
+        self.runqueue.disable()
         self.sender.reset_after_fork()
         self.control = None
 
@@ -248,6 +252,8 @@ class Attachment:
         recorder = self.recorder
         for phase in self.phase_logs:
             phase.drain_into(recorder)
+        if self.active:
+            self.runqueue.sample_into(recorder, self.steps.step)
         taken = recorder.take_all() if final else recorder.take_closed(time.time_ns())
         out: list[Any] = []
         for window_start, functions in taken:

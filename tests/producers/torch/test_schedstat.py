@@ -1,0 +1,117 @@
+"""The training process's wait for a CPU, read from the kernel (``/proc/.../schedstat``).
+
+The contention is real: this process and a busy child process are pinned to the same core, so
+the kernel makes them take turns, and the process's run-queue wait is what it lost.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from trainscope.producers.torch.schedstat import RunQueueClock
+from trainscope.schemas.metrics import PROCESS_RUNQUEUE_WAIT, SCHED_LAYER
+from trainscope.schemas.recorder import WindowRecorder
+
+SPIN_S = 0.6
+
+
+def _spin(seconds: float) -> None:
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+def _recorded_ns(recorder: WindowRecorder) -> list[int]:
+    """The run-queue spans the recorder holds, in ns."""
+    return [int(d) for _, functions in recorder.take_all()
+            for key, acc in functions.items() if key[:2] == (SCHED_LAYER, PROCESS_RUNQUEUE_WAIT)
+            for d in acc.durations_ns]
+
+
+@pytest.mark.skipif(not Path("/proc/thread-self/schedstat").exists(),
+                    reason="the kernel keeps no scheduler statistics here (not Linux)")
+def test_a_process_sharing_its_core_with_a_busy_process_is_charged_the_wait() -> None:
+    core = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(hog.pid, {core})
+        os.sched_setaffinity(0, {core})
+        clock = RunQueueClock()
+        assert clock.enabled
+        recorder = WindowRecorder.for_window(60.0)
+        _spin(SPIN_S)
+        waited_ns = clock.sample_into(recorder, steps_ended=1)
+    finally:
+        os.sched_setaffinity(0, before)
+        hog.kill()
+        hog.wait()
+    # Two busy processes on one core: about half the wall time runnable without it.
+    assert 0.2 * SPIN_S * 1e9 < waited_ns < 0.8 * SPIN_S * 1e9, waited_ns
+    assert _recorded_ns(recorder) == [waited_ns]
+
+
+@pytest.mark.skipif(not Path("/proc/thread-self/schedstat").exists(),
+                    reason="the kernel keeps no scheduler statistics here (not Linux)")
+def test_nothing_is_recorded_while_no_step_ends() -> None:
+    clock = RunQueueClock()
+    recorder = WindowRecorder.for_window(60.0)
+    assert clock.sample_into(recorder, steps_ended=0) == 0  # idle: no step since attach
+    _spin(0.05)
+    clock.sample_into(recorder, steps_ended=3)
+    clock.sample_into(recorder, steps_ended=3)  # no step since the last read
+    assert len(_recorded_ns(recorder)) == 1
+
+
+def test_threads_that_start_and_end_between_reads_count_once() -> None:
+    """A thread started after attach brings its wait; a thread gone takes its count away
+    without making the process's wait go backwards."""
+    core = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(hog.pid, {core})
+        os.sched_setaffinity(0, {core})
+        clock = RunQueueClock()
+        recorder = WindowRecorder.for_window(60.0)
+        worker = threading.Thread(target=_spin, args=(SPIN_S / 2,))
+        worker.start()
+        _spin(SPIN_S / 2)
+        worker.join()
+        with_worker_ns = clock.sample_into(recorder, steps_ended=1)
+        _spin(SPIN_S / 2)  # the worker is gone
+        alone_ns = clock.sample_into(recorder, steps_ended=2)
+    finally:
+        os.sched_setaffinity(0, before)
+        hog.kill()
+        hog.wait()
+    # Against the busy process, this process ran about half the time in each half: with the
+    # worker, only the thread holding the GIL was runnable (the other waited off the CPU).
+    half_s = SPIN_S / 2
+    for waited_ns in (with_worker_ns, alone_ns):
+        assert 0.25 * half_s * 1e9 < waited_ns < 0.75 * half_s * 1e9, (with_worker_ns, alone_ns)
+    assert _recorded_ns(recorder) == [with_worker_ns, alone_ns]
+
+
+def test_an_unreadable_statistics_file_turns_the_clock_off(tmp_path: Path) -> None:
+    clock = RunQueueClock(tasks=str(tmp_path / "missing"))
+    recorder = WindowRecorder.for_window(60.0)
+    assert not clock.enabled
+    assert clock.sample_into(recorder, steps_ended=5) == 0 and _recorded_ns(recorder) == []
+
+
+def test_statistics_that_read_zero_are_taken_as_not_kept(tmp_path: Path) -> None:
+    """A kernel without scheduler statistics shows ``0 0 0``: no wait of 0 ns is invented."""
+    (tmp_path / "101").mkdir()
+    (tmp_path / "101" / "schedstat").write_text("0 0 0\n")
+    clock = RunQueueClock(tasks=str(tmp_path))
+    recorder = WindowRecorder.for_window(60.0)
+    assert clock.sample_into(recorder, steps_ended=5) == 0
+    assert not clock.enabled and _recorded_ns(recorder) == []
