@@ -88,6 +88,10 @@ def honest_category(category: str, gpu: bool) -> str:
 
 def steps_per_rank(view: WindowView) -> pd.Series:
     """Steps each rank ran in the window (at least 1, so per-step figures stay finite)."""
+    return view.derived("steps_per_rank", _steps_per_rank).copy()
+
+
+def _steps_per_rank(view: WindowView) -> pd.Series:
     if not view.steps.empty:
         counts = view.steps.groupby("rank").size()
     else:
@@ -107,16 +111,29 @@ def step_time_ns(view: WindowView) -> float:
     return float((s["total_ns"] / s["count"].clip(lower=1)).median())
 
 
+def group_codes(layout: pd.DataFrame, keys: list[str]) -> pd.Series:
+    """Per rank of ``layout`` (index), a code shared by the ranks with the same ``keys`` values,
+    in the order of those values; NaN for a rank without them (outside the declared topology:
+    in no group). One code for all when ``keys`` is empty (the whole job)."""
+    if not keys:
+        return pd.Series(0, index=layout.index)
+    codes = layout.groupby(keys, sort=True, dropna=True).ngroup()
+    return codes.where(layout[keys].notna().all(axis=1))
+
+
 def per_step_times(view: WindowView) -> pd.DataFrame:
     """ns per step, index rank, one column per ``layer/name`` (call paths summed)."""
+    return view.derived("per_step_times", _per_step_times).copy()
+
+
+def _per_step_times(view: WindowView) -> pd.DataFrame:
     s = view.summaries
     if s.empty:
         return pd.DataFrame()
     table = s.pivot_table(
         index="rank", columns=["layer", "name"], values="total_ns", aggfunc="sum", fill_value=0
     )
-    table = table.div(steps_per_rank(view).reindex(table.index, fill_value=1.0), axis=0)
-    return table
+    return table.div(steps_per_rank(view).reindex(table.index, fill_value=1.0), axis=0)
 
 
 def runqueue_wait_per_step(view: WindowView) -> pd.Series:

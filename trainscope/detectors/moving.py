@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from trainscope.detectors.features import WAIT_LAYERS, steps_per_rank
+from trainscope.detectors.features import WAIT_LAYERS, group_codes, steps_per_rank
 from trainscope.schemas.window import WindowView
 
 # A job's waiting counts as an imbalance that moves only once it is this many times the job's
@@ -135,8 +135,7 @@ def moving_imbalance(
     for collective in waited:
         name, kind, per_member = collective.name, collective.kind, collective.waited_ns
         keys = list(group_keys[kind])
-        groups = (layout.loc[per_member.index, keys].apply(tuple, axis=1) if keys
-                  else pd.Series(0, index=per_member.index))
+        groups = group_codes(layout.loc[per_member.index], keys)
         read = showing = 0
         costs: list[float] = []
         ranks: list[int] = []

@@ -31,6 +31,7 @@ from trainscope.detectors.features import (
     MAD_TO_SIGMA,
     OWN_WORK_CATEGORY,
     WAIT_LAYERS,
+    group_codes,
     per_step_times,
     runqueue_wait_per_step,
     step_time_ns,
@@ -305,34 +306,43 @@ class WaitDetector:
         # here because it waited there for someone else is that one's victim, not a straggler.
         elsewhere = every.drop(columns=columns).fillna(0.0).sum(axis=1)
         keys = list(_GROUP_KEYS[kind])
-        groups = layout[keys].apply(tuple, axis=1) if keys else pd.Series(0, index=layout.index)
+        groups = group_codes(layout, keys)
         floor = NOISE_FLOOR_STEP_FRAC * step_ns if np.isfinite(step_ns) else 0.0
         min_wait = max(self.min_wait_ns, self.min_wait_frac * step_ns if np.isfinite(step_ns)
                        else 0.0)
+        # Each group's reference and spread for all groups at once (a job of 10,000 ranks has
+        # thousands of groups); only the few late ranks are then looked at one by one.
+        valid = total.dropna()
+        codes = groups.reindex(valid.index)
+        valid, codes = valid[codes.notna()], codes[codes.notna()]
+        large = codes.map(codes.value_counts()) >= MIN_GROUP_SIZE
+        valid, codes = valid[large], codes[large]
+        if valid.empty:
+            return []
+        by_group = valid.groupby(codes)
+        upper = valid.where(valid >= by_group.transform("median"))
+        reference = upper.groupby(codes).transform("median")
+        mad = (upper - reference).abs().groupby(codes).transform("median")
+        spread = np.maximum(np.maximum(MAD_TO_SIGMA * mad, self.rel_floor * reference), floor)
+        wait_of = reference - valid
+        late = (spread > 0) & (wait_of / spread >= self.z_min) & (wait_of >= min_wait)
+        # In the order of the groups, then of the ranks within each (as a pass group by group).
+        order = pd.DataFrame({"code": codes[late], "at": np.flatnonzero(late.to_numpy())})
         found: list[_Late] = []
-        for _, members in total.dropna().groupby(groups.reindex(total.dropna().index)):
-            if len(members) < MIN_GROUP_SIZE:
+        for rank in order.sort_values(["code", "at"], kind="stable").index:
+            members = valid[codes == codes[rank]]
+            value = float(valid[rank])
+            wait = float(wait_of[rank])
+            z = wait / float(spread[rank])
+            waited = float(elsewhere[rank] - elsewhere[members.index].median())
+            if waited >= EXPLAINED_FRAC * wait:
                 continue
-            upper = members[members >= members.median()]
-            reference = float(upper.median())
-            spread = max(MAD_TO_SIGMA * float((upper - reference).abs().median()),
-                         self.rel_floor * reference, floor)
-            if spread <= 0:
-                continue
-            for rank, value in members.items():
-                wait = reference - float(value)
-                z = wait / spread
-                if z < self.z_min or wait < min_wait:
-                    continue
-                waited = float(elsewhere[rank] - elsewhere[members.index].median())
-                if waited >= EXPLAINED_FRAC * wait:
-                    continue
-                # The collective where it shows: the one it spends least in against its group.
-                function = str(waits.loc[rank].sub(waits.loc[members.index].median()).idxmin())
-                victims = [int(r) for r, v in members.items()
-                           if r != rank and v - value >= VICTIM_WAIT_FRAC * wait][:MAX_VICTIMS]
-                found.append(_Late(int(rank), kind, function, wait, float(value), reference,
-                                   float(z), victims))
+            # The collective where it shows: the one it spends least in against its group.
+            function = str(waits.loc[rank].sub(waits.loc[members.index].median()).idxmin())
+            victims = [int(r) for r, v in members.items()
+                       if r != rank and v - value >= VICTIM_WAIT_FRAC * wait][:MAX_VICTIMS]
+            found.append(_Late(int(rank), kind, function, wait, value, float(reference[rank]),
+                               z, victims))
         return found
 
     def _finding(self, window: WindowView, layout: pd.DataFrame, own: pd.DataFrame, s: _Late,
