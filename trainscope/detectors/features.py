@@ -97,7 +97,8 @@ def _steps_per_rank(view: WindowView) -> pd.Series:
     else:
         s = view.summaries
         counts = s[s["layer"] == "step"].groupby("rank")["count"].sum()
-    ranks = pd.Index(sorted(set(view.summaries["rank"]) | set(counts.index)), name="rank")
+    ranks = pd.Index(np.union1d(pd.unique(view.summaries["rank"].to_numpy()),
+                                counts.index.to_numpy()).astype(np.int64), name="rank")
     return counts.reindex(ranks, fill_value=0).clip(lower=1).astype(float)
 
 

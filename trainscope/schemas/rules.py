@@ -453,7 +453,10 @@ class _Step:
             except Exception:
                 value = ""
             return f"{self.rule.name}{at}{value} is unusable ({type(exc).__name__}: {exc})"
-        operands = self.operands(*args, *row)
+        try:
+            operands = self.operands(*args, *row)
+        except Exception as exc:  # a bound read from another field of any type (a list id)
+            return f"{self.rule.name}{at} is unusable ({type(exc).__name__}: {exc})"
         return self.rule.describe(at, operands, _suffix(self.rule, why), args[0], i)
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from trainscope.schemas.records import Finding, Topology
@@ -89,6 +90,12 @@ class WindowView:
             cache[key] = compute(self)
         return cache[key]
 
+    def ranks(self) -> np.ndarray:
+        """Every rank with a summary or a step record in the window, sorted."""
+        return self.derived("ranks", lambda view: np.union1d(
+            pd.unique(view.summaries["rank"].to_numpy()),
+            pd.unique(view.steps["rank"].to_numpy())).astype(np.int64))
+
     def rank_layout(self) -> pd.DataFrame:
         """dp_rank / pp_stage / tp_rank per rank (index), from the topology or defaults."""
         return self.derived("rank_layout", WindowView._rank_layout).copy()
@@ -104,7 +111,7 @@ class WindowView:
                     "tp_rank": [w.tp_rank for w in self.topology.workers],
                 }
             ).set_index("rank")
-        ranks = sorted(set(self.summaries["rank"]) | set(self.steps["rank"]))
+        ranks = self.ranks().tolist()
         return pd.DataFrame(
             {"rank": ranks, "host": "", "dp_rank": ranks, "pp_stage": 0, "tp_rank": 0}
         ).set_index("rank")
