@@ -45,6 +45,8 @@ def ddp_windows(
     stalls_ms: dict[int, dict[int, float]] | None = None,
     moving_runqueue: bool = False,
     runqueue_ms: float | None = None,
+    runqueue_ms_of: dict[int, float] | None = None,
+    agent_too: bool = False,
 ) -> list[WindowView]:
     """``count`` windows of a ``world``-rank synchronous job: per rank and step, forward ~8 ms,
     backward ~16 ms (plus ``backward_extra_ms``, and from window ``moving_from`` on up to
@@ -56,7 +58,8 @@ def ddp_windows(
 
     With ``moving_runqueue`` the moving extra is time a member waited for a CPU rather than
     more data; given ``runqueue_ms`` (or ``moving_runqueue``), each rank also sends its
-    training thread's run-queue wait: ``runqueue_ms`` per step, plus that extra."""
+    process's run-queue wait: ``runqueue_ms`` per step (plus ``runqueue_ms_of[rank]``), plus
+    that extra; with ``agent_too`` the eBPF agent reports the same wait beside it."""
     rng = np.random.default_rng(seed)
     outside_ms, backward_extra_ms = outside_ms or {}, backward_extra_ms or {}
     stalls_ms = stalls_ms or {}
@@ -84,8 +87,8 @@ def ddp_windows(
             for r in range(world):
                 took = {"forward": forward[r], "backward": backward[r], "pre": 0.2 * MS,
                         "wait": done - arrival[r],
-                        "runq": ((runqueue_ms or 0.0) + (uneven[r] if moving_runqueue else 0.0))
-                        * MS}
+                        "runq": ((runqueue_ms or 0.0) + (runqueue_ms_of or {}).get(r, 0.0)
+                                 + (uneven[r] if moving_runqueue else 0.0)) * MS}
                 for key, ns in took.items():
                     totals[r][key] += ns
                     squares[r][key] += ns * ns
@@ -97,6 +100,8 @@ def ddp_windows(
                      ("collective", "ddp_pre_forward", "pre"), ("collective", collective, "wait")]
         if moving_runqueue or runqueue_ms is not None:
             functions.append(("sched", "process_runqueue_wait", "runq"))
+            if agent_too:
+                functions.append(("sched", "runqueue_wait", "runq"))
         for r, tot in totals.items():
             for layer, name, key in functions:
                 m2 = max(squares[r][key] - tot[key] ** 2 / STEPS, 0.0)  # as the sketch keeps it
@@ -269,6 +274,23 @@ def test_ranks_taking_turns_waiting_for_a_cpu_are_contention_not_uneven_data() -
         assert "waiting for a CPU" in finding.message
         # Each member waits ~15 ms/step for a CPU (the mean of uniform(0, 30)).
         assert finding.evidence["runqueue_wait_ns_per_step"] == pytest.approx(15 * MS, rel=0.2)
+
+
+def test_a_rank_late_for_want_of_a_cpu_is_named_once_for_it() -> None:
+    """Rank 2's host work takes 30 ms more because it waits 30 ms/step for a CPU (a busy
+    neighbour on its core), and both the producer and the agent report that wait: peer-diff
+    names it cpu-contention once, from the agent's figure, and the waits detector counts it
+    once as the rank's own work (not 60 ms for a 30 ms wait)."""
+    windows = ddp_windows(4, outside_ms={2: 30.0}, runqueue_ms=0.5, runqueue_ms_of={2: 30.0},
+                          agent_too=True)
+    peer, waits = PeerDiffDetector(), WaitDetector()
+    for window in windows:
+        found_peer, found_waits = peer.detect(window), waits.detect(window)
+    named = [(f.rank, f.category, f.function) for f in found_peer if f.score >= ALERT_THRESHOLD]
+    assert named == [(2, "cpu-contention", "runqueue_wait")], named
+    late, = found_waits
+    assert late.rank == 2 and late.score < ALERT_THRESHOLD  # explained: peer-diff names it
+    assert late.evidence["own_excess_ns_per_step"] == pytest.approx(30 * MS, rel=0.1)
 
 
 def test_uneven_data_on_a_busy_host_is_still_uneven_data() -> None:

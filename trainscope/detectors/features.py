@@ -112,6 +112,16 @@ def step_time_ns(view: WindowView) -> float:
     return float((s["total_ns"] / s["count"].clip(lower=1)).median())
 
 
+def own_work_columns(columns: pd.Index | list) -> list:
+    """The ``(layer, name)`` columns of a rank's own work. Of the two counts of a process's
+    wait for a CPU, the agent's and the producer's (the same waiting), only the agent's when
+    both came: summed, the one wait would count twice."""
+    own = [c for c in columns if c[0] in OWN_WORK_CATEGORY]
+    if (m.SCHED_LAYER, m.RUNQUEUE_WAIT) in own:
+        own = [c for c in own if c != (m.SCHED_LAYER, m.PROCESS_RUNQUEUE_WAIT)]
+    return own
+
+
 def group_codes(layout: pd.DataFrame, keys: list[str]) -> pd.Series:
     """Per rank of ``layout`` (index), a code shared by the ranks with the same ``keys`` values,
     in the order of those values; NaN for a rank without them (outside the declared topology:

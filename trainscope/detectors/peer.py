@@ -35,6 +35,7 @@ from trainscope.detectors.features import (
     gpu_evidence,
     honest_category,
     metric_means,
+    own_work_columns,
     per_call_bandwidth,
     per_step_times,
     robust_z,
@@ -312,10 +313,8 @@ class PeerDiffDetector:
         floor = NOISE_FLOOR_STEP_FRAC * step_ns
         history = self._history_reference(table)
         suspects: list[_Suspect] = []
-        for layer, name in table.columns:
-            category = OWN_WORK_CATEGORY.get(layer)
-            if category is None:
-                continue
+        for layer, name in own_work_columns(table.columns):
+            category = OWN_WORK_CATEGORY[layer]
             x = table[(layer, name)]
             # Compare compute per token: longer sequences are not a slower GPU.
             per_token = tokens is not None and category == "gpu-compute"

@@ -29,9 +29,9 @@ import pandas as pd
 
 from trainscope.detectors.features import (
     MAD_TO_SIGMA,
-    OWN_WORK_CATEGORY,
     WAIT_LAYERS,
     group_codes,
+    own_work_columns,
     per_step_times,
     runqueue_wait_per_step,
     step_time_ns,
@@ -44,6 +44,7 @@ from trainscope.detectors.moving import (
     waited_per_step,
 )
 from trainscope.detectors.params import check_number, check_order
+from trainscope.schemas.metrics import SCHED_LAYER
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
 
@@ -431,7 +432,7 @@ def _own_and_outside(window: WindowView, own: pd.DataFrame, rank: int,
                      group: list[int]) -> tuple[float, float]:
     """(how much the rank's own measured work exceeds its group's median, how much more of its
     step no hooked function explains than its group's median), both ns per step."""
-    columns = [c for c in own.columns if c[0] in OWN_WORK_CATEGORY]
+    columns = own_work_columns(own.columns)
     members = [r for r in group if r in own.index]
     if rank not in own.index or len(members) < 2:
         return 0.0, 0.0
@@ -441,6 +442,8 @@ def _own_and_outside(window: WindowView, own: pd.DataFrame, rank: int,
     if steps.empty:
         return own_excess, float("nan")
     step_per_rank = steps.groupby("rank")["duration_ns"].mean().reindex(members)
-    hooked = own.loc[members, [c for c in own.columns if c[0] != "step"]].sum(axis=1)
+    # A wait for a CPU is not a function of its own: it happened inside hooked code or outside.
+    hooked = own.loc[members, [c for c in own.columns if c[0] not in ("step", SCHED_LAYER)]
+                     ].sum(axis=1)
     unexplained = step_per_rank - hooked
     return own_excess, float(unexplained[rank] - unexplained.drop(rank).median())
