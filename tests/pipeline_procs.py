@@ -124,3 +124,11 @@ def diagnose_store(store: Path, job_id: str, detector: str = "") -> dict:
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+def host_contention(finding: dict) -> bool:
+    """A job-level ``cpu-contention`` finding: the job's ranks take turns waiting for a CPU,
+    measured (their run-queue wait explains what they wait on each other). On a 2-core machine
+    running a second test worker beside a multi-rank job, a healthy job may get one; it names
+    no rank and blames no code, so it starts no profile."""
+    return finding["category"] == "cpu-contention" and finding["rank"] == -1

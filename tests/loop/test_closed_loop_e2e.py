@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
-from pipeline_procs import PipelineProcess
+from pipeline_procs import PipelineProcess, host_contention
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -193,6 +193,8 @@ def test_a_healthy_job_triggers_no_profiling(fresh_kafka_broker, tmp_path) -> No
     assert all(r["stats"]["profile"]["requested"] == 0 for r in results)
     tables = _store(tmp_path / "store", job_id)
     assert tables["loop"] == [] and tables["sessions"] == []
-    # The job was watched: its windows are in the store, just without alerts.
-    assert all(f["score"] < 0.5 for f in tables["findings"])
+    # The job was watched: its windows are in the store, just without alerts (but the host's
+    # contention, should the machine get busy beside the job).
+    assert all(f["score"] < 0.5 or host_contention(f) for f in tables["findings"]), \
+        tables["findings"]
     assert pipeline.stats()["auto_profile"]["requested"] == 0
