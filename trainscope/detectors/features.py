@@ -97,8 +97,8 @@ def _steps_per_rank(view: WindowView) -> pd.Series:
     else:
         s = view.summaries
         counts = s[s["layer"] == "step"].groupby("rank")["count"].sum()
-    ranks = pd.Index(np.union1d(pd.unique(view.summaries["rank"].to_numpy()),
-                                counts.index.to_numpy()).astype(np.int64), name="rank")
+    # The ranks counted are among the window's: those with steps, or with summaries.
+    ranks = pd.Index(view.ranks(), name="rank")
     return counts.reindex(ranks, fill_value=0).clip(lower=1).astype(float)
 
 
@@ -123,13 +123,16 @@ def own_work_columns(columns: pd.Index | list) -> list:
 
 
 def group_codes(layout: pd.DataFrame, keys: list[str]) -> pd.Series:
-    """Per rank of ``layout`` (index), a code shared by the ranks with the same ``keys`` values,
-    in the order of those values; NaN for a rank without them (outside the declared topology:
-    in no group). One code for all when ``keys`` is empty (the whole job)."""
+    """Per rank of ``layout`` (index), an integer shared by the ranks with the same ``keys``
+    values, in the order of those values. A rank without them (outside the declared topology)
+    gets a negative code of its own: it shares a group with no one. One code for all when
+    ``keys`` is empty (the whole job)."""
     if not keys:
-        return pd.Series(0, index=layout.index)
-    codes = layout.groupby(keys, sort=True, dropna=True).ngroup()
-    return codes.where(layout[keys].notna().all(axis=1))
+        return pd.Series(0, index=layout.index, dtype=np.int64)
+    codes = np.array(layout.groupby(keys, sort=True, dropna=True).ngroup(), dtype=float)
+    unknown = np.isnan(codes)
+    codes[unknown] = -1 - np.flatnonzero(unknown)
+    return pd.Series(codes.astype(np.int64), index=layout.index)
 
 
 def per_step_times(view: WindowView) -> pd.DataFrame:
@@ -148,20 +151,13 @@ def _per_step_times(view: WindowView) -> pd.DataFrame:
 
 
 def runqueue_wait_per_step(view: WindowView) -> pd.Series:
-    """ns per step each rank spent runnable without a CPU (index rank; empty when not measured).
-
-    The agent's process-wide figure and the producer's training-thread one cover the same
-    waiting (the thread is part of the process): the larger is taken, never their sum.
-    """
-    s = view.summaries
-    if s.empty:
-        return pd.Series(dtype=float)
-    sched = s[(s["layer"] == m.SCHED_LAYER) & s["name"].isin(m.RUNQUEUE_WAIT_FUNCTIONS)]
-    if sched.empty:
-        return pd.Series(dtype=float)
-    per_name = sched.groupby(["rank", "name"])["total_ns"].sum().unstack("name")
-    waited = per_name.max(axis=1)
-    return waited.div(steps_per_rank(view).reindex(waited.index, fill_value=1.0))
+    """ns per step each rank spent runnable without a CPU (index rank; empty when not measured):
+    the agent's figure when it came, else the producer's (the same waiting, never added)."""
+    table = view.derived("per_step_times", _per_step_times)
+    for name in m.RUNQUEUE_WAIT_FUNCTIONS:  # the agent's first
+        if (m.SCHED_LAYER, name) in table.columns:
+            return table[(m.SCHED_LAYER, name)]
+    return pd.Series(dtype=float)
 
 
 def per_call_bandwidth(view: WindowView) -> pd.DataFrame:

@@ -33,6 +33,7 @@ from trainscope.detectors.features import (
     OWN_WORK_CATEGORY,
     WAIT_LAYERS,
     gpu_evidence,
+    group_codes,
     honest_category,
     metric_means,
     own_work_columns,
@@ -574,12 +575,11 @@ class _Groups:
         self.ranks = layout.index.to_numpy()
         self.position = {int(r): i for i, r in enumerate(self.ranks)}
         # A rank outside the declared topology has no coordinates (NaN): it shares no group.
-        stage, dp, tp = (layout[c].to_numpy(dtype=float) for c in ("pp_stage", "dp_rank",
-                                                                    "tp_rank"))
-        self.stage = stage
-        self.tp_group = _group_codes(stage, dp)
-        self.dp_group = _group_codes(stage, tp)
-        self.pp_group = _group_codes(dp, tp)
+        self.stage = layout["pp_stage"].to_numpy(dtype=float)
+        self.tp_group, self.dp_group, self.pp_group = (
+            group_codes(layout, keys).to_numpy()
+            for keys in (["pp_stage", "dp_rank"], ["pp_stage", "tp_rank"],
+                         ["dp_rank", "tp_rank"]))
         self.waits = waits
         # Each rank's collective time, by position; NaN for a rank that has none.
         self.wait_at = waits.reindex(layout.index).to_numpy(dtype=float)
@@ -604,17 +604,6 @@ class _Groups:
         key = int(self.pp_group[i])
         return [r for st in (self.stage[i] - 1, self.stage[i] + 1)
                 if (r := self._by_pipeline.get((key, int(st)))) is not None]
-
-
-def _group_codes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """One integer per distinct (a, b) pair; a row with an unknown (NaN) coordinate gets a
-    code of its own, so that it shares a group with no other rank."""
-    unknown = np.isnan(a) | np.isnan(b)
-    _, codes = np.unique(np.stack([np.nan_to_num(a), np.nan_to_num(b)], axis=1), axis=0,
-                         return_inverse=True)
-    codes = codes.ravel().astype(np.int64)
-    codes[unknown] = -1 - np.flatnonzero(unknown)
-    return codes
 
 
 class _LargerElsewhere:

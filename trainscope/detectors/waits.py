@@ -315,7 +315,6 @@ class WaitDetector:
         # thousands of groups); only the few late ranks are then looked at one by one.
         valid = total.dropna()
         codes = groups.reindex(valid.index)
-        valid, codes = valid[codes.notna()], codes[codes.notna()]
         large = codes.map(codes.value_counts()) >= MIN_GROUP_SIZE
         valid, codes = valid[large], codes[large]
         if valid.empty:
