@@ -80,7 +80,7 @@ def _folded(finding: Finding, alerts: list[Finding]) -> Finding:
                 and not finding.evidence.get("per_token")):
             why = ("the job's seq-imbalance (this rank drew longer sequences or more data "
                    "than its peers)")
-        elif (_takes_turns(cause) and cause.category == "cpu-contention"
+        elif (cause.category == "cpu-contention" and cause.rank < 0
                 and finding.category in _LONGER_SEQUENCE_SYMPTOMS and finding.rank in cause.ranks):
             why = "the job's cpu-contention (its ranks take turns waiting for a CPU)"
         elif (cause.category == "stage-imbalance" and finding.category in _STAGE_SYMPTOMS

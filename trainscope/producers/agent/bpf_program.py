@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainscope.schemas.metrics import RUNQUEUE_WAIT, SCHED_LAYER
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -47,9 +49,9 @@ PROBES: tuple[Probe, ...] = (
     Probe("ncclRecv", "nccl", "collective", count_arg=2, dtype_arg=3),
 )
 
-# Scheduler pseudo-functions (layer "sched"), indices after the probes.
+# Scheduler pseudo-functions (layer SCHED_LAYER), indices after the probes.
 SCHED_OFF_CPU = "off_cpu"  # blocked: sleeping, waiting for I/O, a lock or the GPU driver
-SCHED_RUNQUEUE = "runqueue_wait"  # runnable but preempted: waiting for a CPU (contention)
+SCHED_RUNQUEUE = RUNQUEUE_WAIT  # runnable but preempted: waiting for a CPU (contention)
 SCHED_FUNCTIONS = (SCHED_OFF_CPU, SCHED_RUNQUEUE)
 
 HIST_SLOTS = 64
@@ -57,7 +59,7 @@ HIST_SLOTS = 64
 
 def function_table() -> list[tuple[str, str]]:
     """(layer, name) per function index used in the BPF maps."""
-    return [(p.layer, p.name) for p in PROBES] + [("sched", n) for n in SCHED_FUNCTIONS]
+    return [(p.layer, p.name) for p in PROBES] + [(SCHED_LAYER, n) for n in SCHED_FUNCTIONS]
 
 
 _HEADER = r"""

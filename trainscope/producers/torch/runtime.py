@@ -59,7 +59,7 @@ class Attachment:
             self.forward_log, self.backward_log, self.optimizer_log, self.dataloader_log,
             self.gc_log,
         )
-        # attach() runs on the training thread: the thread whose wait for a CPU is read.
+        # This process's wait for a CPU, read by the sender thread (producers/torch/schedstat.py).
         self.runqueue = RunQueueClock()
         self.bus_url, factory, owns = _bus_factory(bus if bus is not None else options.bus_url)
         self._bus_factory = factory
