@@ -17,8 +17,11 @@ Printed: median and min–max over the rounds.
 
 Targets (issue 24): ≤ 20 µs per step at 1–2 ms steps, ratio ≤ 1.004 at ~20 ms steps.
 
+The model is a class of the script's own around a 3-layer MLP (``--sequential``: the bare
+``nn.Sequential``, one of torch's own classes, whose forward is timed by module hooks instead).
+
 Usage: ``python benchmarks/bench_torch_overhead.py [--rounds 15] [--sizes 256x48:200,1024x128:15]
-[--profilers] [--device cuda]``.
+[--block-s 4] [--profilers] [--device cuda] [--sequential]``.
 """
 
 from __future__ import annotations
@@ -39,12 +42,24 @@ from trainscope.schemas.records import ControlMessage
 from trainscope.transport.memory import MemoryBus
 
 
-def make_loop(width: int, batch: int, device: str = "cpu") -> Callable[[int], list[int]]:
-    model = torch.nn.Sequential(
-        torch.nn.Linear(width, width), torch.nn.ReLU(),
-        torch.nn.Linear(width, width), torch.nn.ReLU(),
-        torch.nn.Linear(width, 10),
-    ).to(device)
+class MLP(torch.nn.Module):
+    """The script's own model class, as in a real training script."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(width, width), torch.nn.ReLU(),
+            torch.nn.Linear(width, width), torch.nn.ReLU(),
+            torch.nn.Linear(width, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def make_loop(width: int, batch: int, device: str = "cpu",
+              sequential: bool = False) -> Callable[[int], list[int]]:
+    model = (MLP(width).body if sequential else MLP(width)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     data = torch.utils.data.TensorDataset(torch.randn(batch * 8, width),
                                           torch.randint(0, 10, (batch * 8,)))
@@ -157,6 +172,12 @@ def bench_size(run: Callable[[int], list[int]], configs: dict[str, Callable[[], 
                args: argparse.Namespace, steps: int, rng: random.Random) -> None:
     """Long because it runs the interleaved rounds and prints their three figures."""
     run(args.warmup)
+    if args.block_s:
+        # Blocks long against the sender thread's period (0.5 s) and the window (2 s): a
+        # block's figure then holds its fair share of that periodic work, not all or none.
+        sample = run(50)
+        steps = max(10, round(args.block_s / (statistics.median(sample) / 1e9)))
+        print(f"  {steps} steps per block (about {args.block_s:g} s)")
     costs: dict[str, list[float]] = {name: [] for name in configs}
     quiet: dict[str, list[float]] = {name: [] for name in configs}
     ratios: dict[str, list[float]] = {name: [] for name in configs}
@@ -190,12 +211,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--sizes", default="256x48:200,1024x128:15",
                         help="model width x batch size : steps per block, comma-separated")
+    parser.add_argument("--block-s", type=float, default=0.0,
+                        help="steps per block chosen to last about this long (overrides the "
+                             "steps of --sizes)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cpu", type=int, default=None,
                         help="the core to pin to (default: the last one allowed)")
     parser.add_argument("--profilers", action="store_true",
                         help="also measure torch.profiler and an on-demand profiling window")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
+    parser.add_argument("--sequential", action="store_true",
+                        help="the model is a bare nn.Sequential (one of torch's own classes at "
+                             "the top: its forward is timed by module hooks)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pinned = pin_to_one_core(args.cpu)
@@ -212,8 +239,10 @@ def main() -> None:
     for size in args.sizes.split(","):
         shape, _, steps = size.partition(":")
         width, batch = (int(v) for v in shape.split("x"))
-        print(f"\nMLP width {width}, batch {batch}, {int(steps or 40)} steps per block")
-        bench_size(make_loop(width, batch, device), configs, args, int(steps or 40), rng)
+        per_block = "" if args.block_s else f", {int(steps or 40)} steps per block"
+        print(f"\nMLP width {width}, batch {batch}{per_block}")
+        bench_size(make_loop(width, batch, device, args.sequential), configs, args,
+                   int(steps or 40), rng)
 
 
 if __name__ == "__main__":

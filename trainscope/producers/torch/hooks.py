@@ -1,9 +1,11 @@
 """The always-on hooks that need no change to the training script.
 
 - forward/backward of the top-level model: global module hooks find the outermost module with
-  trainable parameters during the first step, then are replaced by hooks on that module only
-  (global hooks put every submodule call on PyTorch's slow path, which would cost ~1%); a step
-  with no forward of that module starts discovery again (the script switched models);
+  trainable parameters during the first step, then are replaced by a wrapper of that module's
+  class ``forward`` (see :func:`_forward_wrapper`), or by hooks on that module only where its
+  class is one of torch's own (global hooks put every submodule call on PyTorch's slow path,
+  which would cost ~1%); a step with no forward of that module starts discovery again (the
+  script switched models);
 - backward: see :mod:`trainscope.producers.torch.backward` (two persistent parameter hooks once
   calibrated; a hook on the forward's output and an autograd-engine callback until then);
 - optimizer.step: the global optimizer step hooks; its end is also the step boundary;
@@ -18,9 +20,12 @@ per timing point, nothing allocated per step that could be reused.
 
 from __future__ import annotations
 
+import functools
 import gc
+import inspect
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -37,14 +42,69 @@ _Tensor = torch.Tensor
 
 
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> torch.Tensor | None:
-    if args and type(args[0]) is _Tensor:  # the common case, without building a tuple
-        return args[0]
     for value in (*args, *(kwargs or {}).values()):
         if isinstance(value, torch.Tensor):
             return value
         if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor):
             return value[0]
     return None
+
+
+def _forward_wrapper(original: types.FunctionType, hooks: ModelHooks) -> types.FunctionType:
+    """``original`` (a model class's ``forward``) timed by ``hooks`` when a top model calls it.
+
+    Why a wrapper on the class rather than module hooks: any hook on a module puts its call on
+    PyTorch's slow path (``Module._call_impl`` with hooks: a closure, a set, the hook dicts
+    walked), which cost 2–7 µs per step in a real training loop, about as much as the timing
+    itself. On the class rather than the instance: an instance attribute would be copied by
+    ``copy.deepcopy`` (an EMA copy's forward would run the original model) and could not be
+    pickled. Instances of the class that are not a top model pay one call and a set look-up.
+    Each Python call on this path costs about 1 µs per step in a real loop (cold caches), so
+    the checks are inline and the timing is two calls, each catching what it raises.
+
+    The function is rebuilt with ``original``'s globals and metadata so that what inspects a
+    model's forward sees the user's: ``inspect.signature`` follows ``__wrapped__``, and
+    ``torch.jit.script`` compiles the original source and resolves its names in the original
+    module. The wrapper's own code therefore names no global (``id`` comes in the closure: the
+    user's module may define one).
+    """
+    _id = id
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if hooks._current is None and _id(self) in hooks._top_ids:
+            hooks._begin(self, args, kwargs)
+            if hooks._current is self:
+                output = None
+                try:
+                    output = original(self, *args, **kwargs)
+                    return output
+                finally:
+                    hooks._end(output)
+        return original(self, *args, **kwargs)
+
+    rebuilt = types.FunctionType(
+        forward.__code__, original.__globals__, original.__name__, None, forward.__closure__
+    )
+    functools.update_wrapper(rebuilt, original)
+    rebuilt.__trainscope_original__ = original  # type: ignore[attr-defined]
+    return rebuilt
+
+
+def _replaceable_forward(module: torch.nn.Module) -> types.FunctionType | None:
+    """The class ``forward`` of ``module`` if it may be wrapped, else None (hook the module).
+
+    Not: torch's own classes (``Sequential``, a compiled module's wrapper: shared by every
+    model in the process), a module whose instance has its own ``forward`` (set by a library
+    such as Accelerate: the class's would not run), a ``forward`` that is not a plain function,
+    or one already wrapped.
+    """
+    cls = type(module)
+    if cls.__module__.split(".", 1)[0] == "torch" or "forward" in module.__dict__:
+        return None
+    original = inspect.getattr_static(cls, "forward", None)
+    if type(original) is not types.FunctionType or hasattr(original, "__trainscope_original__"):
+        return None
+    return original
 
 
 class ModelHooks:
@@ -54,6 +114,9 @@ class ModelHooks:
         self.att = att
         self._global_handles: list[Any] = []
         self._module_handles: list[Any] = []
+        # Classes whose forward is wrapped: (class, its own forward attribute or None).
+        self._wrapped_classes: list[tuple[type, Any]] = []
+        self._top_ids: set[int] = set()  # the settled top modules (hooked or wrapped)
         self._tops: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._trainable: weakref.WeakKeyDictionary[torch.nn.Module, bool] = (
             weakref.WeakKeyDictionary()
@@ -94,7 +157,20 @@ class ModelHooks:
             handle.remove()
         self._global_handles = []
         self._module_handles = []
+        self._unwrap_forwards()
         self.backward.remove_hooks()
+
+    def _unwrap_forwards(self) -> None:
+        self._top_ids = set()  # a wrapper left in place (see below) now only passes through
+        for cls, own in self._wrapped_classes:
+            current = cls.__dict__.get("forward")
+            if getattr(current, "__trainscope_original__", None) is None:
+                continue  # replaced since by someone else, who may call ours: left as it is
+            if own is None:
+                delattr(cls, "forward")
+            else:
+                cls.forward = own
+        self._wrapped_classes = []
 
     def on_step_end(self) -> None:
         """At a step boundary: settle on the models found, or look again if they stopped running.
@@ -110,6 +186,7 @@ class ModelHooks:
             for handle in self._module_handles:
                 handle.remove()
             self._module_handles = []
+            self._unwrap_forwards()
             self._tops = weakref.WeakSet()
             self._wrappers = weakref.WeakSet()
             self.backward.reset()
@@ -125,6 +202,9 @@ class ModelHooks:
         for wrapper in list(self._wrappers):
             self._module_handles.append(wrapper.register_forward_pre_hook(self._wrapper_pre))
         for module in list(self._tops):
+            self._top_ids.add(id(module))
+            if self._wrap_forward(module):
+                continue
             self._module_handles.append(
                 module.register_forward_pre_hook(self._module_pre, with_kwargs=True)
             )
@@ -132,6 +212,16 @@ class ModelHooks:
                 module.register_forward_hook(self._module_post, always_call=True)
             )
         self.backward.settle(list(self._tops))
+
+    def _wrap_forward(self, module: torch.nn.Module) -> bool:
+        original = _replaceable_forward(module)
+        if original is None:
+            return False
+        cls = type(module)
+        if all(c is not cls for c, _ in self._wrapped_classes):
+            self._wrapped_classes.append((cls, cls.__dict__.get("forward")))
+            cls.forward = _forward_wrapper(original, self)
+        return True
 
     # -- discovery phase: global hooks ----------------------------------------------------------
 
@@ -168,57 +258,66 @@ class ModelHooks:
             self._wrapper_start_ns = time.time_ns()
             self.att.on_forward_begin(module)
 
-    # -- settled phase: hooks on the top-level modules only -------------------------------------
+    # -- settled phase: hooks on the top-level modules, or their class forward wrapped ----------
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModelHooks:
+        """A deep copy of a hooked model (an EMA copy) shares these hooks, which ignore it."""
+        return self
 
     def _module_pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        try:
-            if self._current is None:
-                self._begin(module, args, kwargs)
-        except Exception as exc:
-            self.att.guard.report("forward hook", exc)
+        if self._current is None and id(module) in self._top_ids:
+            self._begin(module, args, kwargs)
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if module is self._current:
+            self._end(output)
+
+    # -- shared: the start and end of a top model's forward (each catches what it raises) ------
+    def _begin(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         try:
-            if module is self._current:
-                self._end(output)
+            now = time.time_ns()
+            self._current = module
+            self._depth = 0
+            self._forward_start_ns = now
+            att = self.att
+            if self._wrapper_start_ns:
+                wrapper_start, self._wrapper_start_ns = self._wrapper_start_ns, 0
+                att.record("collective", "ddp_pre_forward", wrapper_start, now - wrapper_start)
+            steps = att.steps
+            if not steps.start_ns:
+                steps.start_ns = now
+                att.recorder.step_started(now)
+            # The common case inline, without a call or building a tuple.
+            first = args[0] if args and type(args[0]) is _Tensor else _first_tensor(args, kwargs)
+            if first is not None:
+                shape = first.shape
+                if shape:
+                    tokens = (first.numel() if len(shape) >= 2 and not first.is_floating_point()
+                              else 0)
+                    steps.add_samples(int(shape[0]), int(tokens))
+            if id(module) not in att._ddp_seen:
+                att.on_forward_begin(module)
         except Exception as exc:
             self.att.guard.report("forward hook", exc)
 
-    # -- shared -------------------------------------------------------------------------------
-    def _begin(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        now = time.time_ns()
-        self._current = module
-        self._depth = 0
-        self._forward_start_ns = now
-        att = self.att
-        if self._wrapper_start_ns:
-            wrapper_start, self._wrapper_start_ns = self._wrapper_start_ns, 0
-            att.record("collective", "ddp_pre_forward", wrapper_start, now - wrapper_start)
-        steps = att.steps
-        if not steps.start_ns:
-            steps.start_ns = now
-            att.recorder.step_started(now)
-        first = _first_tensor(args, kwargs)
-        if first is not None and first.dim() >= 1:
-            tokens = first.numel() if first.dim() >= 2 and not first.is_floating_point() else 0
-            steps.add_samples(int(first.shape[0]), int(tokens))
-        if id(module) not in att._ddp_seen:
-            att.on_forward_begin(module)
-
     def _end(self, output: Any) -> None:
-        now = time.time_ns()
-        start = self._forward_start_ns
-        self._current = None
-        self._depth = 0
-        self._forwards_in_step += 1
-        self.backward.arm(output)  # first: a failure to record the forward must not skip it
-        att = self.att
-        if att.active:
-            pairs = att.forward_log.pairs
-            pairs.append(start)
-            pairs.append(now - start)
-            if att.optrace is not None:
-                att.on_forward_end(start, now)
+        try:
+            now = time.time_ns()
+            start = self._forward_start_ns
+            self._current = None
+            self._depth = 0
+            self._forwards_in_step += 1
+            if self.backward.mode != PARAMETERS:
+                self.backward.arm(output)  # first: a failure to record the forward must not skip it
+            att = self.att
+            if att.active:
+                pairs = att.forward_log.pairs
+                pairs.append(start)
+                pairs.append(now - start)
+                if att.optrace is not None:
+                    att.on_forward_end(start, now)
+        except Exception as exc:
+            self.att.guard.report("forward hook", exc)
 
 
 def install_optimizer_hooks(att: Attachment) -> Uninstall:

@@ -37,8 +37,8 @@ class Attachment:
     spans per epoch-aligned window, the step tracker, the :class:`Sender` (this rank's outbox
     and its thread), the control listener that turns on profiling on request, the profiler
     controller and the guard that counts whatever failed inside trainscope. The training thread
-    only appends to the recorder and the sender's queue; ``stats()`` and ``detach()`` are the
-    user's handle.
+    only appends to the recorder, the phase and step logs and the sender's queue; ``stats()``
+    and ``detach()`` are the user's handle.
     """
 
     def __init__(self, options: Options, bus: Bus | str | None = None) -> None:
@@ -165,6 +165,7 @@ class Attachment:
         self.recorder.reset_after_fork()
         for phase in self.phase_logs:
             phase.clear()
+        self.steps.clear()
         self.runqueue.disable()
         self.sender.reset_after_fork()
         self.control = None
@@ -233,15 +234,15 @@ class Attachment:
     def end_step(self, now_ns: int, samples: int | None = None, tokens: int | None = None) -> None:
         if not self.active:
             return
-        record = self.steps.end(now_ns, samples, tokens)
+        step = self.steps.end(now_ns, samples, tokens)  # its record is built by the sender
         self.recorder.step_started(now_ns)  # the next step's spans go to its window
-        self.sender.submit(record)
-        if not record.step & 1023:
+        if not step & 1023:
+            self.steps.bound()
             for phase in self.phase_logs:
                 phase.bound()
         if self.optrace is not None:
             try:
-                self.optrace.end_step(record.step)
+                self.optrace.end_step(step)
             except Exception as exc:
                 self.guard.report("op trace", exc)
         self.model_hooks.on_step_end()
@@ -250,12 +251,12 @@ class Attachment:
     # -- sender thread ------------------------------------------------------------------------
     def _closed_windows(self, final: bool) -> list[Any]:
         recorder = self.recorder
+        out: list[Any] = self.steps.drain()
         for phase in self.phase_logs:
             phase.drain_into(recorder)
         if self.active:
             self.runqueue.sample_into(recorder, self.steps.step)
         taken = recorder.take_all() if final else recorder.take_closed(time.time_ns())
-        out: list[Any] = []
         for window_start, functions in taken:
             out.extend(
                 recorder.summaries(self.options.job_id, self.options.rank, window_start, functions)
@@ -308,6 +309,8 @@ class Attachment:
         without a bus, ``records_abandoned`` at detach) + ``records_queued`` (held now, of which
         ``records_in_flight`` await the broker's verdict); ``records_sent`` (sends, a retry
         counts again) = ``records_acked`` + ``records_send_failures`` + ``records_in_flight``.
+        Step records are submitted by the sender thread, within a round (0.5 s) of their step's
+        end; ``steps_dropped`` counts those cleared before that because too many waited.
         """
         sender = self.sender.stats()
         return {
@@ -316,6 +319,7 @@ class Attachment:
             "bus": self.bus_url,
             "active": self.active,
             "steps": self.steps.step,
+            "steps_dropped": self.steps.dropped,
             "spans_recorded": self.recorder.recorded
             + sum(phase.pending() for phase in self.phase_logs),
             "spans_dropped": sum(phase.dropped for phase in self.phase_logs),
