@@ -91,7 +91,7 @@ def test_a_wrapped_model_can_be_copied_pickled_scripted_and_inspected(attach, me
     assert att.stats()["errors"] == 0
 
 
-def test_a_torch_class_at_the_top_is_hooked_and_its_deep_copy_is_ignored(
+def test_a_torch_class_at_the_top_is_hooked_and_can_be_copied_and_pickled(
         attach, memory_bus) -> None:
     att = attach()
     model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -99,8 +99,11 @@ def test_a_torch_class_at_the_top_is_hooked_and_its_deep_copy_is_ignored(
     _train(model, steps=6, ema=ema)
     assert model._forward_pre_hooks
     assert getattr(torch.nn.Sequential.forward, "__trainscope_original__", None) is None
+    x = torch.randn(4, 16)
+    expected = model(x)
+    assert torch.equal(pickle.loads(pickle.dumps(model))(x), expected)  # loaded: inert hooks
     att.detach()
-    assert _forwards(read_records(memory_bus)) == 6
+    assert _forwards(read_records(memory_bus)) == 7
     assert att.stats()["errors"] == 0
 
 

@@ -264,6 +264,10 @@ class ModelHooks:
         """A deep copy of a hooked model (an EMA copy) shares these hooks, which ignore it."""
         return self
 
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        """A pickled hooked model is loaded with hooks that do nothing (not with our lock)."""
+        return _InertModelHooks, ()
+
     def _module_pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if self._current is None and id(module) in self._top_ids:
             self._begin(module, args, kwargs)
@@ -318,6 +322,16 @@ class ModelHooks:
                     att.on_forward_end(start, now)
         except Exception as exc:
             self.att.guard.report("forward hook", exc)
+
+
+class _InertModelHooks:
+    """What the module hooks of a model pickled while attached become when it is loaded."""
+
+    def _module_pre(self, module: Any, args: Any, kwargs: Any) -> None:
+        return None
+
+    def _module_post(self, module: Any, args: Any, output: Any) -> None:
+        return None
 
 
 def install_optimizer_hooks(att: Attachment) -> Uninstall:
