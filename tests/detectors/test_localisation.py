@@ -44,6 +44,19 @@ def test_rank_faults_are_localised(fault: str, rank: int, category: str) -> None
     assert (top.rank, top.category) == (rank, category), [s.as_json() for s in suspects]
 
 
+@pytest.mark.parametrize(("every", "seed"), [(2, 23011), (5, 11)])
+def test_gc_pauses_of_10_ms_per_step_are_found(every: int, seed: int) -> None:
+    """Work the ranks hardly do: 10.5 ms per step on average is 1.3% of this job's 0.8-s step,
+    within the step's noise floor for work every rank does, well above it for GC pauses. The
+    first case was the fault sweep's one miss (seed 23): alerted in two windows at 0.52-0.53."""
+    suspects, _ = diagnose_run(
+        [f"gc-pause:rank=27,ms={int(10.5 * every)},every={every},start=58"], seed=seed,
+        every_detector=True, dp=4, pp=2, tp=4)
+    assert suspects, "no alert"
+    assert (suspects[0].rank, suspects[0].category) == (27, "python-gc"), [
+        s.as_json() for s in suspects]
+
+
 def test_victims_are_named_and_are_not_suspects() -> None:
     suspects, _ = diagnose_run(["slow-gpu:rank=2,factor=1.5"])
     assert suspects[0].rank == 2

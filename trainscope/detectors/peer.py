@@ -311,12 +311,18 @@ class PeerDiffDetector:
     def _own_work_suspects(
         self, table: pd.DataFrame, stage: pd.Series, tokens: pd.Series | None, step_ns: float
     ) -> list[_Suspect]:
-        floor = NOISE_FLOOR_STEP_FRAC * step_ns
+        step_floor = NOISE_FLOOR_STEP_FRAC * step_ns
+        min_excess = self._min_excess(step_ns)
         history = self._history_reference(table)
         suspects: list[_Suspect] = []
         for layer, name in own_work_columns(table.columns):
             category = OWN_WORK_CATEGORY[layer]
             x = table[(layer, name)]
+            # Work the ranks hardly do at all (GC pauses, mostly) has no wobble that scales with
+            # the step: there, time enough to report (min_excess) is evidence enough, and the
+            # step's noise floor would hide a 10-ms pause per step in a long step.
+            absent = float(x.median()) <= ABSENT_ON_PEERS_FRAC * min_excess
+            floor = min_excess / self.z_full if absent else step_floor
             # Compare compute per token: longer sequences are not a slower GPU.
             per_token = tokens is not None and category == "gpu-compute"
             scale = tokens / tokens.median() if per_token else pd.Series(1.0, index=x.index)
