@@ -52,7 +52,7 @@ def test_a_failing_hook_is_counted_and_logged_once_but_never_raises(
     monkeypatch.setattr(att.recorder, "add", broken)
     monkeypatch.setattr(att.steps, "add_samples", broken)
     for phase in att.phase_logs:  # the per-step hooks' own path, on the training thread
-        monkeypatch.setattr(phase, "pairs", BrokenLog("q"))
+        monkeypatch.setattr(phase, "values", BrokenLog("q"))
     with caplog.at_level(logging.WARNING, logger="trainscope"):
         train(TinyModel(), steps=8)  # must not raise
     stats = att.stats()

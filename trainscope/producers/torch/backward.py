@@ -143,7 +143,7 @@ class BackwardTimer:
             start = self._start_ns
             att = self.att
             if att.active:
-                pairs = att.backward_log.pairs
+                pairs = att.backward_log.values
                 pairs.append(start)
                 pairs.append(end - start)
                 if att.optrace is not None:

@@ -315,7 +315,7 @@ class ModelHooks:
                 self.backward.arm(output)  # first: a failure to record the forward must not skip it
             att = self.att
             if att.active:
-                pairs = att.forward_log.pairs
+                pairs = att.forward_log.values
                 pairs.append(start)
                 pairs.append(now - start)
                 if att.optrace is not None:
@@ -355,7 +355,7 @@ def install_optimizer_hooks(att: Attachment) -> Uninstall:
         try:
             start = starts.pop(id(optimizer), now)
             if att.active:
-                pairs = att.optimizer_log.pairs
+                pairs = att.optimizer_log.values
                 pairs.append(start)
                 pairs.append(now - start)
         except Exception as exc:
@@ -398,7 +398,7 @@ def install_dataloader_hook(att: Attachment) -> Uninstall:
                     if not steps.start_ns:
                         steps.start_ns = start
                         att.recorder.step_started(start)
-                    pairs = att.dataloader_log.pairs
+                    pairs = att.dataloader_log.values
                     pairs.append(start)
                     pairs.append(end - start)
             except Exception as exc:
@@ -435,7 +435,7 @@ def install_gc_hook(att: Attachment) -> Uninstall:
         # step's cost, and in windows without steps it would read as a cost per step.
         if start and att.active and att.steps.start_ns:
             # Collections do not nest, so nothing else appends to this log between the two.
-            pairs = att.gc_log.pairs
+            pairs = att.gc_log.values
             pairs.append(start)
             pairs.append(time.time_ns() - start)
 

@@ -165,7 +165,7 @@ class Attachment:
         self.recorder.reset_after_fork()
         for phase in self.phase_logs:
             phase.clear()
-        self.steps.clear()
+        self.steps.log.clear()
         self.runqueue.disable()
         self.sender.reset_after_fork()
         self.control = None
@@ -237,7 +237,7 @@ class Attachment:
         step = self.steps.end(now_ns, samples, tokens)  # its record is built by the sender
         self.recorder.step_started(now_ns)  # the next step's spans go to its window
         if not step & 1023:
-            self.steps.bound()
+            self.steps.log.bound()
             for phase in self.phase_logs:
                 phase.bound()
         if self.optrace is not None:
@@ -319,7 +319,7 @@ class Attachment:
             "bus": self.bus_url,
             "active": self.active,
             "steps": self.steps.step,
-            "steps_dropped": self.steps.dropped,
+            "steps_dropped": self.steps.log.dropped,
             "spans_recorded": self.recorder.recorded
             + sum(phase.pending() for phase in self.phase_logs),
             "spans_dropped": sum(phase.dropped for phase in self.phase_logs),

@@ -25,36 +25,61 @@ from trainscope.schemas.recorder import WindowRecorder
 MAX_PENDING_PAIRS = 1 << 20
 
 
-class PhaseLog:
-    """One fixed phase (``layer``/``name``): its ``start_ns, duration_ns`` pairs not yet drained."""
+class IntLog:
+    """Records of ``width`` integers appended on the training thread, taken by the sender.
 
-    __slots__ = ("dropped", "layer", "name", "pairs")
+    The training thread appends whole records to ``values`` (C-level appends: no lock, nothing
+    allocated per record); :meth:`take` removes the complete records it measured first. Past
+    ``max_pending`` records waiting, :meth:`bound` clears the log and counts them dropped.
+    """
 
-    def __init__(self, layer: str, name: str) -> None:
-        self.layer = layer
-        self.name = name
-        self.pairs = array("q")
+    __slots__ = ("dropped", "max_pending", "values", "width")
+
+    def __init__(self, width: int, max_pending: int) -> None:
+        self.width = width
+        self.max_pending = max_pending
+        self.values = array("q")
         self.dropped = 0
 
     def pending(self) -> int:
-        return len(self.pairs) // 2
+        return len(self.values) // self.width
 
     def bound(self) -> None:
-        """Clear the log when it holds more than :data:`MAX_PENDING_PAIRS` (training thread)."""
-        pairs = self.pairs
-        if len(pairs) > 2 * MAX_PENDING_PAIRS:
-            n = len(pairs) & ~1
-            del pairs[:n]
-            self.dropped += n // 2
+        """Clear the log when it holds more than ``max_pending`` records (training thread)."""
+        values = self.values
+        if len(values) > self.width * self.max_pending:
+            n = len(values) - len(values) % self.width
+            del values[:n]
+            self.dropped += n // self.width
+
+    def take(self) -> array:
+        """The complete records waiting, removed from the log (sender thread); a record whose
+        last values are not appended yet stays for next time."""
+        values = self.values
+        n = len(values) - len(values) % self.width
+        chunk = values[:n]
+        del values[:n]
+        return chunk
+
+    def clear(self) -> None:
+        del self.values[:]
+
+
+class PhaseLog(IntLog):
+    """One fixed phase (``layer``/``name``): its ``start_ns, duration_ns`` pairs not yet drained."""
+
+    __slots__ = ("layer", "name")
+
+    def __init__(self, layer: str, name: str) -> None:
+        super().__init__(2, MAX_PENDING_PAIRS)
+        self.layer = layer
+        self.name = name
 
     def drain_into(self, recorder: WindowRecorder) -> int:
         """Move the complete pairs to ``recorder`` (sender thread); returns how many."""
-        pairs = self.pairs
-        n = len(pairs) & ~1  # a start appended without its duration yet stays for next time
-        if not n:
+        chunk = self.take()
+        if not chunk:
             return 0
-        chunk = pairs[:n]
-        del pairs[:n]
         starts = chunk[0::2]
         durations = chunk[1::2]
         first = recorder.window_of(min(starts))
@@ -63,7 +88,4 @@ class PhaseLog:
         else:  # the chunk straddles a window boundary: span by span
             for start, duration in zip(starts, durations, strict=True):
                 recorder.add(self.layer, self.name, start, duration)
-        return n // 2
-
-    def clear(self) -> None:
-        del self.pairs[:]
+        return len(chunk) // 2

@@ -7,8 +7,8 @@ garbage-collected the next one to step takes over), or at the end of an explicit
 A step starts where the previous one ended (so data-loading time between iterations belongs to
 the step), the very first at the first sign of training activity.
 
-The training thread only appends a step's five integers to one ``array('q')`` (as the phase
-logs of :mod:`.spanlog` do for spans); the sender thread builds the :class:`StepRecord` objects
+The training thread only appends a step's five integers to an :class:`~.spanlog.IntLog` (as
+the phase logs do for spans); the sender thread builds the :class:`StepRecord` objects
 from them. Building a record and taking the outbox's lock on every step cost more than every
 other part of the step boundary together.
 """
@@ -16,9 +16,9 @@ other part of the step boundary together.
 from __future__ import annotations
 
 import weakref
-from array import array
 from typing import Any
 
+from trainscope.producers.torch.spanlog import IntLog
 from trainscope.schemas.records import StepRecord
 
 # Integers per step in the log: step, start_ns, duration_ns, samples, tokens.
@@ -38,8 +38,7 @@ class StepTracker:
         self.start_ns = 0
         self._samples = 0
         self._tokens = 0
-        self.log = array("q")
-        self.dropped = 0
+        self.log = IntLog(_FIELDS, MAX_PENDING_STEPS)
 
     def activity(self, now_ns: int) -> None:
         if not self.start_ns:
@@ -53,7 +52,7 @@ class StepTracker:
         """End the step in progress at ``now_ns`` (training thread); returns its number."""
         start = self.start_ns or now_ns
         step = self.step
-        self.log.extend((
+        self.log.values.extend((
             step,
             start,
             now_ns - start if now_ns > start else 0,
@@ -66,37 +65,12 @@ class StepTracker:
         self._tokens = 0
         return step
 
-    def pending(self) -> int:
-        return len(self.log) // _FIELDS
-
-    def bound(self) -> None:
-        """Clear the log when it holds more than :data:`MAX_PENDING_STEPS` (training thread)."""
-        log = self.log
-        if len(log) > _FIELDS * MAX_PENDING_STEPS:
-            n = len(log) - len(log) % _FIELDS
-            del log[:n]
-            self.dropped += n // _FIELDS
-
     def drain(self) -> list[StepRecord]:
-        """The records of the steps ended since the last drain (sender thread).
-
-        The training thread only appends whole steps (one ``extend``, a single C call under the
-        GIL) and this removes a prefix it measured first, so no step is lost or read
-        half-written without a lock.
-        """
-        log = self.log
-        n = len(log) - len(log) % _FIELDS
-        if not n:
-            return []
-        chunk = log[:n]
-        del log[:n]
+        """The records of the steps ended since the last drain (sender thread)."""
+        values = self.log.take().tolist()
         job_id, rank = self.job_id, self.rank
-        values = chunk.tolist()
         return [
             StepRecord(job_id=job_id, rank=rank, step=values[i], start_ns=values[i + 1],
                        duration_ns=values[i + 2], samples=values[i + 3], tokens=values[i + 4])
-            for i in range(0, n, _FIELDS)
+            for i in range(0, len(values), _FIELDS)
         ]
-
-    def clear(self) -> None:
-        del self.log[:]
