@@ -14,8 +14,12 @@ pipeline`` runs) and its diagnosis is scored:
 * **two faults**: both faults among the suspects, each with its rank and category.
 * **healthy job**: no suspect at all, and no finding at alert score in any window.
 * **latency**: from the fault's onset (the start of its first step on the slowest rank) to the
-  end of the first window in which a finding at alert score names it: seconds, and windows
-  counted from the window the onset falls in (1: alerted in the onset's own window).
+  first finding at alert score that names it: seconds, and windows counted from the window the
+  onset falls in (1: alerted in the onset's own window). A window's finding is raised at the
+  window's end, an early flag (``detectors/early.py``) at the end of the step that raised it.
+  Two figures: **named** — the fault's rank, in any category (an early ``straggler`` flag
+  counts); **explained** — its rank (stage, job) and its category.
+* **innocent flags**: early flags naming a rank that has no fault.
 
     python benchmarks/bench_fault_sweep.py                    # 64 faulty (12 with two faults)
                                                               # + 16 healthy jobs, 2 processes
@@ -84,8 +88,10 @@ class FaultOutcome:
     top1: bool = False  # the top suspect is this fault (single-fault jobs)
     named: bool = False  # among the suspects with its rank/stage and category
     function: str = ""  # the function the matching suspect names
-    latency_s: float | None = None
+    latency_s: float | None = None  # explained: rank and category
     latency_windows: int | None = None
+    named_latency_s: float | None = None  # named: the rank, any category
+    named_latency_windows: int | None = None
 
 
 @dataclass
@@ -97,6 +103,7 @@ class JobOutcome:
     suspects: list[str] = field(default_factory=list)  # "rank 5 gpu-compute backward"
     innocent_listed: int = 0  # ranks listed as suspects under sequence imbalance
     alerts: int = 0  # findings at alert score, any window (clock-skew aside)
+    innocent_flags: int = 0  # early flags at alert score naming a rank with no fault
     cpu_s: float = 0.0
 
     @property
@@ -185,6 +192,19 @@ def expected_of(fault: str) -> str:
     return f"rank {parsed['rank']} {CATEGORY[parsed.kind]}"
 
 
+def names_rank(fault: str, finding: Finding) -> bool:
+    """The finding points at the fault's rank, whatever the category it gives."""
+    parsed = parse_faults([fault])[0]
+    if parsed.kind in ("stage-imbalance", "seq-imbalance"):
+        return matches(fault, finding)
+    return parsed["rank"] in (finding.ranks or [finding.rank])
+
+
+def raised_at_ns(finding: Finding) -> int:
+    """When the finding was raised: its window's end, or the step that raised an early flag."""
+    return int(finding.evidence.get("flagged_at_ns", finding.window_end_ns))
+
+
 def describe(suspect: Suspect) -> str:
     where = (f"stage {suspect.pp_stage}" if suspect.category == "stage-imbalance"
              else f"rank {suspect.rank}" if suspect.rank >= 0 else "job")
@@ -210,8 +230,11 @@ def run_job(job: Job) -> JobOutcome:
     suspects = diagnose(pipeline.findings)
     alerts = sorted((f for f in pipeline.findings
                      if f.score >= ALERT_THRESHOLD and f.category != "clock-skew"),
-                    key=lambda f: f.window_end_ns)
+                    key=raised_at_ns)
     window_ns = int(WINDOW_S * 1e9)
+
+    def windows_after(at_ns: int, onset: int) -> int:
+        return (at_ns - 1) // window_ns + 1 - onset // window_ns
     outcomes = []
     for spec_text, fault in zip(job.faults, faults, strict=True):
         outcome = FaultOutcome(spec_text, expected_of(spec_text))
@@ -219,18 +242,25 @@ def run_job(job: Job) -> JobOutcome:
         outcome.named = bool(found)
         outcome.top1 = bool(suspects) and matches(spec_text, suspects[0])
         outcome.function = found[0].function if found else ""
+        onset = onset_ns.get(fault.start, 0)
         first = next((f for f in alerts if matches(spec_text, f)), None)
         if first is not None:
-            onset = onset_ns[fault.start]
-            outcome.latency_s = (first.window_end_ns - onset) / 1e9
-            outcome.latency_windows = first.window_end_ns // window_ns - onset // window_ns
+            outcome.latency_s = (raised_at_ns(first) - onset) / 1e9
+            outcome.latency_windows = windows_after(raised_at_ns(first), onset)
+        first = next((f for f in alerts if names_rank(spec_text, f)), None)
+        if first is not None:
+            outcome.named_latency_s = (raised_at_ns(first) - onset) / 1e9
+            outcome.named_latency_windows = windows_after(raised_at_ns(first), onset)
         outcomes.append(outcome)
+    fault_ranks = {int(f["rank"]) for f in faults if "rank" in f.params}
+    innocent_flags = sum(1 for f in alerts if f.detector == "early" and f.rank >= 0
+                         and not fault_ranks.intersection(f.ranks or [f.rank]))
     innocent = 0
     if any(f.kind == "seq-imbalance" for f in faults):
         innocent = len({r for s in suspects if s.rank >= 0 for r in (s.ranks or [s.rank])})
     return JobOutcome(job.index, dp * pp * tp, job.send_tokens, outcomes,
                       [describe(s) for s in suspects], innocent, len(alerts),
-                      time.process_time() - started)
+                      innocent_flags, time.process_time() - started)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -248,6 +278,10 @@ def report(jobs: list[Job], outcomes: list[JobOutcome]) -> dict[str, object]:
             kind += " (no token counts)"
         by_kind.setdefault(kind, []).append(o.ok)
     latencies = [f for o in outcomes for f in o.faults if f.latency_s is not None]
+    named = [f for o in outcomes for f in o.faults if f.named_latency_s is not None]
+    named_by_kind: dict[str, list[float]] = {}
+    for f in named:
+        named_by_kind.setdefault(f.spec.partition(":")[0], []).append(f.named_latency_s)
     with_function = [f for o in single for f in o.faults
                      if f.top1 and not f.spec.startswith(("stage-", "seq-"))]
     summary = {
@@ -260,6 +294,14 @@ def report(jobs: list[Job], outcomes: list[JobOutcome]) -> dict[str, object]:
         "function_named": f"{sum(bool(f.function) for f in with_function)}/{len(with_function)}",
         "innocent_ranks_under_seq_imbalance": sum(o.innocent_listed for o in single),
         "by_kind": {k: f"{sum(v)}/{len(v)}" for k, v in sorted(by_kind.items())},
+        "innocent_early_flags": sum(o.innocent_flags for o in outcomes),
+        "named_latency_s_p50_p95_by_kind": {
+            kind: [round(percentile(v, 50), 1), round(percentile(v, 95), 1)]
+            for kind, v in sorted(named_by_kind.items())},
+        "named_latency_windows_p50": percentile([f.named_latency_windows for f in named], 50),
+        "named_latency_windows_p95": percentile([f.named_latency_windows for f in named], 95),
+        "named_latency_s_p50": round(percentile([f.named_latency_s for f in named], 50), 1),
+        "named_latency_s_p95": round(percentile([f.named_latency_s for f in named], 95), 1),
         "latency_windows_p50": percentile([f.latency_windows for f in latencies], 50),
         "latency_windows_p95": percentile([f.latency_windows for f in latencies], 95),
         "latency_s_p50": round(percentile([f.latency_s for f in latencies], 50), 1),

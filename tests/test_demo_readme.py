@@ -101,3 +101,19 @@ def test_readme_sample_is_what_the_demo_prints() -> None:
     _, sample = readme_demo()
     output, _ = run_demo_cli(readme_start_s())
     assert _comparable(output) == _comparable(sample)
+
+
+@pytest.mark.slow
+def test_readme_mid_run_sample_flags_the_straggler_before_its_window_closes() -> None:
+    """The README's second demo: a fault from step 60 is first flagged from step records
+    (the early flag), rank 13 as a straggler, then explained at the window's close."""
+    blocks = re.findall(r"```text\n\$ trainscope demo (.*?)\n(.*?)```", README.read_text(), re.S)
+    assert len(blocks) >= 2, "the README shows no mid-run demo sample"
+    args, sample = shlex.split(blocks[1][0]), blocks[1][1]
+    result = CliRunner().invoke(demo, [*args, "--no-store"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    lines = alerts(result.stdout)
+    assert lines[:2] == ["straggler: rank 13", "gpu-compute: rank 13"], lines
+    # The flag's line is the README's, word for word (the window's lines are cut short there).
+    first_alert = _comparable(result.stdout).split(" ALERT ")[0]
+    assert first_alert == _comparable(sample).split(" ALERT ")[0], first_alert

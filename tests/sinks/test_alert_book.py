@@ -84,3 +84,22 @@ def test_bad_settings_are_refused() -> None:
         AlertBook(threshold=1.5)
     with pytest.raises(ValueError, match="clear_after_windows"):
         AlertBook(threshold=0.5, clear_after_windows=0)
+
+
+def test_an_early_flag_fires_at_once_resolves_nothing_and_clears_like_any_alert() -> None:
+    clock = Clock()
+    book = AlertBook(threshold=0.5, clear_after_windows=2, clock=clock)
+    [window_alert] = book.observe("j", 0, W, [finding(rank=3)])
+    # Mid-window, rank 7 is flagged from its step records: it fires; rank 3's alert is left
+    # as it was (a flag is no closed window, so it counts no quiet window for others).
+    [flag] = book.flag("j", W, 2 * W, [finding(rank=7, category="straggler", detector="early"),
+                                       finding(rank=9, score=0.3, category="straggler",
+                                               detector="early")])
+    assert flag.labels["category"] == "straggler" and flag.labels["rank"] == "7"
+    assert book.firing() == 2 and window_alert.ends_at_s is None
+    # The window closes: rank 7 is explained (gpu-compute), the flag is not repeated; after
+    # two windows without it, it resolves as any alert does.
+    assert [a.labels["category"] for a in book.observe(
+        "j", W, 2 * W, [finding(rank=3), finding(rank=7)])] == ["gpu-compute"]
+    resolved = book.observe("j", 2 * W, 3 * W, [finding(rank=3), finding(rank=7)])
+    assert resolved == [flag] and flag.ends_at_s is not None

@@ -156,12 +156,14 @@ def test_migrate_keeps_every_row_and_gives_the_new_layout(tmp_path) -> None:
 
     after = read(store)
     assert after["layout"] == 2
-    for table in ("step_records", "findings"):
-        assert after[table] == before[table], table
+    assert after["findings"] == before["findings"]
     # Dead letters gained two columns since (payload_bytes, payload_sha256: 0 and '' in old
-    # rows, added at the end); the rest of each row is unchanged.
-    width = len(before["dead_letters"][0])
-    assert [row[:width] for row in after["dead_letters"]] == before["dead_letters"]
+    # rows, added at the end), step records one (collective_ns, 0 in old rows); the rest of
+    # each row is unchanged.
+    for table in ("dead_letters", "step_records"):
+        width = len(before[table][0])
+        assert [row[:width] for row in after[table]] == before[table], table
+    assert {row[width] for row in after["step_records"]} == {"0"}
     assert after["step_records types"]["job_id"] == "LowCardinality(String)"
     assert after["findings types"]["category"] == "LowCardinality(String)"
     assert after["step_records types"]["start"] == "DateTime64(9, 'UTC')"
@@ -186,7 +188,7 @@ sink = ClickHouseSink.open(sys.argv[1])
 now_ns, old_ns = time.time_ns(), int(sys.argv[2])
 steps = pd.DataFrame({"v": 1, "job_id": "j", "rank": [0, 0], "step": [0, 1],
                       "start_ns": [old_ns, now_ns], "duration_ns": 10**9, "samples": 0,
-                      "tokens": 0, "seq_len_mean": 0.0, "seq_len_max": 0})
+                      "tokens": 0, "seq_len_mean": 0.0, "seq_len_max": 0, "collective_ns": 0})
 sink._insert("step_records", steps)
 sink.close()
 sink = ClickHouseSink.open(sys.argv[1], retention_days=7)
@@ -224,7 +226,7 @@ midnight_ns = int(sys.argv[2])
 steps = pd.DataFrame({"v": 1, "job_id": "j", "rank": 0, "step": range(6),
                       "start_ns": [midnight_ns + (s - 3) * 10**9 for s in range(6)],
                       "duration_ns": 10**9, "samples": 0, "tokens": 0, "seq_len_mean": 0.0,
-                      "seq_len_max": 0})
+                      "seq_len_max": 0, "collective_ns": 0})
 for _ in range(2):
     sink._insert("step_records", steps)
 rows = sink.client.query("SELECT toString(toDate(start)), count() FROM step_records "
@@ -241,3 +243,39 @@ def test_a_batch_across_midnight_sent_twice_is_stored_once(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"rows": [["2026-01-01", 3], ["2026-01-02", 3]], "parts": 2}
+
+
+AS_BEFORE_COLLECTIVE_NS = r"""
+import sys
+from trainscope.sinks.clickhouse import ClickHouseSink
+sink = ClickHouseSink.open(sys.argv[1])
+sink.client.command("ALTER TABLE step_records DROP COLUMN collective_ns")
+sink.client.command("INSERT INTO step_records (v, job_id, rank, step, start_ns, duration_ns, "
+                    "samples, tokens, seq_len_mean, seq_len_max) VALUES (1, 'j', 0, 0, 1, 2, "
+                    "0, 0, 0, 0)")
+sink.close()
+"""
+
+WRITE_COLLECTIVE_NS = r"""
+import json, sys
+import pandas as pd
+from trainscope.sinks.clickhouse import ClickHouseSink
+sink = ClickHouseSink.open(sys.argv[1])
+sink._insert("step_records", pd.DataFrame({
+    "v": 1, "job_id": "j", "rank": 0, "step": [1], "start_ns": 3, "duration_ns": 4,
+    "samples": 0, "tokens": 0, "seq_len_mean": 0.0, "seq_len_max": 0, "collective_ns": 5}))
+rows = sink.client.query("SELECT step, collective_ns FROM step_records ORDER BY step"
+                         ).result_rows
+print(json.dumps([list(row) for row in rows]))
+"""
+
+
+def test_a_store_from_before_the_collective_times_takes_them_and_keeps_its_rows(
+        tmp_path) -> None:
+    store = str(tmp_path / "store")
+    done = run("-c", AS_BEFORE_COLLECTIVE_NS, store)
+    assert done.returncode == 0, done.stderr
+    done = run("-c", WRITE_COLLECTIVE_NS, store)
+    assert done.returncode == 0, done.stderr
+    # The older row holds the new column's default; the new one its value.
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [[0, 0], [1, 5]]

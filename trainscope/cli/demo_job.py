@@ -122,7 +122,7 @@ def run_demo(
     # A one-shot run: a sink that keeps failing costs a window (counted), not the whole run.
     job = BusStreamJob(
         bus, group=group, detectors=detectors, window_s=window_s, lateness_s=lateness_s,
-        sink=sink, on_window=on_window, sink_retry_s=10.0,
+        sink=sink, on_window=on_window, on_early=on_window, sink_retry_s=10.0,
         # A shared broker may carry other jobs: the demo diagnoses its own.
         only_jobs=frozenset({spec.job_id}),
     )

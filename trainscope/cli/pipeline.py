@@ -199,7 +199,8 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     try:
         job = BusStreamJob(
             bus, group=group, topics=INPUT_TOPICS[input_kind], window_s=window_s,
-            lateness_s=lateness_s, sink=sink, on_window=_on_window(notifier, profiler),
+            lateness_s=lateness_s, sink=sink, on_window=_on_findings(notifier, profiler),
+            on_early=_on_findings(notifier, profiler, early=True),
             commit_interval_s=commit_interval_s,
             on_profile=profiler.on_profile if profiler is not None else None,
             job_idle_s=close_idle_s, source_idle_s=source_idle_s, stats_every_s=stats_every_s,
@@ -303,10 +304,12 @@ def _auto_profiler(bus: Bus, sink: ClickHouseSink, steps: int, every_s: float,
     )
 
 
-def _on_window(notifier: AlertmanagerNotifier | None,
-               profiler: AutoProfiler | None) -> Callable[[WindowView, list[Finding]], None]:
-    """What each closed window's findings set off: an ALERT line, Alertmanager, a profile."""
-    def on_window(view: WindowView, findings: list[Finding]) -> None:
+def _on_findings(notifier: AlertmanagerNotifier | None, profiler: AutoProfiler | None,
+                 *, early: bool = False) -> Callable[[WindowView, list[Finding]], None]:
+    """What a closed window's findings set off, or (``early``) a flag raised before its window
+    closed: an ALERT line, Alertmanager, a profile of the suspect (from a flag, so that its
+    call path may be ready when the window closes)."""
+    def on_findings(view: WindowView, findings: list[Finding]) -> None:
         for f in findings:
             if f.score >= ALERT_THRESHOLD:
                 # Job ids and function names are the producers' text: escape what a terminal
@@ -314,11 +317,11 @@ def _on_window(notifier: AlertmanagerNotifier | None,
                 click.echo(f"ALERT [{f.score:.2f}] {terminal_safe(view.job_id)}: "
                            f"{terminal_safe(f.message)}")
         if notifier is not None:
-            notifier.on_window(view, findings)
+            (notifier.on_early if early else notifier.on_window)(view, findings)
         if profiler is not None:
             profiler.on_window(view, findings)
 
-    return on_window
+    return on_findings
 
 
 def _profile_counts(profiler: AutoProfiler) -> dict[str, int]:

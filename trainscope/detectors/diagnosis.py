@@ -71,6 +71,16 @@ def _specificity(finding: Finding) -> tuple[bool, float]:
     return (bool(finding.function), finding.score)
 
 
+def _fold_early_flags(alerts: list[Suspect]) -> list[Suspect]:
+    """An early ``straggler`` flag (detectors/early.py) says who made the peers wait, before
+    the window said why: once a suspect with a cause covers one of its ranks, it is that
+    suspect's first sign, not a suspect of its own."""
+    explained = {r for s in alerts if s.category != "straggler"
+                 for r in (s.ranks or ([s.rank] if s.rank >= 0 else []))}
+    return [s for s in alerts
+            if s.category != "straggler" or not explained.intersection(s.ranks or [s.rank])]
+
+
 def diagnose(
     findings: Iterable[Finding], threshold: float = ALERT_THRESHOLD
 ) -> list[Suspect]:
@@ -103,6 +113,6 @@ def diagnose(
             described_by[key] = f
             s.message, s.layer, s.function = f.message, f.layer, f.function
             s.ranks, s.evidence = list(f.ranks), dict(f.evidence)
-    alerts = [s for s in suspects.values() if s.score >= threshold]
+    alerts = _fold_early_flags([s for s in suspects.values() if s.score >= threshold])
     alerts.sort(key=lambda s: (s.weight, s.rank >= 0 or s.pp_stage >= 0), reverse=True)
     return alerts

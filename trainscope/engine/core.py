@@ -32,7 +32,10 @@ from collections.abc import Callable, Collection, Hashable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import pandas as pd
+
 from trainscope.detectors.base import ALERT_THRESHOLD, Detector
+from trainscope.detectors.early import EarlyWatch
 from trainscope.detectors.registry import DEFAULT_MAX_JOBS, DetectorRunner, load
 from trainscope.engine.caps import CapGuard, Caps, Refusal
 from trainscope.engine.clocks import DEFAULT_TOLERANCE_S as CLOCK_TOLERANCE_S
@@ -56,7 +59,7 @@ from trainscope.schemas.records import (
     Topology,
 )
 from trainscope.schemas.validate import InvalidRecord, Limits, Validator
-from trainscope.schemas.window import WindowView
+from trainscope.schemas.window import STEP_COLUMNS, WindowView
 from trainscope.transport.bus import (
     Message,
 )
@@ -115,6 +118,8 @@ class PipelineStats:
     capped_rows: int = 0
     # detect() calls stopped over the time budget per window (--detector-budget-s), per detector.
     detector_over_budget: dict[str, int] = field(default_factory=dict)
+    # Findings raised from step records before their window closed (detectors/early.py).
+    early_flags: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -148,6 +153,7 @@ class StreamCore:
         sink_retry_s: float | None = 0.0,
         on_window: Callable[[WindowView, list[Finding]], None] | None = None,
         on_profile: Callable[[list[ProfileCallPaths]], None] | None = None,
+        on_early: Callable[[WindowView, list[Finding]], None] | None = None,
         limits: Limits | None = None,
         max_jobs: int = DEFAULT_MAX_JOBS,
         clock: Callable[[], float] = time.monotonic,
@@ -165,6 +171,9 @@ class StreamCore:
             clock=clock, clock_tolerance_s=CLOCK_TOLERANCE_S,
         )
         self.runner = DetectorRunner(detectors, max_jobs=max_jobs)
+        # Stragglers flagged from step records between windows (detectors/early.py).
+        self.early = EarlyWatch(self.engine.window_ns)
+        self.on_early = on_early
         self.validator = Validator(limits)
         # Bounded work per job: caps on what a window may hold (caps.py), and a time budget
         # for each detector on each window (None: none; see DetectorRunner.run).
@@ -372,7 +381,43 @@ class StreamCore:
             except Exception as exc:  # validated records should never get here
                 log.exception("window engine raised on job %s", job_id)
                 failed[job_id] = exc
+        self._flag_early()
         return failed
+
+    def _flag_early(self) -> None:
+        """Findings the step records already support: stored and handed to ``on_early`` now,
+        not at the window's close."""
+        try:
+            findings = self.early.check()
+        except Exception:  # an extra: the windows' detectors still run
+            log.exception("the early flag failed")
+            return
+        if not findings:
+            return
+        self._stats.early_flags += len(findings)
+        self.findings.extend(findings)
+        sink = self.sink
+        if sink is not None:
+            self._write(lambda: sink.write_findings(findings))
+        if self.on_early is None:
+            return
+        by_job: dict[str, list[Finding]] = {}
+        for finding in findings:
+            by_job.setdefault(finding.job_id, []).append(finding)
+        for job_id, flagged in by_job.items():
+            # What the flag's consumers (alerts, the profiling loop) need of a window: the
+            # job's layout and its ranks, not yet its summaries.
+            view = WindowView(
+                job_id=job_id, window_start_ns=flagged[0].window_start_ns,
+                window_end_ns=flagged[0].window_end_ns,
+                steps=pd.DataFrame({c: self.early.ranks(job_id) if c == "rank" else 0
+                                    for c in STEP_COLUMNS}),
+                topology=self.engine.topology(job_id),
+            )
+            try:
+                self.on_early(view, flagged)
+            except Exception:
+                log.exception("on_early raised on job %s", job_id)
 
     def _profile(self, record: ProfileCallPaths) -> None:
         """A part of a rank's on-demand profile (its call-path tree). Once every part of the
@@ -426,12 +471,14 @@ class StreamCore:
         # Steps first: they tell each rank's clock offset, which the other records need.
         if steps:
             self.engine.add_steps(steps, source)
+            self.early.add(steps)
         if spans:
             self.engine.add_spans(spans, source)
         if summaries:
             self.engine.add_summaries(summaries, source)
         if metrics:
             self.engine.add_metrics(metrics, source)
+            self.early.add_metrics(metrics)
 
     def _touch(self, jobs: Collection[str]) -> None:
         """Mark ``jobs`` as seen; evict the least recently seen others beyond ``max_jobs``."""
@@ -451,6 +498,7 @@ class StreamCore:
         del self._jobs[job_id]
         self._handle(self.engine.evict_job(job_id))
         self.runner.forget(job_id)
+        self.early.forget(job_id)
         self.validator.forget(job_id)
         self.caps.forget(job_id)
         self._capped.pop(job_id, None)

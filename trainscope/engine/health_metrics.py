@@ -73,6 +73,8 @@ class PipelineCollector:
             "windows_closed": ("Windows closed and run through the detectors.",
                                stats.detect.received),
             "findings": ("Findings the detectors reported (any score).", stats.detect.emitted),
+            "early_flags": ("Findings raised from step records and stall reports before their "
+                            "window closed (the early flag).", stats.early_flags),
             "sink_windows_written": ("Windows written to the store.", stats.sink.emitted),
             "sink_windows_dropped": ("Windows dropped after the sink kept failing.",
                                      stats.sink.dropped),

@@ -25,6 +25,9 @@ class Sink(Protocol):
     def write_window(self, view: WindowView, findings: list[Finding]) -> None:
         """A closed window's summaries, steps and metrics, with the findings made of it."""
 
+    def write_findings(self, findings: list[Finding]) -> None:
+        """Findings raised between windows (the early flag), ahead of their window."""
+
     def write_topology(self, topology: Topology) -> None:
         """A job's layout as one rank declared it."""
 

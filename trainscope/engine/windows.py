@@ -181,6 +181,10 @@ class WindowEngine:
         """Each job's layout as declared so far (sent once per job: a restart must keep it)."""
         return {j: job.topology for j, job in self._jobs.items() if job.topology is not None}
 
+    def topology(self, job_id: str) -> Topology | None:
+        job = self._jobs.get(job_id)
+        return job.topology if job is not None else None
+
     def closed_before(self, job_id: str) -> int:
         """Window index below which every window of the job is closed."""
         job = self._jobs.get(job_id)

@@ -39,6 +39,11 @@ NVLINK_ERROR_COUNT = "nvlink_error_count"
 HOST_CPU_UTIL_PCT = "host_cpu_util_pct"
 HOST_NET_TX_BYTES_PER_S = "host_net_tx_bytes_per_s"
 HOST_NET_RX_BYTES_PER_S = "host_net_rx_bytes_per_s"
+# A rank's progress, sent by its PyTorch producer only while a step stays open far longer than
+# its recent steps (a stall): how long the step has been open, and how long the rank has been
+# waiting in a collective (0: not in one). The rank the others wait for is not waiting.
+STEP_OPEN_S = "step_open_s"
+COLLECTIVE_WAIT_S = "collective_wait_s"
 
 # NVML clocks-event (formerly "throttle") reason bits, as in nvml.h
 # (``nvmlClocksEventReason*``; older bindings name them ``nvmlClocksThrottleReason*``).

@@ -63,6 +63,9 @@ CATEGORIES = (
     "clock-skew",
     # A job-level symptom (step time regressed) that no detector has narrowed down yet.
     "slowdown",
+    # A rank its peers wait on, flagged from step records before its window closed; the
+    # window's detectors say why (detectors/early.py).
+    "straggler",
 )
 
 
@@ -265,6 +268,10 @@ class StepRecord(msgspec.Struct, tag="step", kw_only=True, frozen=True):
     tokens: int = 0
     seq_len_mean: float = 0.0
     seq_len_max: int = 0
+    # Time this step spent in the collectives and point-to-point calls the producer saw,
+    # summed over calls (asynchronous ones overlap, so it can exceed the step); 0: not timed.
+    # The rank its peers wait on waits least: what the early flag reads (detectors/early.py).
+    collective_ns: int = 0
 
 
 class MetricSample(msgspec.Struct, tag="metric", kw_only=True, frozen=True):

@@ -159,6 +159,7 @@ RULES: dict[type, Kind] = {
         *_COMMON, _RANK, Int("step", 0, I32_MAX), _time("start_ns"), _duration("duration_ns"),
         Int("samples", 0, I64_MAX), Int("tokens", 0, I64_MAX), Number("seq_len_mean", 0.0),
         Int("seq_len_max", 0, I64_MAX),
+        Int("collective_ns", 0, I64_MAX),
     )),
     MetricSample: Kind(fields=(
         *_COMMON, Int("rank", -1, LAST_RANK), _HOST, Int("device", -1, Limit("max_devices", 1)),

@@ -36,6 +36,7 @@ STEP_COLUMNS = (
     "tokens",
     "seq_len_mean",
     "seq_len_max",
+    "collective_ns",
 )
 METRIC_COLUMNS = ("rank", "host", "device", "ts_ns", "name", "value")
 

@@ -131,6 +131,30 @@ class AlertBook:
                     changed.append(self._resolve(job, key, now_s))
         return changed
 
+    def flag(
+        self, job_id: str, window_start_ns: int, window_end_ns: int, findings: Iterable[Finding]
+    ) -> list[Alert]:
+        """Findings raised before their window closed (the early flag): they fire now and
+        resolve as any alert does, after windows without them; nothing else is resolved."""
+        now_s = self.clock()
+        changed: list[Alert] = []
+        with self._lock:
+            job = self._jobs.setdefault(job_id, _Job(last_window_s=now_s))
+            for finding in findings:
+                if finding.score < self.threshold:
+                    continue
+                key = _key(job_id, finding)
+                alert = job.alerts.get(key)
+                if alert is None:
+                    alert = job.alerts[key] = self._fire(key, [finding], now_s)
+                    self._resolved.pop(key, None)
+                    changed.append(alert)
+                alert.windows_missed = 0
+                alert.annotations = self._annotations(job_id, [finding], window_start_ns,
+                                                      window_end_ns)
+                alert.generator_url = self._link(job_id, window_start_ns, window_end_ns)
+        return changed
+
     def expire(self) -> list[Alert]:
         """Resolve the alerts of jobs silent for ``stale_after_s``; forget old resolved ones."""
         now_s = self.clock()

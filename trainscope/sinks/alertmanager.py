@@ -105,11 +105,18 @@ class AlertmanagerNotifier:
     # -- the pipeline's side (must never block or raise) ---------------------------------------
 
     def on_window(self, view: WindowView, findings: list[Finding]) -> None:
+        self._observe(view, findings, self.book.observe)
+
+    def on_early(self, view: WindowView, findings: list[Finding]) -> None:
+        """Findings flagged before their window closed: fired now, nothing resolved."""
+        self._observe(view, findings, self.book.flag)
+
+    def _observe(self, view: WindowView, findings: list[Finding],
+                 book: Callable[[str, int, int, list[Finding]], list[Alert]]) -> None:
         try:
-            changed = self.book.observe(view.job_id, view.window_start_ns, view.window_end_ns,
-                                        findings)
+            changed = book(view.job_id, view.window_start_ns, view.window_end_ns, findings)
         except Exception:  # a bug here must not stop the stream job
-            log.exception("alert book failed on a window of %s", view.job_id)
+            log.exception("alert book failed on findings of %s", view.job_id)
             return
         self._count(changed)
         if changed:

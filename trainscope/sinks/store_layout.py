@@ -46,6 +46,8 @@ LAYOUT_TABLES: dict[str, str] = {
 ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
     # The payload's full size and digest; `payload` keeps only a bounded prefix since.
     "dead_letters": ("`payload_bytes` UInt64", "`payload_sha256` String"),
+    # Each step's time in collectives (what the early flag reads, detectors/early.py).
+    "step_records": ("`collective_ns` Int64 CODEC(T64, ZSTD(1))",),
 }
 
 

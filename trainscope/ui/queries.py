@@ -326,7 +326,10 @@ class DashboardQueries:
         findings = self._rows(FINDINGS, job=job_id, threshold=self.threshold)
         paths = {(p.pop("rank"), p.pop("category")): p for p in self._call_paths(job_id)}
         for f in findings:
-            f["call_path"] = paths.get((f["rank"], f["category"]))
+            # A profile the early flag started (detectors/early.py) explains the same rank's
+            # finding once its window says why.
+            f["call_path"] = paths.get((f["rank"], f["category"])) or (
+                paths.get((f["rank"], "straggler")) if f["rank"] >= 0 else None)
         return findings
 
     def _call_paths(self, job_id: str) -> list[dict[str, Any]]:

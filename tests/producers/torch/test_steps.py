@@ -33,3 +33,25 @@ def test_a_log_nobody_drains_is_cleared_and_counted(monkeypatch) -> None:
     assert tracker.log.dropped == 5 and tracker.log.pending() == 0
     tracker.end(1_000)
     assert [r.step for r in tracker.drain()] == [5]
+
+
+def test_collective_time_goes_into_its_step_and_a_stall_is_reported_as_it_lasts() -> None:
+    ms = 1_000_000
+    tracker = StepTracker("job", 1)
+    tracker.activity(0)
+    for step in range(10):
+        tracker.collective_ns += 3 * ms  # what the collective hooks add during the step
+        tracker.end((step + 1) * 10 * ms)
+    records = tracker.drain()
+    assert {r.collective_ns for r in records} == {3 * ms}
+    start = tracker.start_ns
+    # A step open for 1 s (100 recent steps) but under STALL_MIN_S: nothing to report.
+    assert tracker.stall_report(start + 1_000 * ms, "h") == []
+    # Open 4 s, waiting in a collective issued 1 s in: both figures, in seconds.
+    tracker.pending[7] = start + 1_000 * ms
+    report = tracker.stall_report(start + 4_000 * ms, "h")
+    assert [(s.name, s.value, s.rank, s.host) for s in report] == [
+        ("step_open_s", 4.0, 1, "h"), ("collective_wait_s", 3.0, 1, "h")]
+    # The collective completed, the rank is busy in its own code: waiting 0.
+    del tracker.pending[7]
+    assert [s.value for s in tracker.stall_report(start + 5_000 * ms, "h")] == [5.0, 0.0]

@@ -274,7 +274,7 @@ class SimulatedCluster:
         output.span_count = sum(len(b) for b in output.spans)
         output.steps = step_records(
             spec.job_id, layout, spec.microbatches, step, start, end,
-            tokens if spec.send_tokens else None,
+            tokens if spec.send_tokens else None, emit.collective_ns(layout.world_size),
         )
         output.metrics = self._metrics(step, start, end, busy, compute, link)
         if ops is not None:

@@ -34,6 +34,7 @@ FUNCTIONS: tuple[tuple[str, str], ...] = (
 _FN = {name: i for i, (_, name) in enumerate(FUNCTIONS)}
 _LAYERS = [layer for layer, _ in FUNCTIONS]
 _NAMES = [name for _, name in FUNCTIONS]
+_COLLECTIVE_FNS = np.array([i for i, (layer, _) in enumerate(FUNCTIONS) if layer == "collective"])
 
 
 class SpanEmitter:
@@ -57,6 +58,16 @@ class SpanEmitter:
         self.start.append(np.broadcast_to(start, duration.shape).ravel())
         self.duration.append(duration.ravel())
         self.bytes.append(np.full(ranks.size, nbytes, dtype=np.int64))
+
+    def collective_ns(self, world_size: int) -> np.ndarray:
+        """Each rank's time in collectives and point-to-point calls so far (its step record's
+        ``collective_ns``)."""
+        if not self.fn:
+            return np.zeros(world_size)
+        fn = np.concatenate(self.fn)
+        keep = np.isin(fn, _COLLECTIVE_FNS)
+        return np.bincount(np.concatenate(self.rank)[keep],
+                           weights=np.concatenate(self.duration)[keep], minlength=world_size)
 
     def batches(self, job_id: str, layout: Layout, step: int) -> list[SpanBatch]:
         """One SpanBatch per host, as each host's producer would publish the step."""
@@ -162,8 +173,10 @@ def step_records(
     start: np.ndarray,
     end: np.ndarray,
     tokens: np.ndarray | None,
+    collective_ns: np.ndarray | None = None,
 ) -> list[StepRecord]:
-    """One StepRecord per rank; ``tokens`` is (dp replica, micro-batch), None: not sent."""
+    """One StepRecord per rank; ``tokens`` is (dp replica, micro-batch), None: not sent;
+    ``collective_ns`` per rank, None: not timed."""
     records = []
     for rank in range(layout.world_size):
         dp_rank, _, _ = layout.coords(rank)
@@ -179,6 +192,7 @@ def step_records(
                 tokens=int(seq.sum()) if seq is not None else 0,
                 seq_len_mean=float(seq.mean()) if seq is not None else 0.0,
                 seq_len_max=int(seq.max()) if seq is not None else 0,
+                collective_ns=int(collective_ns[rank]) if collective_ns is not None else 0,
             )
         )
     return records

@@ -12,6 +12,7 @@ same averaging all-reduce as DDP's default times each bucket as ``ddp_allreduce`
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,10 @@ COLLECTIVES = (
     "isend",
     "irecv",
 )
+
+
+# Keys of the collectives in flight (StepTracker.pending); next() on it is atomic.
+_tokens = itertools.count()
 
 
 def _nbytes(value: Any) -> int:
@@ -111,17 +116,22 @@ def _wrap(att: Attachment, op: str, fn: Callable[..., Any]) -> Callable[..., Any
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if compiling():
             return fn(*args, **kwargs)
-        start = time.time_ns()
-        result = fn(*args, **kwargs)
+        pending = att.steps.pending
+        token = next(_tokens)
+        start = pending[token] = time.time_ns()
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            pending.pop(token, None)
+            raise
         end = time.time_ns()
         described = measure(op, args, kwargs)
-        if described is None:
+        if described is not None and result is not None and hasattr(result, "get_future"):
+            _record_on_completion(att, described[0], start, described[1], result, token)
             return result
-        name, nbytes = described
-        if result is not None and hasattr(result, "get_future"):
-            _record_on_completion(att, name, start, nbytes, result)
-        else:
-            att.record("collective", name, start, end - start, nbytes)
+        pending.pop(token, None)
+        if described is not None:
+            att.record_collective(described[0], start, end - start, described[1])
         return result
 
     wrapper.__name__ = op
@@ -137,18 +147,21 @@ def _describe(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[s
     return op + group_label(group), _payload_bytes(op, args, kwargs)
 
 
-def _record_on_completion(att: Attachment, name: str, start: int, nbytes: int, work: Any) -> None:
+def _record_on_completion(att: Attachment, name: str, start: int, nbytes: int, work: Any,
+                          token: int) -> None:
     try:
         future = work.get_future()
     except Exception:
         # Some backends' works have no future (e.g. p2p on older gloo): count issue time only.
-        att.record("collective", name, start, time.time_ns() - start, nbytes)
+        att.steps.pending.pop(token, None)
+        att.record_collective(name, start, time.time_ns() - start, nbytes)
         return
 
     def done(_future: Any) -> None:
+        att.steps.pending.pop(token, None)
         try:
             keep_thread_state()  # a backend thread: see threadstate
-            att.record("collective", name, start, time.time_ns() - start, nbytes)
+            att.record_collective(name, start, time.time_ns() - start, nbytes)
         except Exception as exc:
             att.guard.report("collective hook", exc)
 
@@ -166,15 +179,22 @@ def install_ddp_comm_hook(att: Attachment, ddp: Any) -> bool:
         # Same arithmetic as DDP's default (divide, then sum-all-reduce) so results are unchanged.
         group = process_group if process_group is not None else dist.group.WORLD
         tensor = bucket.buffer()
-        start = time.time_ns()
+        pending = att.steps.pending
+        token = next(_tokens)
+        start = pending[token] = time.time_ns()
         tensor.div_(group.size())
         nbytes = tensor.numel() * tensor.element_size()
-        future = all_reduce(tensor, group=group, async_op=True).get_future()
+        try:
+            future = all_reduce(tensor, group=group, async_op=True).get_future()
+        except BaseException:
+            pending.pop(token, None)
+            raise
 
         def done(fut: Any) -> torch.Tensor:
+            pending.pop(token, None)
             try:
                 keep_thread_state()  # a backend thread: see threadstate
-                att.record("collective", "ddp_allreduce", start, time.time_ns() - start, nbytes)
+                att.record_collective("ddp_allreduce", start, time.time_ns() - start, nbytes)
                 att.on_ddp_allreduce(start, time.time_ns())
             except Exception as exc:
                 att.guard.report("ddp comm hook", exc)

@@ -182,6 +182,13 @@ class Attachment:
             except Exception as exc:
                 self.guard.report("record", exc)
 
+    def record_collective(self, name: str, start_ns: int, duration_ns: int,
+                          bytes_moved: int) -> None:
+        """A collective's span, and its time added to the step's (how long this rank waited:
+        the rank its peers wait on waits least)."""
+        self.record("collective", name, start_ns, duration_ns, bytes_moved)
+        self.steps.collective_ns += duration_ns
+
     def submit(self, record: Any) -> None:
         if self.active:
             self.sender.submit(record)
@@ -256,6 +263,7 @@ class Attachment:
             phase.drain_into(recorder)
         if self.active:
             self.runqueue.sample_into(recorder, self.steps.step)
+            out += self.steps.stall_report(time.time_ns(), self.options.host)
         taken = recorder.take_all() if final else recorder.take_closed(time.time_ns())
         for window_start, functions in taken:
             out.extend(

@@ -7,7 +7,7 @@ garbage-collected the next one to step takes over), or at the end of an explicit
 A step starts where the previous one ended (so data-loading time between iterations belongs to
 the step), the very first at the first sign of training activity.
 
-The training thread only appends a step's five integers to an :class:`~.spanlog.IntLog` (as
+The training thread only appends a step's six integers to an :class:`~.spanlog.IntLog` (as
 the phase logs do for spans); the sender thread builds the :class:`StepRecord` objects
 from them. Building a record and taking the outbox's lock on every step cost more than every
 other part of the step boundary together.
@@ -15,17 +15,26 @@ other part of the step boundary together.
 
 from __future__ import annotations
 
+import statistics
 import weakref
+from collections import deque
 from typing import Any
 
 from trainscope.producers.torch.spanlog import IntLog
-from trainscope.schemas.records import StepRecord
+from trainscope.schemas import metrics as m
+from trainscope.schemas.records import MetricSample, StepRecord
 
-# Integers per step in the log: step, start_ns, duration_ns, samples, tokens.
-_FIELDS = 5
+# Integers per step in the log: step, start_ns, duration_ns, samples, tokens, collective_ns.
+_FIELDS = 6
 # Past this many steps waiting (the sender thread stuck, or gone) the log is cleared and the
 # steps counted as dropped, so memory stays bounded.
 MAX_PENDING_STEPS = 1 << 18
+# A step open this long, and STALL_STEPS times the recent median step, is reported as it goes
+# (the stream job's early flag names the rank its peers wait for, detectors/early.py).
+STALL_MIN_S = 3.0
+STALL_STEPS = 4.0
+# Recent step durations the sender thread keeps, for that median.
+_RECENT = 32
 
 
 class StepTracker:
@@ -38,6 +47,14 @@ class StepTracker:
         self.start_ns = 0
         self._samples = 0
         self._tokens = 0
+        # Added to by the collective hooks, some on a backend's thread (an asynchronous
+        # collective's completion): a completion racing the step's end may land in the next
+        # step, which moves time between neighbouring steps, never loses it.
+        self.collective_ns = 0
+        # Collectives issued and not yet completed: id -> issue time (ns). A dict, whose set
+        # and pop are atomic, because completions come on a backend's thread.
+        self.pending: dict[int, int] = {}
+        self._recent_ns: deque[int] = deque(maxlen=_RECENT)
         self.log = IntLog(_FIELDS, MAX_PENDING_STEPS)
 
     def activity(self, now_ns: int) -> None:
@@ -58,19 +75,41 @@ class StepTracker:
             now_ns - start if now_ns > start else 0,
             self._samples if samples is None else samples,
             self._tokens if tokens is None else tokens,
+            self.collective_ns,
         ))
         self.step = step + 1
         self.start_ns = now_ns
         self._samples = 0
         self._tokens = 0
+        self.collective_ns = 0
         return step
 
     def drain(self) -> list[StepRecord]:
         """The records of the steps ended since the last drain (sender thread)."""
         values = self.log.take().tolist()
         job_id, rank = self.job_id, self.rank
+        self._recent_ns.extend(values[2::_FIELDS])
         return [
             StepRecord(job_id=job_id, rank=rank, step=values[i], start_ns=values[i + 1],
-                       duration_ns=values[i + 2], samples=values[i + 3], tokens=values[i + 4])
+                       duration_ns=values[i + 2], samples=values[i + 3], tokens=values[i + 4],
+                       collective_ns=values[i + 5])
             for i in range(0, len(values), _FIELDS)
+        ]
+
+    def stall_report(self, now_ns: int, host: str) -> list[MetricSample]:
+        """While the step in progress has been open for STALL_MIN_S and STALL_STEPS recent
+        steps: how long, and how long this rank has been waiting in a collective (sender
+        thread, after :meth:`drain`). Nothing otherwise: a healthy job sends no such sample."""
+        start = self.start_ns
+        if not start or not self._recent_ns:
+            return []
+        open_ns = now_ns - start
+        if open_ns < max(STALL_MIN_S * 1e9, STALL_STEPS * statistics.median(self._recent_ns)):
+            return []
+        issued = list(self.pending.values())
+        waiting_ns = now_ns - min(issued) if issued else 0
+        return [
+            MetricSample(job_id=self.job_id, host=host, rank=self.rank, ts_ns=now_ns,
+                         name=name, value=round(value / 1e9, 3))
+            for name, value in ((m.STEP_OPEN_S, open_ns), (m.COLLECTIVE_WAIT_S, waiting_ns))
         ]

@@ -1,0 +1,172 @@
+"""The early flag (detectors/early.py): a straggler named from step records within a few steps
+of its onset, before its window closes, and nothing raised on a healthy job or on imbalance
+that moves from rank to rank."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from trainscope.detectors.diagnosis import diagnose
+from trainscope.detectors.early import RECENT_STEPS, EarlyWatch
+from trainscope.engine.embedded_job import EmbeddedStreamJob
+from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
+from trainscope.schemas import metrics as m
+from trainscope.schemas.records import Finding, MetricSample, StepRecord
+
+WINDOW_S = 15.0
+
+
+def _run(faults: list[str], *, steps: int = 60, seed: int = 3, timed: bool = True,
+         layout: tuple[int, int, int] = (4, 2, 2)
+         ) -> tuple[EmbeddedStreamJob, dict[int, set[int]]]:
+    """The job through the embedded stream job; returns it and, per step, the windows (their
+    start) that had closed when that step's records had been handed over."""
+    dp, pp, tp = layout
+    spec = ClusterSpec(dp=dp, pp=pp, tp=tp, steps=steps, seed=seed, window_s=WINDOW_S)
+    closed: set[int] = set()
+    job = EmbeddedStreamJob(None, window_s=WINDOW_S,
+                            on_window=lambda view, _: closed.add(view.window_start_ns))
+    cluster = SimulatedCluster(spec, parse_faults(faults))
+    job.process_records(cluster.topology_records())
+    closed_at_step: dict[int, set[int]] = {}
+    for output in cluster.run():
+        records = output.steps if timed else [
+            msgspec.structs.replace(s, collective_ns=0) for s in output.steps]
+        job.process_records([*output.summaries, *records, *output.metrics])
+        closed_at_step[output.step] = set(closed)
+    job.finish()
+    return job, closed_at_step
+
+
+def _early(job: EmbeddedStreamJob) -> list[Finding]:
+    return [f for f in job.findings if f.detector == "early"]
+
+
+@pytest.mark.parametrize("fault", [
+    "slow-gpu:rank=5,factor=1.4,start=30",
+    "slow-gpu:rank=12,factor=2.0,start=25",
+    "dataloader-stall:rank=3,ms=250,start=30",
+])
+def test_a_straggler_is_flagged_within_a_few_steps_of_its_onset(fault: str) -> None:
+    job, _ = _run([fault])
+    parsed = parse_faults([fault])[0]
+    early = _early(job)
+    assert len(early) == 1, [f.message for f in early]
+    flag = early[0]
+    assert (flag.rank, flag.category) == (parsed["rank"], "straggler"), flag
+    assert flag.ranks == [parsed["rank"]] and flag.score >= 0.5, flag
+    flagged_step = int(flag.evidence["step"])
+    assert parsed.start + RECENT_STEPS - 1 <= flagged_step <= parsed.start + RECENT_STEPS + 2
+    assert "made the peers wait" in flag.message and f"rank {parsed['rank']}" in flag.message
+    assert f"steps {parsed.start}–{flagged_step}" in flag.message, flag.message
+    # The window detectors then say why, and the diagnosis shows the cause, not the flag.
+    suspects = diagnose(job.findings)
+    assert suspects[0].rank == parsed["rank"] and suspects[0].category != "straggler"
+    assert not [s for s in suspects if s.category == "straggler"], suspects
+
+
+def test_the_flag_comes_before_its_window_closes() -> None:
+    # The onset at step 30 of ~0.8-s steps (about 24 s in): the flag's window closes later.
+    job, closed_at_step = _run(["slow-gpu:rank=5,factor=1.6,start=30"])
+    flag = _early(job)[0]
+    assert flag.window_start_ns <= flag.evidence["flagged_at_ns"] < flag.window_end_ns
+    # When the flag was raised, its window (and every later one) was still open.
+    closed_then = closed_at_step[int(flag.evidence["step"])]
+    assert closed_then and max(closed_then) < flag.window_start_ns, (closed_then, flag)
+
+
+def test_a_healthy_job_raises_no_flag() -> None:
+    for seed in (3, 4, 5):
+        job, _ = _run([], steps=90, seed=seed, layout=(4, 2, 4))
+        assert not _early(job), [f.message for f in _early(job)]
+
+
+def test_imbalance_that_moves_from_rank_to_rank_is_not_a_straggler() -> None:
+    job, _ = _run(["seq-imbalance:spread=0.4,start=30"], steps=90)
+    assert not [f for f in _early(job) if f.rank >= 0], [f.message for f in _early(job)]
+
+
+def test_without_collective_times_no_rank_is_named_early() -> None:
+    # Step records that do not say who waited (a producer that times no collective): even a
+    # 3x slow GPU is left to the window detectors, which name it from its functions.
+    job, _ = _run(["slow-gpu:rank=5,factor=3.0,start=30"], timed=False)
+    assert not _early(job), [f.message for f in _early(job)]
+    assert diagnose(job.findings)[0].rank == 5
+
+
+def _steps(step: int, durations_ms: list[float], waits_ms: list[float]) -> list[StepRecord]:
+    return [StepRecord(job_id="j", rank=r, step=step, start_ns=step * 10**9,
+                       duration_ns=int(d * 1e6), collective_ns=int(w * 1e6))
+            for r, (d, w) in enumerate(zip(durations_ms, waits_ms, strict=True))]
+
+
+def test_a_flag_needs_every_rank_of_the_step_and_is_raised_once() -> None:
+    watch = EarlyWatch(window_ns=15 * 10**9)
+    for step in range(12):
+        watch.add(_steps(step, [400] * 8, [20] * 8))
+    assert watch.check() == []
+    for step in range(12, 12 + RECENT_STEPS):
+        # Rank 6 is late: its step grew by 160 ms, its peers waited those 160 ms for it.
+        watch.add(_steps(step, [560] * 8, [180] * 6 + [20, 180]))
+        # One rank's record not in yet: the step is not complete, nothing to decide.
+    watch.add([s for s in _steps(12 + RECENT_STEPS, [560] * 8, [180] * 6 + [20, 180])
+               if s.rank != 0])
+    flags = watch.check()
+    assert [(f.rank, f.category) for f in flags] == [(6, "straggler")], flags
+    assert flags[0].evidence["step"] == 12 + RECENT_STEPS - 1
+    # The same straggler, steps on: not flagged again (the windows carry it from here).
+    for step in range(12 + RECENT_STEPS, 30):
+        watch.add(_steps(step, [560] * 8, [180] * 6 + [20, 180]))
+    assert watch.check() == []
+
+
+def _stall(ts_s: float, waits_s: list[float | None], open_s: float = 5.0) -> list[MetricSample]:
+    """Each rank's stall report at ``ts_s``; None: the rank reports nothing."""
+    out = []
+    for rank, wait_s in enumerate(waits_s):
+        if wait_s is None:
+            continue
+        out += [MetricSample(job_id="j", rank=rank, ts_ns=int(ts_s * 1e9), name=m.STEP_OPEN_S,
+                             value=open_s),
+                MetricSample(job_id="j", rank=rank, ts_ns=int(ts_s * 1e9),
+                             name=m.COLLECTIVE_WAIT_S, value=wait_s)]
+    return out
+
+
+def _stepping(watch: EarlyWatch, steps: range) -> None:
+    for step in steps:
+        watch.add(_steps(step, [100] * 8, [20] * 8))
+
+
+def test_a_stall_names_the_rank_the_others_wait_for_once() -> None:
+    watch = EarlyWatch(window_ns=15 * 10**9)
+    _stepping(watch, range(12))
+    assert watch.check() == []
+    # Rank 5 is in its own code; its seven peers have waited 4 s in a collective.
+    watch.add_metrics(_stall(100.0, [4.0] * 5 + [0.0] + [4.0] * 2))
+    flags = watch.check()
+    assert [(f.rank, f.category, f.victims) for f in flags] == [
+        (5, "hang", [0, 1, 2, 3, 4, 6, 7])], flags
+    assert "rank 5 stalled" in flags[0].message and "7 of 8 ranks wait" in flags[0].message
+    # Later reports of the same stall raise nothing more ...
+    watch.add_metrics(_stall(100.5, [4.5] * 5 + [0.0] + [4.5] * 2, open_s=5.5))
+    assert watch.check() == []
+    # ... until steps end again and another stall comes.
+    _stepping(watch, range(12, 14))
+    watch.add_metrics(_stall(200.0, [None] + [4.0] * 7))
+    flags = watch.check()
+    assert [(f.rank, f.evidence["silent"]) for f in flags] == [(0, 1.0)], flags
+    assert "report nothing" in flags[0].message
+
+
+def test_ranks_all_busy_in_their_own_code_are_no_stall() -> None:
+    # An evaluation pass, a checkpoint every rank writes: every step open, nobody waiting.
+    watch = EarlyWatch(window_ns=15 * 10**9)
+    _stepping(watch, range(12))
+    watch.check()
+    watch.add_metrics(_stall(100.0, [0.0] * 8, open_s=30.0))
+    assert watch.check() == []
+    # Half the job held by the other half is no single rank's stall either.
+    watch.add_metrics(_stall(101.0, [4.0] * 4 + [0.0] * 4, open_s=31.0))
+    assert watch.check() == []

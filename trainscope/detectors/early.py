@@ -1,0 +1,383 @@
+"""The early flag: a rank its peers wait on, named from step records before the window closes.
+
+Window detectors see a fault once its window closes, and most confirm it over two windows
+(15–30 s at the default window). Step records arrive within a producer round (0.5 s) of the
+step's end, and each carries the time the rank spent in collectives (``collective_ns``). In
+synchronous training every rank ends a step together, so a step that grew grew for everyone;
+what tells the ranks apart is the waiting: the peers of a straggler wait in their collectives
+for it, the straggler does not (the principle of Holmes, Greyhound and NVIDIA's straggler
+scores). Against each rank's own recent collective time (pipeline bubbles and tensor-parallel
+waits differ by rank, so ranks are not compared with each other), a step's late ranks are
+those whose waiting did not grow with the step.
+
+A rank is flagged when the job's step time rose above the median of the steps before (after
+:data:`RECENT_STEPS` steps that were not slow: the flag marks an onset) and stayed there for
+:data:`RECENT_STEPS` steps and :data:`MIN_SLOW_S`, and the same rank, alone or with a few
+others, was late in most of them. A change that does not single out a few ranks (a slow link
+slows every member of its ring; sequence imbalance moves from rank to rank; a whole stage; the
+job itself) is left to the window detectors, as is any change where the producers do not time
+collectives (``collective_ns`` 0): no rank can be named then. The flag is a ``straggler``
+finding (detector ``early``); the window's detectors then say why (``diagnosis`` folds the flag
+into the explained finding of the same rank).
+
+**A stall** ends no step, so no step record tells who. While a step stays open several times
+longer than the rank's recent steps, its PyTorch producer reports how long, and how long the
+rank has been waiting in a collective (metrics ``step_open_s`` and ``collective_wait_s``,
+:meth:`StepTracker.stall_report`). When most ranks have been waiting for
+:data:`STALL_WAIT_S` or more, the few that are not waiting (or not reporting: a frozen
+process) hold the job: a ``hang`` finding, raised once per stall.
+
+Why not a window detector: it must run between windows, on step records as they come, with a
+few steps of state per rank. All per-rank work is numpy over a ring of the last
+:data:`HISTORY_STEPS` steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trainscope.schemas import metrics as m
+from trainscope.schemas.records import Finding, MetricSample, StepRecord
+
+DETECTOR = "early"
+_STALL_METRICS = frozenset({m.STEP_OPEN_S, m.COLLECTIVE_WAIT_S})
+# Steps kept per job (a ring); a run's baseline is the median of the complete steps before it.
+HISTORY_STEPS = 64
+# A run of slow steps is flagged once it is this many steps long and lasts MIN_SLOW_S (at
+# 1-s steps, 4 s; at 5-ms steps, 200 steps: a short burst of host noise is no straggler),
+# after as many steps that were not slow (the run is an onset).
+RECENT_STEPS = 4
+MIN_SLOW_S = 1.0
+# The flagged ranks were late (with at most a few others) in this share of the run's steps.
+LATE_STEPS_SHARE = 0.75
+# Complete steps needed before a run of slow steps, for a baseline.
+MIN_BASELINE_STEPS = 8
+# A step is slow when the job's step time (median over ranks) exceeds the baseline by this
+# share and by MIN_EXCESS_NS.
+MIN_EXCESS_FRAC = 0.1
+MIN_EXCESS_NS = 2_000_000
+# ... and by this many robust sigmas of the baseline steps' job step time.
+NOISE_Z = 4.0
+# The score reaches 1 at this excess (share of the baseline step); the alert threshold (0.5)
+# at half of it.
+FULL_EXCESS_FRAC = 0.2
+# A rank is late in a step when its collective time grew by less than this share of the
+# step's excess; its peers are waiting when theirs grew by more.
+LATE_SHARE = 0.5
+# The late ranks may be at most this share of the job (one rank, a tensor-parallel group):
+# more is a stage or the job slowing, which the window detectors tell apart.
+MAX_LATE_SHARE = 0.125
+# Once flagged, a rank is not flagged again for this many steps: the window's
+# detectors carry it from there.
+QUIET_STEPS = HISTORY_STEPS
+# A stall: most ranks have waited this long in a collective for the few that do not.
+STALL_WAIT_S = 3.0
+# Stall reports older than this, behind the job's newest, are no longer the rank's state.
+STALL_REPORT_FRESH_S = 2.0
+
+
+@dataclass
+class _SlowRun:
+    """Consecutive slow steps from ``first``, against the steps before it."""
+
+    first: int
+    cols: np.ndarray  # the job's ranks when it started
+    base_step_ns: float
+    min_excess_ns: float
+    base_wait_ns: np.ndarray  # each rank's collective time per step before the run
+    timed: bool  # the producers time collectives (collective_ns not all 0)
+    late: np.ndarray  # per rank: steps in which it (with at most a few others) was late
+    grew_ns: np.ndarray  # per rank: growth of its collective time, summed over the run
+    steps: int = 0
+    singled: int = 0  # steps that singled out a few late ranks
+    duration_ns: float = 0.0
+    excess_ns: list[float] = field(default_factory=list)
+    flagged: bool = False
+
+
+def _ring(dtype: type) -> np.ndarray:
+    return np.zeros((HISTORY_STEPS, 0), dtype=dtype)
+
+
+@dataclass
+class _Job:
+    """The last HISTORY_STEPS steps of one job: row ``step % HISTORY_STEPS`` holds ``step``."""
+
+    ranks: int = 0
+    step_of_row: np.ndarray = field(
+        default_factory=lambda: np.full(HISTORY_STEPS, -1, dtype=np.int64))
+    # float32 (ample for ms-scale comparisons): 0.8 MB per 1,000 ranks for the three.
+    duration_ns: np.ndarray = field(default_factory=lambda: _ring(np.float32))
+    collective_ns: np.ndarray = field(default_factory=lambda: _ring(np.float32))
+    # When each rank's step ended, seconds after ``epoch_ns`` (float32: ms over a day).
+    end_s: np.ndarray = field(default_factory=lambda: _ring(np.float32))
+    epoch_ns: int = 0
+    # Each complete step's job step time (median over ranks), by row.
+    step_ns: np.ndarray = field(default_factory=lambda: np.zeros(HISTORY_STEPS))
+    seen: np.ndarray = field(default_factory=lambda: np.zeros((HISTORY_STEPS, 0), dtype=bool))
+    checked_through: int = -1  # the newest complete step examined
+    quiet_until: dict[int, int] = field(default_factory=dict)  # rank -> step
+    # Stall reports: rank -> (ts_ns, step open s, collective wait s), the newest of each.
+    stall: dict[int, tuple[int, float, float]] = field(default_factory=dict)
+    stall_flagged_at: int = -2  # checked_through when the last stall was flagged
+    run: _SlowRun | None = None  # the current run of slow steps, if any
+
+    def end_at_ns(self, row: int, ranks: np.ndarray) -> int:
+        """When the step in ``row`` ended: the median over ``ranks`` (a skewed clock aside)."""
+        return self.epoch_ns + int(float(np.median(self.end_s[row, ranks])) * 1e9)
+
+    def grow(self, ranks: int) -> None:
+        extra = ranks - self.ranks
+        if extra <= 0:
+            return
+        pad = ((0, 0), (0, extra))
+        self.duration_ns = np.pad(self.duration_ns, pad)
+        self.collective_ns = np.pad(self.collective_ns, pad)
+        self.end_s = np.pad(self.end_s, pad)
+        self.seen = np.pad(self.seen, pad)
+        self.ranks = ranks
+
+
+class EarlyWatch:
+    """Step records and stall reports in (:meth:`add`, :meth:`add_metrics`), early
+    ``straggler`` and ``hang`` findings out (:meth:`check`). ``window_ns`` places a flag in
+    the window its step ended in; ``max_ranks`` bounds the state per job (a rank beyond it is
+    not watched)."""
+
+    def __init__(self, window_ns: int, max_ranks: int = 1 << 17) -> None:
+        self.window_ns = window_ns
+        self.max_ranks = max_ranks
+        self._jobs: dict[str, _Job] = {}
+        self._touched: set[str] = set()
+        self.flags = 0
+
+    def add(self, steps: Iterable[StepRecord]) -> None:
+        by_job: dict[str, list[StepRecord]] = {}
+        for record in steps:
+            if record.rank < self.max_ranks:
+                by_job.setdefault(record.job_id, []).append(record)
+        for job_id, records in by_job.items():
+            job = self._jobs.get(job_id)
+            if job is None:
+                job = self._jobs[job_id] = _Job()
+            job.grow(max(r.rank for r in records) + 1)
+            for record in records:
+                row = record.step % HISTORY_STEPS
+                held = int(job.step_of_row[row])
+                if record.step < held or record.step <= job.checked_through - HISTORY_STEPS:
+                    continue  # older than the ring
+                if record.step > held:
+                    job.step_of_row[row] = record.step
+                    job.seen[row] = False
+                rank = record.rank
+                job.duration_ns[row, rank] = record.duration_ns
+                job.collective_ns[row, rank] = record.collective_ns
+                end_ns = record.start_ns + record.duration_ns
+                job.epoch_ns = job.epoch_ns or end_ns
+                job.end_s[row, rank] = (end_ns - job.epoch_ns) / 1e9
+                job.seen[row, rank] = True
+            self._touched.add(job_id)
+
+    def add_metrics(self, samples: Iterable[MetricSample]) -> None:
+        """Keep the stall reports (``step_open_s``, ``collective_wait_s``) among ``samples``."""
+        for sample in samples:
+            if sample.name not in _STALL_METRICS or not 0 <= sample.rank < self.max_ranks:
+                continue
+            job = self._jobs.get(sample.job_id)
+            if job is None:
+                continue  # a job with no step record yet: nothing to compare with
+            ts_ns, open_s, wait_s = job.stall.get(sample.rank, (0, 0.0, 0.0))
+            if sample.ts_ns != ts_ns:
+                ts_ns, open_s, wait_s = sample.ts_ns, 0.0, 0.0
+            if sample.name == m.STEP_OPEN_S:
+                open_s = sample.value
+            else:
+                wait_s = sample.value
+            job.stall[sample.rank] = (ts_ns, open_s, wait_s)
+            self._touched.add(sample.job_id)
+
+    def ranks(self, job_id: str) -> np.ndarray:
+        """The ranks of ``job_id`` that reported a step still in the ring."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(job.seen.any(axis=0))
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+        self._touched.discard(job_id)
+
+    def check(self) -> list[Finding]:
+        """The flags raised by the steps completed since the last check."""
+        findings: list[Finding] = []
+        for job_id in sorted(self._touched):
+            findings += self._check_job(job_id, self._jobs[job_id])
+        self._touched.clear()
+        self.flags += len(findings)
+        return findings
+
+    def _check_job(self, job_id: str, job: _Job) -> list[Finding]:
+        # A step is complete when every rank that reported in the ring reported it.
+        active = job.seen.any(axis=0)
+        complete = (job.seen | ~active).all(axis=1) & (job.step_of_row >= 0)
+        steps = np.sort(job.step_of_row[complete])
+        new = steps[steps > job.checked_through]
+        if new.size:
+            # Each new step's job step time (median over the ranks), once.
+            rows = new % HISTORY_STEPS
+            job.step_ns[rows] = np.median(job.duration_ns[np.ix_(rows, np.flatnonzero(active))],
+                                          axis=1)
+        findings: list[Finding] = []
+        for step in new.tolist():
+            finding = self._check_step(job_id, job, int(step), steps, active)
+            if finding is not None:
+                findings.append(finding)
+        if new.size:
+            job.checked_through = int(new[-1])
+            # Steps end again: reports from before the newest step's end are history.
+            row = job.checked_through % HISTORY_STEPS
+            ended_ns = job.end_at_ns(row, active)
+            job.stall = {rank: report for rank, report in job.stall.items()
+                         if report[0] > ended_ns}
+        if job.stall:
+            finding = self._check_stall(job_id, job, active)
+            if finding is not None:
+                findings.append(finding)
+        return findings
+
+    def _check_stall(self, job_id: str, job: _Job, active: np.ndarray) -> Finding | None:
+        if job.stall_flagged_at == job.checked_through:
+            return None  # this stall was flagged
+        newest_ns = max(ts for ts, _, _ in job.stall.values())
+        fresh = {rank: report for rank, report in job.stall.items()
+                 if newest_ns - report[0] <= STALL_REPORT_FRESH_S * 1e9}
+        ranks = np.flatnonzero(active).tolist()
+        waiting = [r for r in ranks if r in fresh and fresh[r][2] >= STALL_WAIT_S]
+        if len(waiting) * 2 < len(ranks):
+            return None
+        holding = [r for r in ranks if r not in waiting]
+        if not holding or len(holding) > max(1, int(MAX_LATE_SHARE * len(ranks))):
+            return None
+        job.stall_flagged_at = job.checked_through
+        silent = [r for r in holding if r not in fresh]
+        open_s = max(report[1] for report in fresh.values())
+        wait_s = float(np.median([fresh[r][2] for r in waiting]))
+        who = (f"rank {holding[0]}" if len(holding) == 1
+               else f"ranks {', '.join(map(str, holding))}")
+        window_start = newest_ns // self.window_ns * self.window_ns
+        return Finding(
+            job_id=job_id, window_start_ns=window_start,
+            window_end_ns=window_start + self.window_ns, detector=DETECTOR,
+            rank=holding[0], ranks=holding, victims=waiting, category="hang", score=1.0,
+            evidence={"step_open_s": open_s, "peers_waiting_s": round(wait_s, 3),
+                      "peers_waiting": float(len(waiting)), "silent": float(len(silent)),
+                      "flagged_at_ns": float(newest_ns)},
+            message=(
+                f"hang: {who} stalled: no step has ended for {open_s:.0f} s (last step "
+                f"{job.checked_through}) while {len(waiting)} of {len(ranks)} ranks wait for "
+                f"it in collectives ({wait_s:.0f} s)"
+                + (f"; {len(silent)} of them report nothing, their process may be frozen"
+                   if silent else "")
+                + "; flagged from the producers' stall reports, before the window closes"
+            ),
+        )
+
+    def _check_step(self, job_id: str, job: _Job, step: int, steps: np.ndarray,
+                    active: np.ndarray) -> Finding | None:
+        """Extend, start or end the job's run of slow steps with ``step``; a flag when the
+        run has lasted long enough and singled out the same few ranks."""
+        row = step % HISTORY_STEPS
+        cols = np.flatnonzero(active)
+        run = job.run
+        if run is None or run.cols.size != cols.size:
+            run = job.run = self._start_run(job, step, steps, cols)
+            if run is None:
+                return None
+        excess_ns = float(job.step_ns[row]) - run.base_step_ns
+        if excess_ns < run.min_excess_ns:
+            job.run = None  # the run is over (or the step was never slow)
+            return None
+        # Each rank's waiting against its own before the run: did it grow with the step?
+        grew = job.collective_ns[row, cols] - run.base_wait_ns
+        late = grew < LATE_SHARE * excess_ns
+        singled = 1 <= int(late.sum()) <= max(1, int(MAX_LATE_SHARE * cols.size))
+        run.steps += 1
+        run.excess_ns.append(excess_ns)
+        run.duration_ns += float(job.step_ns[row])
+        run.grew_ns += grew
+        if singled:
+            run.singled += 1
+            run.late += late
+        if run.flagged or run.steps < RECENT_STEPS or run.duration_ns < MIN_SLOW_S * 1e9:
+            return None
+        needed = LATE_STEPS_SHARE * run.steps
+        culprits = np.flatnonzero(run.late >= needed)
+        if run.singled < needed or not culprits.size or not run.timed:
+            return None
+        grew_mean = run.grew_ns / run.steps
+        culprits = culprits[np.argsort(grew_mean[culprits], kind="stable")]
+        ranks = [int(cols[c]) for c in culprits]
+        run.flagged = True
+        if any(job.quiet_until.get(r, -1) >= step for r in ranks):
+            return None
+        for r in ranks:
+            job.quiet_until[r] = step + QUIET_STEPS
+        gap_ms = (float(np.median(np.delete(grew_mean, culprits))) - grew_mean[culprits[0]]) / 1e6
+        excess_frac = float(np.median(run.excess_ns)) / run.base_step_ns
+        step_ms = (run.base_step_ns + float(np.median(run.excess_ns))) / 1e6
+        end_ns = job.end_at_ns(row, cols)
+        window_start = end_ns // self.window_ns * self.window_ns
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        return Finding(
+            job_id=job_id, window_start_ns=window_start,
+            window_end_ns=window_start + self.window_ns, detector=DETECTOR,
+            rank=ranks[0], ranks=ranks, category="straggler",
+            score=round(min(1.0, excess_frac / FULL_EXCESS_FRAC), 4),
+            evidence={
+                "step": float(step), "steps": float(run.steps),
+                "step_ms": round(step_ms, 3),
+                "baseline_step_ms": round(run.base_step_ns / 1e6, 3),
+                "excess_frac": round(excess_frac, 4), "peers_waited_ms": round(gap_ms, 3),
+                # When the flagged step ended (job clock): how early the flag came.
+                "flagged_at_ns": float(end_ns),
+            },
+            message=(
+                f"straggler: {who} made the peers wait {gap_ms:.0f} ms/step longer in "
+                f"collectives for the last {run.steps} steps (steps {run.first}–{step}; step time "
+                f"{step_ms:.0f} ms vs {run.base_step_ns / 1e6:.0f} ms before); flagged from step "
+                "records, the cause follows at the window close"
+            ),
+        )
+
+    def _start_run(self, job: _Job, step: int, steps: np.ndarray,
+                   cols: np.ndarray) -> _SlowRun | None:
+        """A run of slow steps starting at ``step``, against the steps before it; None when
+        ``step`` is not slow, or not an onset (the steps just before it were slow too)."""
+        before = steps[steps < step][-HISTORY_STEPS + RECENT_STEPS:]
+        if before.size < MIN_BASELINE_STEPS:
+            return None
+        base_rows = before % HISTORY_STEPS
+        base_steps_ns = job.step_ns[base_rows]
+        base_step_ns = float(np.median(base_steps_ns))
+        # Above the job's own step-to-step wobble too (a robust sigma: 1.4826 × MAD); a job
+        # whose steps vary widely (uneven sequence lengths) needs a larger rise.
+        spread_ns = 1.4826 * float(np.median(np.abs(base_steps_ns - base_step_ns)))
+        min_excess_ns = max(MIN_EXCESS_FRAC * base_step_ns, MIN_EXCESS_NS, NOISE_Z * spread_ns)
+        if float(job.step_ns[step % HISTORY_STEPS]) - base_step_ns < min_excess_ns:
+            return None
+        # An onset: the steps just before were not slow. A change older than that is the
+        # window detectors' (and by now in the baseline too).
+        prior = before[-RECENT_STEPS:]
+        if (prior.size < RECENT_STEPS or prior[0] != step - RECENT_STEPS
+                or float(np.median(job.step_ns[prior % HISTORY_STEPS])) - base_step_ns
+                >= min_excess_ns):
+            return None
+        waits = job.collective_ns[np.ix_(base_rows, cols)]
+        return _SlowRun(first=step, cols=cols, base_step_ns=base_step_ns,
+                        min_excess_ns=min_excess_ns,
+                        base_wait_ns=np.median(waits, axis=0),
+                        timed=bool(waits.any()), late=np.zeros(cols.size),
+                        grew_ns=np.zeros(cols.size))
