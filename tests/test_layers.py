@@ -174,15 +174,17 @@ ALLOWED: dict[str, dict[str, str]] = {
         "schemas": "the engine turns records into WindowViews",
         "config": ENV,
         "transport": "a stream job consumes from and produces to the bus",
-        "detectors": "the stream job runs the detectors on each closed window; it uses only "
-        "their public protocol and registry (see PUBLIC)",
+        "detectors": "the stream job runs the detectors on each closed window, and the early "
+        "flag on step records between windows; it uses only their public protocol, registry "
+        "and the early flag (see PUBLIC)",
     },
 }
 
 # Where a layer may import only some modules of another: the public face of that layer.
 PUBLIC: dict[tuple[str, str], frozenset[str]] = {
     ("engine", "detectors"): frozenset(
-        {"trainscope.detectors.base", "trainscope.detectors.registry"}
+        {"trainscope.detectors.base", "trainscope.detectors.registry",
+         "trainscope.detectors.early"}
     ),
     ("loop", "detectors"): frozenset({"trainscope.detectors.base"}),
     ("engines.faust", "detectors"): frozenset({"trainscope.detectors.base"}),
