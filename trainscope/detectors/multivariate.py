@@ -28,6 +28,7 @@ from trainscope.detectors.features import (
     step_time_ns,
     throttling_shares,
 )
+from trainscope.detectors.hst_batch import score_many
 from trainscope.detectors.params import check_number
 from trainscope.detectors.throttle import ThrottleRule
 from trainscope.schemas import metrics as m
@@ -185,9 +186,11 @@ class RankAnomalyDetector:
             return []
         if self._model is None:
             self._model = self._new_model()
-        rows = frame.to_dict(orient="index")
-        scores = pd.Series({rank: self._model.score_one(x) for rank, x in rows.items()})
-        for rank in _learned_ranks(list(rows), self.seed + self._seen):
+        # Scored for all ranks at once, on river's model (hst_batch: the same scores).
+        scores = pd.Series(score_many(self._model, frame), index=frame.index)
+        learned = _learned_ranks(list(frame.index), self.seed + self._seen)
+        rows = frame.loc[learned].to_dict(orient="index")
+        for rank in learned:
             self._model.learn_one(rows[rank])
         self._seen += 1
         # getattr: a checkpoint from before the flag existed restores without it.

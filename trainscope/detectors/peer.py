@@ -655,9 +655,15 @@ def _victims(
     own = groups.wait_at[at]
     own = own[~np.isnan(own)]
     baseline = float(own.min()) if len(own) and not culprit_waits_too else groups.healthy_wait()
-    related = (np.isin(groups.tp_group, groups.tp_group[at])
-               | np.isin(groups.dp_group, groups.dp_group[at])
-               | np.isin(groups.pp_group, groups.pp_group[at]))
+    if at.size == 1:  # the usual case: a comparison, not isin's sort (720 calls a window)
+        one = int(at[0])
+        related = ((groups.tp_group == groups.tp_group[one])
+                   | (groups.dp_group == groups.dp_group[one])
+                   | (groups.pp_group == groups.pp_group[one]))
+    else:
+        related = (np.isin(groups.tp_group, groups.tp_group[at])
+                   | np.isin(groups.dp_group, groups.dp_group[at])
+                   | np.isin(groups.pp_group, groups.pp_group[at]))
     related[at] = False
     inflated = np.nan_to_num(groups.wait_at) >= baseline + VICTIM_WAIT_FRAC * excess
     return [int(r) for r in groups.ranks[related & inflated][:MAX_VICTIMS]]

@@ -157,19 +157,23 @@ class PeerMedians:
     def __init__(self, frame: pd.DataFrame) -> None:
         self.frame = frame
         self._sorted: dict[str, np.ndarray] = {}
+        self._values: dict[str, np.ndarray] = {}
+        # Row of each rank: a dict lookup, not pandas' (thousands of calls a window).
+        self._row = {rank: i for i, rank in enumerate(frame.index.tolist())}
 
     def has_peers(self, rank: int) -> bool:
         """Whether a rank other than ``rank`` has a row."""
-        return len(self.frame) - int(rank in self.frame.index) > 0
+        return len(self.frame) - int(rank in self._row) > 0
 
     def without(self, column: str, rank: int) -> float:
         if column not in self.frame.columns:
             return np.nan
         values = self._sorted.get(column)
         if values is None:
-            column_values = self.frame[column].to_numpy(dtype=float)
+            column_values = self._values[column] = self.frame[column].to_numpy(dtype=float)
             values = self._sorted[column] = np.sort(column_values[~np.isnan(column_values)])
-        own = float(self.frame.at[rank, column]) if rank in self.frame.index else np.nan
+        row = self._row.get(rank)
+        own = float(self._values[column][row]) if row is not None else np.nan
         # Removing any one of equal values leaves the same numbers: the first will do.
         skip = int(np.searchsorted(values, own)) if not np.isnan(own) else len(values)
         left = len(values) - (skip < len(values))
