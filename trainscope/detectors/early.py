@@ -77,6 +77,9 @@ QUIET_STEPS = HISTORY_STEPS
 STALL_WAIT_S = 3.0
 # Stall reports older than this, behind the job's newest, are no longer the rank's state.
 STALL_REPORT_FRESH_S = 2.0
+# A rank holding the job that has sent no report is called silent (its process may be frozen)
+# only once its peers have waited this much longer: its report may just be a round late.
+SILENT_GRACE_S = 2.0
 
 
 @dataclass
@@ -261,10 +264,12 @@ class EarlyWatch:
         holding = [r for r in ranks if r not in waiting]
         if not holding or len(holding) > max(1, int(MAX_LATE_SHARE * len(ranks))):
             return None
-        job.stall_flagged_at = job.checked_through
         silent = [r for r in holding if r not in fresh]
         open_s = max(report[1] for report in fresh.values())
         wait_s = float(np.median([fresh[r][2] for r in waiting]))
+        if silent and wait_s < STALL_WAIT_S + SILENT_GRACE_S:
+            return None  # its own report may be a round behind its peers'
+        job.stall_flagged_at = job.checked_through
         who = (f"rank {holding[0]}" if len(holding) == 1
                else f"ranks {', '.join(map(str, holding))}")
         window_start = newest_ns // self.window_ns * self.window_ns
