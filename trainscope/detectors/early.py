@@ -155,7 +155,6 @@ class EarlyWatch:
         self.max_ranks = max_ranks
         self._jobs: dict[str, _Job] = {}
         self._touched: set[str] = set()
-        self.flags = 0
 
     def add(self, steps: Iterable[StepRecord]) -> None:
         by_job: dict[str, list[StepRecord]] = {}
@@ -219,7 +218,6 @@ class EarlyWatch:
         for job_id in sorted(self._touched):
             findings += self._check_job(job_id, self._jobs[job_id])
         self._touched.clear()
-        self.flags += len(findings)
         return findings
 
     def _check_job(self, job_id: str, job: _Job) -> list[Finding]:
