@@ -24,7 +24,7 @@ from pipeline_procs import PipelineProcess, start_publisher
 from trainscope.engine.clocks import MIN_STEPS, RankClocks
 from trainscope.engine.state import FAR_PAST
 from trainscope.engine.windows import WindowEngine
-from trainscope.schemas.records import StepRecord
+from trainscope.schemas.records import StepBatch, StepRecord
 
 STEP_NS = 400_000_000
 
@@ -46,13 +46,14 @@ def test_estimator_takes_the_majority_of_ranks_and_enough_steps() -> None:
     clocks = RankClocks()
     skew_ns = 30 * 10**9
     # Only 2 of 8 ranks reported these steps: no agreement yet, whatever their clocks.
-    clocks.note_steps(steps_of(3, 0, 5, skew_ns, rng) + steps_of(0, 0, 5, 0, rng))
+    clocks.note_steps(StepBatch.from_records(
+        steps_of(3, 0, 5, skew_ns, rng) + steps_of(0, 0, 5, 0, rng)))
     assert clocks.estimates(world_size=8) == {}
     for rank in (1, 2, 4, 5, 6, 7):
-        clocks.note_steps(steps_of(rank, 0, MIN_STEPS - 1, 0, rng))
+        clocks.note_steps(StepBatch.from_records(steps_of(rank, 0, MIN_STEPS - 1, 0, rng)))
     assert clocks.estimates(world_size=8) == {}  # a majority, but on too few steps
     for rank in (1, 2, 4, 5, 6, 7):
-        clocks.note_steps(steps_of(rank, MIN_STEPS - 1, 1, 0, rng))
+        clocks.note_steps(StepBatch.from_records(steps_of(rank, MIN_STEPS - 1, 1, 0, rng)))
     estimates = clocks.estimates(world_size=8)
     assert set(estimates) == set(range(8))
     assert abs(estimates[3][0] - skew_ns) < 10_000_000, estimates[3]
@@ -62,7 +63,7 @@ def test_estimator_takes_the_majority_of_ranks_and_enough_steps() -> None:
     assert all(clocks.offsets_ns[r] == 0 for r in range(8) if r != 3)  # jitter is not corrected
     assert set(clocks.reported()) == {3}
     # Bounded: only the newest step numbers are kept.
-    clocks.note_steps(steps_of(0, 10, 100, 0, rng))
+    clocks.note_steps(StepBatch.from_records(steps_of(0, 10, 100, 0, rng)))
     assert len(clocks.ends) <= 32
 
 
@@ -75,8 +76,8 @@ def test_estimates_are_each_ranks_median_of_its_differences_to_the_agreed_end(se
     world = 12
     for rank in range(world):
         first = int(rng.integers(0, 4))  # ranks that joined late: fewer steps, even counts
-        clocks.note_steps(steps_of(rank, first, int(rng.integers(1, 9)),
-                                   int(rng.integers(-3, 4)) * 10**9, rng))
+        clocks.note_steps(StepBatch.from_records(steps_of(
+            rank, first, int(rng.integers(1, 9)), int(rng.integers(-3, 4)) * 10**9, rng)))
     quorum = world // 2 + 1
     differences: dict[int, list[int]] = {}
     for by_rank in clocks.ends.values():

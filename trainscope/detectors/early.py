@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trainscope.schemas import metrics as m
-from trainscope.schemas.records import Finding, MetricSample, StepRecord
+from trainscope.schemas.records import Finding, MetricBatch, MetricSample, StepBatch, StepRecord
+from trainscope.schemas.step_metric import metrics_by_job, steps_by_job
 
 DETECTOR = "early"
 _STALL_METRICS = frozenset({m.STEP_OPEN_S, m.COLLECTIVE_WAIT_S})
@@ -156,50 +157,72 @@ class EarlyWatch:
         self._jobs: dict[str, _Job] = {}
         self._touched: set[str] = set()
 
-    def add(self, steps: Iterable[StepRecord]) -> None:
-        by_job: dict[str, list[StepRecord]] = {}
-        for record in steps:
-            if record.rank < self.max_ranks:
-                by_job.setdefault(record.job_id, []).append(record)
-        for job_id, records in by_job.items():
+    def add(self, steps: Iterable[StepRecord | StepBatch]) -> None:
+        for job_id, batch in steps_by_job(steps).items():
+            rank = batch.column("rank").astype(np.int64)
+            watched = rank < self.max_ranks
+            if not watched.any():
+                continue
             job = self._jobs.get(job_id)
             if job is None:
                 job = self._jobs[job_id] = _Job()
-            job.grow(max(r.rank for r in records) + 1)
-            for record in records:
-                row = record.step % HISTORY_STEPS
-                held = int(job.step_of_row[row])
-                if record.step < held or record.step <= job.checked_through - HISTORY_STEPS:
-                    continue  # older than the ring
-                if record.step > held:
-                    job.step_of_row[row] = record.step
-                    job.seen[row] = False
-                rank = record.rank
-                job.duration_ns[row, rank] = record.duration_ns
-                job.collective_ns[row, rank] = record.collective_ns
-                end_ns = record.start_ns + record.duration_ns
-                job.epoch_ns = job.epoch_ns or end_ns
-                job.end_s[row, rank] = (end_ns - job.epoch_ns) / 1e9
-                job.seen[row, rank] = True
+            self._add_job(job, batch, rank, watched)
             self._touched.add(job_id)
 
-    def add_metrics(self, samples: Iterable[MetricSample]) -> None:
+    def _add_job(self, job: _Job, batch: StepBatch, rank: np.ndarray, watched: np.ndarray
+                 ) -> None:
+        """The batch's steps into the ring, as if taken one by one: a step newer than its
+        row's resets the row; one older than the row's, or than the ring, is dropped."""
+        job.grow(int(rank[watched].max()) + 1)
+        step = batch.column("step").astype(np.int64)
+        row = step % HISTORY_STEPS
+        fresh = watched & (step > job.checked_through - HISTORY_STEPS)
+        held = job.step_of_row
+        newest = held.copy()
+        np.maximum.at(newest, row[fresh], step[fresh])
+        reset = newest > held
+        end_ns = batch.column("start_ns") + batch.column("duration_ns")
+        if not job.epoch_ns:
+            first = np.flatnonzero(fresh & (step >= held[row]))
+            if len(first):
+                job.epoch_ns = int(end_ns[first[0]])
+        job.step_of_row = newest
+        job.seen[reset] = False
+        write = fresh & (step == newest[row])
+        rows, ranks = row[write], rank[write]
+        job.duration_ns[rows, ranks] = batch.column("duration_ns")[write]
+        job.collective_ns[rows, ranks] = batch.column("collective_ns")[write]
+        job.end_s[rows, ranks] = (end_ns[write] - job.epoch_ns) / 1e9
+        job.seen[rows, ranks] = True
+
+    def add_metrics(self, samples: Iterable[MetricSample | MetricBatch]) -> None:
         """Keep the stall reports (``step_open_s``, ``collective_wait_s``) among ``samples``."""
-        for sample in samples:
-            if sample.name not in _STALL_METRICS or not 0 <= sample.rank < self.max_ranks:
-                continue
-            job = self._jobs.get(sample.job_id)
-            if job is None:
-                continue  # a job with no step record yet: nothing to compare with
-            ts_ns, open_s, wait_s = job.stall.get(sample.rank, (0, 0.0, 0.0))
-            if sample.ts_ns != ts_ns:
-                ts_ns, open_s, wait_s = sample.ts_ns, 0.0, 0.0
-            if sample.name == m.STEP_OPEN_S:
-                open_s = sample.value
-            else:
-                wait_s = sample.value
-            job.stall[sample.rank] = (ts_ns, open_s, wait_s)
-            self._touched.add(sample.job_id)
+        for job_id, batch in metrics_by_job(samples).items():
+            wanted = [i for i, name in enumerate(batch.names) if name in _STALL_METRICS]
+            job = self._jobs.get(job_id)
+            if not wanted or job is None:
+                continue  # no stall report, or a job with no step record yet to compare with
+            name = batch.column("name")
+            rank = batch.column("rank")
+            rows = np.flatnonzero(np.isin(name, wanted) & (rank >= 0)
+                                  & (rank < self.max_ranks))
+            for i in rows.tolist():
+                self._stall_report(job, int(rank[i]), int(batch.column("ts_ns")[i]),
+                                   batch.names[int(name[i])],
+                                   float(batch.column("value")[i]))
+            if len(rows):
+                self._touched.add(job_id)
+
+    @staticmethod
+    def _stall_report(job: _Job, rank: int, ts_ns: int, name: str, value: float) -> None:
+        known_ts_ns, open_s, wait_s = job.stall.get(rank, (0, 0.0, 0.0))
+        if ts_ns != known_ts_ns:
+            open_s, wait_s = 0.0, 0.0
+        if name == m.STEP_OPEN_S:
+            open_s = value
+        else:
+            wait_s = value
+        job.stall[rank] = (ts_ns, open_s, wait_s)
 
     def ranks(self, job_id: str) -> np.ndarray:
         """The ranks of ``job_id`` that reported a step still in the ring."""

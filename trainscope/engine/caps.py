@@ -30,9 +30,11 @@ import numpy as np
 
 from trainscope.schemas.records import (
     FunctionSummary,
+    MetricBatch,
     MetricSample,
     Record,
     SpanBatch,
+    StepBatch,
     StepRecord,
     SummaryBatch,
 )
@@ -232,7 +234,7 @@ class CapGuard:
         window_ns = self.window_ns
         for record in records:
             if not isinstance(record, SummaryBatch | FunctionSummary | SpanBatch | StepRecord
-                              | MetricSample):
+                              | MetricSample | StepBatch | MetricBatch):
                 continue
             message = messages.get(record.job_id)
             if message is None:
@@ -254,8 +256,18 @@ class CapGuard:
                 self._named_spans(message, record)
             elif isinstance(record, StepRecord):  # they open windows, name no function
                 message.add(record.start_ns // window_ns, record.rank, _EMPTY)
-            else:
+            elif isinstance(record, MetricSample):
                 message.add((record.ts_ns - 1) // window_ns, record.rank, _EMPTY)
+            elif len(record):  # a StepBatch or MetricBatch: windows opened per rank
+                index = (record.column("start_ns") // window_ns if isinstance(record, StepBatch)
+                         else (record.column("ts_ns") - 1) // window_ns)
+                rank = record.column("rank").astype(np.int64)
+                if index.min() == index.max() and rank.min() == rank.max():  # the usual case
+                    message.add(int(index[0]), int(rank[0]), _EMPTY)
+                    continue
+                opened = np.unique(np.stack([index, rank]), axis=1)
+                for window, one in opened.T.tolist():
+                    message.add(window, one, _EMPTY)
         return messages
 
     def _named_spans(self, message: _Message, batch: SpanBatch) -> None:

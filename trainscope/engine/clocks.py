@@ -38,8 +38,10 @@ from trainscope.detectors.base import ALERT_THRESHOLD
 from trainscope.schemas.records import (
     SPAN_COLUMNS,
     Finding,
+    MetricBatch,
     MetricSample,
     SpanBatch,
+    StepBatch,
     StepRecord,
     SummaryBatch,
 )
@@ -59,7 +61,8 @@ MAX_HELD_ROWS = 1 << 20
 DEFAULT_TOLERANCE_S = 2.0
 FINDING_DETECTOR = "clock-skew"  # the ``detector`` of clock-skew findings
 
-Held = SpanBatch | SummaryBatch | StepRecord | MetricSample
+# Rows (StepRecord, MetricSample) only in checkpoints of older versions: the engine holds batches.
+Held = SpanBatch | SummaryBatch | StepBatch | MetricBatch | StepRecord | MetricSample
 
 
 def ranks_of(record: Held) -> list[int]:
@@ -70,7 +73,7 @@ def ranks_of(record: Held) -> list[int]:
 
 
 def rows_of(record: Held) -> int:
-    """What ``record`` weighs held: its span events or summary rows, 1 for a record."""
+    """What ``record`` weighs held: its span events, summary rows, step records or samples."""
     return 1 if isinstance(record, StepRecord | MetricSample) else len(record)
 
 
@@ -88,12 +91,18 @@ class RankClocks:
     stepping: bool = False  # the job has sent step records: offsets can be estimated
     ranks: set[int] = field(default_factory=set)  # ranks that sent step records
 
-    def note_steps(self, steps: list[StepRecord]) -> None:
+    def note_steps(self, steps: StepBatch) -> None:
         """Remember each step's end per rank; only the newest ``KEPT_STEPS`` step numbers."""
         self.stepping = True
-        for step in steps:
-            self.ends.setdefault(step.step, {})[step.rank] = step.start_ns + step.duration_ns
-            self.ranks.add(step.rank)
+        rank = steps.column("rank")
+        ends = steps.column("start_ns") + steps.column("duration_ns")
+        number = steps.column("step")
+        for step, rank_, end in zip(number.tolist(), rank.tolist(), ends.tolist(), strict=True):
+            by_rank = self.ends.get(step)
+            if by_rank is None:
+                by_rank = self.ends[step] = {}
+            by_rank[rank_] = end
+        self.ranks.update(np.unique(rank).tolist())
         if len(self.ends) > KEPT_STEPS:
             for old in sorted(self.ends)[: len(self.ends) - KEPT_STEPS]:
                 del self.ends[old]
@@ -180,12 +189,13 @@ def corrected(record: Held, offsets_ns: dict[int, int], window_ns: int) -> Held:
         offset = offsets_ns.get(record.rank, 0)
         return msgspec.structs.replace(record, ts_ns=record.ts_ns - offset) if offset else record
     rank = record.column("rank")
-    if isinstance(record, SpanBatch):
+    if isinstance(record, SpanBatch | StepBatch | MetricBatch):
         shift = _offsets_of(rank, offsets_ns)
         if not shift.any():
             return record
-        start = (record.column("start_ns") - shift).astype(SPAN_COLUMNS["start_ns"])
-        return msgspec.structs.replace(record, start_ns=start.tobytes())
+        field = "ts_ns" if isinstance(record, MetricBatch) else "start_ns"
+        times = (record.column(field) - shift).astype(SPAN_COLUMNS["start_ns"])
+        return msgspec.structs.replace(record, **{field: times.tobytes()})
     # A summary covers a whole window of its rank's clock: it moves by whole windows (the
     # nearest), as one row; a batch's ranks share a host, hence a clock (else: their median).
     offset = int(np.median(_offsets_of(rank, offsets_ns))) if len(rank) else 0

@@ -49,15 +49,18 @@ from trainscope.schemas.records import (
     Finding,
     FindingCallPath,
     FunctionSummary,
+    MetricBatch,
     MetricSample,
     ProfileCallPaths,
     Record,
     SpanBatch,
     SpanEvent,
+    StepBatch,
     StepRecord,
     SummaryBatch,
     Topology,
 )
+from trainscope.schemas.step_metric import metrics_by_job, steps_by_job
 from trainscope.schemas.validate import InvalidRecord, Limits, Validator
 from trainscope.schemas.window import STEP_COLUMNS, WindowView
 from trainscope.transport.bus import (
@@ -441,15 +444,15 @@ class StreamCore:
     def _ingest_job(self, records: list[Record], source: Hashable) -> None:
         spans: list[SpanBatch] = []
         summaries: list[SummaryBatch | FunctionSummary] = []
-        steps: list[StepRecord] = []
-        metrics: list[MetricSample] = []
+        steps: list[StepRecord | StepBatch] = []
+        metrics: list[MetricSample | MetricBatch] = []
         events: list[SpanEvent] = []
         for record in records:
             if isinstance(record, SpanBatch):
                 spans.append(record)
-            elif isinstance(record, StepRecord):
+            elif isinstance(record, StepRecord | StepBatch):
                 steps.append(record)
-            elif isinstance(record, MetricSample):
+            elif isinstance(record, MetricSample | MetricBatch):
                 metrics.append(record)
             elif isinstance(record, SummaryBatch | FunctionSummary):
                 summaries.append(record)
@@ -462,23 +465,27 @@ class StreamCore:
                     self._write(lambda r=record, sink=sink: sink.write_topology(r))
         if events:
             spans.append(SpanBatch.from_events(events))
+        # One batch of each for the poll (rows packed, batches joined): from here on, step
+        # records and metric samples are windowed column by column.
+        step_batches = list(steps_by_job(steps).values())
+        metric_batches = list(metrics_by_job(metrics).values())
         self._stats.window.received += (
             sum(len(b) for b in spans)
             + sum(len(s) if isinstance(s, SummaryBatch) else 1 for s in summaries)
-            + len(steps)
-            + len(metrics)
+            + sum(len(b) for b in step_batches)
+            + sum(len(b) for b in metric_batches)
         )
         # Steps first: they tell each rank's clock offset, which the other records need.
-        if steps:
-            self.engine.add_steps(steps, source)
-            self.early.add(steps)
+        if step_batches:
+            self.engine.add_steps(step_batches, source)
+            self.early.add(step_batches)
         if spans:
             self.engine.add_spans(spans, source)
         if summaries:
             self.engine.add_summaries(summaries, source)
-        if metrics:
-            self.engine.add_metrics(metrics, source)
-            self.early.add_metrics(metrics)
+        if metric_batches:
+            self.engine.add_metrics(metric_batches, source)
+            self.early.add_metrics(metric_batches)
 
     def _touch(self, jobs: Collection[str]) -> None:
         """Mark ``jobs`` as seen; evict the least recently seen others beyond ``max_jobs``."""
@@ -515,12 +522,16 @@ class StreamCore:
         window_ns = self.engine.window_ns
         newest: dict[str, int] = {}
         for record in records:
-            if isinstance(record, SpanBatch | StepRecord | MetricSample | SummaryBatch):
+            if isinstance(record, SpanBatch | StepBatch | MetricBatch | StepRecord | MetricSample
+                          | SummaryBatch):
                 record = self.engine.on_job_clock(record)
-            if isinstance(record, SpanBatch):
+            if isinstance(record, SpanBatch | StepBatch | MetricBatch):
                 if not len(record):
                     continue
-                index = int(record.column("start_ns").max()) // window_ns
+                if isinstance(record, MetricBatch):
+                    index = metric_window(int(record.column("ts_ns").max()), window_ns)
+                else:
+                    index = int(record.column("start_ns").max()) // window_ns
             elif isinstance(record, StepRecord):
                 index = record.start_ns // window_ns
             elif isinstance(record, MetricSample):

@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from trainscope.engine.keys import FunctionTable, function_of, rank_of
 from trainscope.schemas.grouping import Partials, merge_partials
-from trainscope.schemas.records import MetricSample, StepRecord
+from trainscope.schemas.records import MetricBatch, StepBatch
 from trainscope.schemas.window import METRIC_COLUMNS, STEP_COLUMNS, WindowView
 
 _STR = pd.Series(["x"]).dtype
@@ -62,20 +62,45 @@ def summary_frame(functions: FunctionTable, parts: list[Partials]) -> pd.DataFra
     )
 
 
-def step_frame(steps: list[StepRecord]) -> pd.DataFrame:
+def step_frame(steps: list[StepBatch]) -> pd.DataFrame:
+    """One row per step record, sorted by every column (int64 and float64 columns)."""
     if not steps:
         return WindowView("", 0, 1).steps
-    frame = pd.DataFrame({c: [getattr(s, c) for s in steps] for c in STEP_COLUMNS})
-    return frame.sort_values(list(STEP_COLUMNS), kind="stable", ignore_index=True)
+    columns = {c: _joined(steps, c) for c in STEP_COLUMNS}
+    columns = {c: v.astype(np.float64 if v.dtype.kind == "f" else np.int64, copy=False)
+               for c, v in columns.items()}
+    order = np.lexsort([columns[c] for c in reversed(STEP_COLUMNS)])
+    return pd.DataFrame({c: v[order] for c, v in columns.items()})
 
 
-def metric_frame(samples: list[MetricSample]) -> pd.DataFrame:
+def metric_frame(samples: list[MetricBatch]) -> pd.DataFrame:
+    """One row per metric sample, sorted by (rank, name, device, host, time, value)."""
     if not samples:
         return WindowView("", 0, 1).metrics
-    frame = pd.DataFrame({c: [getattr(s, c) for s in samples] for c in METRIC_COLUMNS})
-    return frame.sort_values(
-        ["rank", "name", "device", "host", "ts_ns", "value"], kind="stable", ignore_index=True
-    )
+    batch = MetricBatch.concat(samples)
+    host = np.array(batch.hosts, dtype=object)[batch.column("host")]
+    name = np.array(batch.names, dtype=object)[batch.column("name")]
+    rank = batch.column("rank").astype(np.int64)
+    device = batch.column("device").astype(np.int64)
+    ts_ns = batch.column("ts_ns").astype(np.int64)
+    value = batch.column("value").astype(np.float64)
+    # Strings sort as their places in the sorted dictionary (the same order, integer keys).
+    order = np.lexsort((value, ts_ns, _sort_key(batch.hosts, batch.column("host")), device,
+                        _sort_key(batch.names, batch.column("name")), rank))
+    columns = {"rank": rank, "host": host, "device": device, "ts_ns": ts_ns, "name": name,
+               "value": value}
+    return pd.DataFrame({c: columns[c][order] for c in METRIC_COLUMNS})
+
+
+def _joined(batches: list[StepBatch], name: str) -> np.ndarray:
+    return np.concatenate([b.column(name) for b in batches]) if len(batches) > 1 \
+        else batches[0].column(name)
+
+
+def _sort_key(words: list[str], index: np.ndarray) -> np.ndarray:
+    place = np.empty(len(words), dtype=np.int64)
+    place[sorted(range(len(words)), key=words.__getitem__)] = np.arange(len(words))
+    return place[index]
 
 
 def _has_repeats(keys: np.ndarray) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from trainscope.engine.clocks import RankClocks
 from trainscope.engine.keys import FunctionTable
 from trainscope.schemas.grouping import Partials
-from trainscope.schemas.records import MetricSample, StepRecord, Topology
+from trainscope.schemas.records import MetricBatch, StepBatch, Topology
 
 # A window index or event time before any real one: "nothing closed yet", "no watermark yet".
 FAR_PAST = -(2**62)
@@ -23,8 +23,8 @@ class OpenWindow:
     """A window's input as it arrived; partials are merged only when the window closes."""
 
     partials: list[Partials] = field(default_factory=list)
-    steps: list[StepRecord] = field(default_factory=list)
-    metrics: list[MetricSample] = field(default_factory=list)
+    steps: list[StepBatch] = field(default_factory=list)
+    metrics: list[MetricBatch] = field(default_factory=list)
 
 
 @dataclass

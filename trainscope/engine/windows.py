@@ -56,12 +56,15 @@ from trainscope.schemas.records import (
     SUMMARY_COLUMNS,
     SUMMARY_SKETCH_COLUMNS,
     FunctionSummary,
+    MetricBatch,
     MetricSample,
     SpanBatch,
+    StepBatch,
     StepRecord,
     SummaryBatch,
     Topology,
 )
+from trainscope.schemas.step_metric import metrics_by_job, steps_by_job
 from trainscope.schemas.window import WindowView
 
 log = logging.getLogger(__name__)
@@ -440,48 +443,65 @@ class WindowEngine:
         for rows in np.split(order, bounds[1:]):
             job.window(int(index[rows[0]])).partials.append(partials.take(rows))
 
-    def add_steps(self, steps: list[StepRecord], source: Hashable = 0) -> None:
+    def add_steps(self, steps: Sequence[StepRecord | StepBatch], source: Hashable = 0) -> None:
         """Step records also tell each rank's clock offset (:mod:`~trainscope.engine.clocks`):
         they are noted before any is filed, so that this call's records are already
-        corrected when their ranks' offsets become known."""
-        self.stats.steps_received += len(steps)
-        by_job: dict[str, list[StepRecord]] = {}
-        for step in steps:
-            by_job.setdefault(step.job_id, []).append(step)
-        for job_id, job_steps in by_job.items():
+        corrected when their ranks' offsets become known. Rows are packed into one batch per
+        job first: the engine windows steps column by column."""
+        for job_id, batch in steps_by_job(steps).items():
+            self.stats.steps_received += len(batch)
             job = self._job(job_id)
             if self.clock_tolerance_ns is not None:
-                job.clocks.note_steps(job_steps)
+                job.clocks.note_steps(batch)
                 self._calibrate(job_id, job)
-            self._file_steps(job, self._admit(job, job_steps, source), source)
+            self._file_steps(job, self._admit(job, [batch], source), source)
 
-    def _file_steps(self, job: JobState, steps: list[StepRecord], source: Hashable) -> None:
-        for step in steps:
-            index = step.start_ns // self.window_ns
-            if self._skip_closed(job, index, 1):
-                continue
-            job.window(index).steps.append(step)
-            self._watermarks.observe(job, source, {step.rank: step.start_ns + step.duration_ns})
+    def _file_steps(self, job: JobState, batches: list[Any], source: Hashable) -> None:
+        for batch in batches:
+            start = batch.column("start_ns")
+            kept = self._file_rows(job, batch, start // self.window_ns, "steps")
+            if kept is not None:
+                self._watermarks.observe(job, source, _newest_per_rank(
+                    batch.column("rank")[kept], (start + batch.column("duration_ns"))[kept]))
 
-    def add_metrics(self, samples: list[MetricSample], source: Hashable = 0) -> None:
-        """File each sample in the window of the interval it ends (:func:`metric_window`)."""
-        self.stats.metrics_received += len(samples)
-        by_job: dict[str, list[MetricSample]] = {}
-        for sample in samples:
-            by_job.setdefault(sample.job_id, []).append(sample)
-        for job_id, job_samples in by_job.items():
-            job = self._job(job_id)
-            self._file_metrics(job, self._admit(job, job_samples, source), source)
-
-    def _file_metrics(
-        self, job: JobState, samples: list[MetricSample], source: Hashable
+    def add_metrics(
+        self, samples: Sequence[MetricSample | MetricBatch], source: Hashable = 0
     ) -> None:
-        for sample in samples:
-            index = metric_window(sample.ts_ns, self.window_ns)
-            if self._skip_closed(job, index, 1):
-                continue
-            job.window(index).metrics.append(sample)
-            self._watermarks.observe(job, source, {sample.rank: sample.ts_ns})
+        """File each sample in the window of the interval it ends (:func:`metric_window`)."""
+        for job_id, batch in metrics_by_job(samples).items():
+            self.stats.metrics_received += len(batch)
+            job = self._job(job_id)
+            self._file_metrics(job, self._admit(job, [batch], source), source)
+
+    def _file_metrics(self, job: JobState, batches: list[Any], source: Hashable) -> None:
+        for batch in batches:
+            ts_ns = batch.column("ts_ns")
+            kept = self._file_rows(job, batch, metric_window(ts_ns, self.window_ns), "metrics")
+            if kept is not None:
+                self._watermarks.observe(
+                    job, source, _newest_per_rank(batch.column("rank")[kept], ts_ns[kept]))
+
+    def _file_rows(self, job: JobState, batch: Any, index: np.ndarray, kind: str
+                   ) -> np.ndarray | None:
+        """Hand each open window its rows of ``batch`` (steps or metrics, by ``index``); rows
+        of closed windows are counted (replayed or late). Returns the rows filed (a mask), or
+        None if none was."""
+        if not len(batch):
+            return None
+        lo, hi = int(index.min()), int(index.max())
+        if lo == hi:  # the usual case: the whole batch in one window
+            if self._skip_closed(job, lo, len(batch)):
+                return None
+            getattr(job.window(lo), kind).append(batch)
+            return np.ones(len(batch), dtype=bool)
+        kept = np.ones(len(batch), dtype=bool)
+        for window in np.unique(index).tolist():
+            rows = index == window
+            if self._skip_closed(job, window, int(rows.sum())):
+                kept &= ~rows
+            else:
+                getattr(job.window(window), kind).append(batch.take(rows))
+        return kept if kept.any() else None
 
     # -- clocks -----------------------------------------------------------------------------
 
@@ -500,13 +520,20 @@ class WindowEngine:
             # first window before the rest of that window's records came).
             job.last_arrival_s = self._clock()
         for record in records:
-            if clocks.ready(record):
+            if isinstance(record, StepBatch | MetricBatch):
+                record, waiting = _split_ready(record, clocks.offsets_ns)
+                if record is not None:
+                    ready.append(corrected(record, clocks.offsets_ns, self.window_ns))
+                if waiting is None:
+                    continue
+                record = waiting
+            elif clocks.ready(record):
                 ready.append(corrected(record, clocks.offsets_ns, self.window_ns))
-            else:
-                if clocks.held_since_s is None:
-                    clocks.held_since_s = self._clock()
-                clocks.held.append((source, record))
-                clocks.held_rows += rows_of(record)
+                continue
+            if clocks.held_since_s is None:
+                clocks.held_since_s = self._clock()
+            clocks.held.append((source, record))
+            clocks.held_rows += rows_of(record)
         if len(clocks.held) > MAX_HELD or clocks.held_rows > MAX_HELD_ROWS:
             self._release(job, force=True)
         return ready
@@ -548,8 +575,10 @@ class WindowEngine:
         clocks.held_rows = sum(rows_of(r) for _, r in clocks.held)
         for source, records in by_source.items():
             fixed = [corrected(r, clocks.offsets_ns, self.window_ns) for r in records]
-            self._file_steps(job, [r for r in fixed if isinstance(r, StepRecord)], source)
-            self._file_metrics(job, [r for r in fixed if isinstance(r, MetricSample)], source)
+            steps = [r for r in fixed if isinstance(r, StepBatch | StepRecord)]
+            metrics = [r for r in fixed if isinstance(r, MetricBatch | MetricSample)]
+            self._file_steps(job, list(steps_by_job(steps).values()), source)
+            self._file_metrics(job, list(metrics_by_job(metrics).values()), source)
             self._file_spans(job, [r for r in fixed if isinstance(r, SpanBatch)], source)
             self._file_summaries(job, [r for r in fixed if isinstance(r, SummaryBatch)], source)
 
@@ -612,8 +641,10 @@ class WindowEngine:
         return corrected(record, job.clocks.offsets_ns, self.window_ns)
 
     def held_records(self) -> int:
-        """Records held while their ranks' clock offsets are estimated."""
-        return sum(len(job.clocks.held) for job in self._jobs.values())
+        """Records held while their ranks' clock offsets are estimated (each step record and
+        metric sample of a batch counts as one, as it would sent as a row)."""
+        return sum(len(record) if isinstance(record, StepBatch | MetricBatch) else 1
+                   for job in self._jobs.values() for _, record in job.clocks.held)
 
     def open_windows(self) -> int:
         return sum(len(job.windows) for job in self._jobs.values())
@@ -634,6 +665,20 @@ class WindowEngine:
         )
         self.stats.summaries_emitted += len(view.summaries)
         return view
+
+
+def _split_ready(batch: Any, offsets_ns: dict[int, int]) -> tuple[Any, Any]:
+    """(rows whose ranks' clock offsets are known, rows still waiting); None for no rows."""
+    rank = batch.column("rank")
+    if len(rank) and (rank == rank[0]).all():  # one rank per producer's batch: one lookup
+        return (batch, None) if int(rank[0]) in offsets_ns else (None, batch)
+    known = np.fromiter(offsets_ns, dtype=np.int64, count=len(offsets_ns))
+    ready = np.isin(rank, known)
+    if ready.all():
+        return batch, None
+    if not ready.any():
+        return None, batch
+    return batch.take(ready), batch.take(~ready)
 
 
 def _newest_per_rank(rank: np.ndarray, event_ns: np.ndarray) -> dict[int, int]:

@@ -30,10 +30,12 @@ from trainscope.schemas.records import (
     Finding,
     FindingCallPath,
     FunctionSummary,
+    MetricBatch,
     MetricSample,
     ProfileCallPaths,
     SpanBatch,
     SpanEvent,
+    StepBatch,
     StepRecord,
     SummaryBatch,
     Topology,
@@ -206,7 +208,8 @@ TABLES: dict[str, Table] = {
 # rows of function_summaries once windowed; control messages are addressed to producers; the
 # call-path trees of on-demand profiles become rows of call_paths.
 BUS_ONLY: tuple[type[msgspec.Struct], ...] = (
-    SpanEvent, SpanBatch, SummaryBatch, ControlMessage, ProfileCallPaths,
+    SpanEvent, SpanBatch, SummaryBatch, StepBatch, MetricBatch, ControlMessage,
+    ProfileCallPaths,
 )
 
 DEAD_LETTERS_DDL = f"""CREATE TABLE IF NOT EXISTS dead_letters (

@@ -17,7 +17,8 @@ Span events travel as one short array of integers each (``SPAN_EVENT_FIELDS``; `
 as the signed 64-bit integer of the same bits), so Flink unnests them in SQL and reads each
 event's fields from its own seven-element array: with one array per column instead, each
 event's field lookups went through whole columns, which Flink copies on every access (the job
-ran 3x slower). Step records travel as their own rows (Flink windows them too), and every other
+ran 3x slower). Step records travel as their own rows (Flink windows them too; a
+:class:`StepBatch` is sent as its rows, a :class:`MetricBatch` as its samples), and every other
 record is its msgspec JSON form in ``records`` (Flink passes those on unchanged). ``t_ms`` is the
 earliest event time in the message (ms since the epoch): the Flink job's watermarks are defined
 on it.
@@ -36,8 +37,10 @@ import numpy as np
 from trainscope.schemas.records import (
     SCHEMA_VERSION,
     SPAN_COLUMNS,
+    MetricBatch,
     Record,
     SpanBatch,
+    StepBatch,
     StepRecord,
 )
 
@@ -93,10 +96,15 @@ def encode_json_batch(records: list[Record], producer_id: int = 0, seq: int = 0)
             if len(record):
                 first = int(record.column("start_ns").min())
                 earliest_ns = first if earliest_ns is None else min(earliest_ns, first)
-        elif isinstance(record, StepRecord):
-            steps.append(record)
-            earliest_ns = (record.start_ns if earliest_ns is None
-                           else min(earliest_ns, record.start_ns))
+        elif isinstance(record, StepRecord | StepBatch):
+            # Flink windows step records as rows of their own: a batch travels as its rows.
+            rows = record.to_records() if isinstance(record, StepBatch) else [record]
+            steps += rows
+            for row in rows:
+                earliest_ns = (row.start_ns if earliest_ns is None
+                               else min(earliest_ns, row.start_ns))
+        elif isinstance(record, MetricBatch):
+            rest += record.to_records()  # Flink passes metric samples on as rows
         else:
             rest.append(record)
     return _encoder.encode(JsonBatch(

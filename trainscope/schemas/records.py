@@ -20,7 +20,14 @@ from typing import Any
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 1
+# Step records and metric samples live in a module of their own; importable from here too.
+from trainscope.schemas.step_metric import (
+    MetricBatch,
+    MetricSample,
+    StepBatch,
+    StepRecord,
+)
+from trainscope.schemas.version import SCHEMA_VERSION
 
 LAYERS = (
     "step",
@@ -253,38 +260,6 @@ class SpanBatch(msgspec.Struct, tag="spans", kw_only=True, frozen=True):
             )
             for i in range(len(self))
         ]
-
-
-class StepRecord(msgspec.Struct, tag="step", kw_only=True, frozen=True):
-    """One training step on one rank."""
-
-    v: int = SCHEMA_VERSION
-    job_id: str
-    rank: int
-    step: int
-    start_ns: int
-    duration_ns: int
-    samples: int = 0
-    tokens: int = 0
-    seq_len_mean: float = 0.0
-    seq_len_max: int = 0
-    # Time this step spent in the collectives and point-to-point calls the producer saw,
-    # summed over calls (asynchronous ones overlap, so it can exceed the step); 0: not timed.
-    # The rank its peers wait on waits least: what the early flag reads (detectors/early.py).
-    collective_ns: int = 0
-
-
-class MetricSample(msgspec.Struct, tag="metric", kw_only=True, frozen=True):
-    """One reading of one hardware or host counter (NVML, NIC, PCIe, CPU)."""
-
-    v: int = SCHEMA_VERSION
-    job_id: str
-    host: str = ""
-    rank: int = -1
-    device: int = -1
-    ts_ns: int
-    name: str
-    value: float
 
 
 class FunctionSummary(msgspec.Struct, tag="summary", kw_only=True, frozen=True):
@@ -690,7 +665,9 @@ Record = (
     | SpanEvent
     | SpanBatch
     | StepRecord
+    | StepBatch
     | MetricSample
+    | MetricBatch
     | FunctionSummary
     | SummaryBatch
     | Finding
@@ -704,7 +681,9 @@ RECORD_TYPES: tuple[type[msgspec.Struct], ...] = (
     SpanEvent,
     SpanBatch,
     StepRecord,
+    StepBatch,
     MetricSample,
+    MetricBatch,
     FunctionSummary,
     SummaryBatch,
     Finding,

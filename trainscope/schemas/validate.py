@@ -38,11 +38,13 @@ from trainscope.schemas.records import (
     Finding,
     FindingCallPath,
     FunctionSummary,
+    MetricBatch,
     MetricSample,
     ProfileCallPaths,
     Record,
     SpanBatch,
     SpanEvent,
+    StepBatch,
     StepRecord,
     SummaryBatch,
     Topology,
@@ -69,6 +71,7 @@ from trainscope.schemas.rules import (
     Text,
     rank_bound,
 )
+from trainscope.schemas.step_metric import METRIC_BATCH_COLUMNS, STEP_BATCH_COLUMNS
 
 # The window engine packs a rank into 20 bits of its grouping key.
 RANK_CEILING = 1 << 20
@@ -133,6 +136,14 @@ _SPAN = (_RANK, Int("step", -1, I32_MAX), _time("start_ns"), _duration("duration
 _SUMMARY = (_RANK, _duration("min_ns"), _duration("max_ns"), Int("count", 0, I64_MAX),
             Ordered("min_ns", "max_ns", when="count"), Int("total_ns", 0, I64_MAX),
             Number("m2_ns2", 0.0), Int("bytes_total", 0, I64_MAX))
+# A step record's values: fields of a StepRecord, columns of a StepBatch.
+_STEP = (_RANK, Int("step", 0, I32_MAX), _time("start_ns"), _duration("duration_ns"),
+         Int("samples", 0, I64_MAX), Int("tokens", 0, I64_MAX), Number("seq_len_mean", 0.0),
+         Int("seq_len_max", 0, I64_MAX), Int("collective_ns", 0, I64_MAX))
+# A metric sample's values (its host and name aside): fields of a MetricSample, columns of a
+# MetricBatch.
+_METRIC = (Int("rank", -1, LAST_RANK), Int("device", -1, Limit("max_devices", 1)), _time("ts_ns"),
+           Number("value"))
 _SKETCH = (Int("sketch_keys", I32_MIN, I32_MAX), Int("sketch_counts", 0, I64_MAX))
 _BUCKETS = Limit("max_sketch_buckets")
 _WORKER = (
@@ -155,16 +166,19 @@ RULES: dict[type, Kind] = {
         groups=(Group("function {i}", (("layer", "layers"), ("name", "names")), _FUNCTION),),
         columns=_SPAN, dtypes=SPAN_COLUMNS,
     ),
-    StepRecord: Kind(fields=(
-        *_COMMON, _RANK, Int("step", 0, I32_MAX), _time("start_ns"), _duration("duration_ns"),
-        Int("samples", 0, I64_MAX), Int("tokens", 0, I64_MAX), Number("seq_len_mean", 0.0),
-        Int("seq_len_max", 0, I64_MAX),
-        Int("collective_ns", 0, I64_MAX),
-    )),
-    MetricSample: Kind(fields=(
-        *_COMMON, Int("rank", -1, LAST_RANK), _HOST, Int("device", -1, Limit("max_devices", 1)),
-        _time("ts_ns"), Text("name", 1, _ID_CHARS), Number("value"),
-    )),
+    StepRecord: Kind(fields=(*_COMMON, *_STEP)),
+    StepBatch: Kind(fields=_COMMON, columns=_STEP, dtypes=STEP_BATCH_COLUMNS),
+    MetricSample: Kind(fields=(*_COMMON, _HOST, Text("name", 1, _ID_CHARS), *_METRIC)),
+    MetricBatch: Kind(
+        fields=(*_COMMON,
+                Int(Len("hosts"), None, _FUNCTIONS, reason="{value} hosts, more than {hi}"),
+                Int(Len("names"), None, _FUNCTIONS,
+                    reason="{value} metric names, more than {hi}")),
+        groups=(Group("host {i}", (("host", "hosts"),), (_HOST,), memo=True),
+                Group("metric name {i}", (("name", "names"),), (Text("name", 1, _ID_CHARS),),
+                      memo=True)),
+        columns=_METRIC, dtypes=METRIC_BATCH_COLUMNS,
+    ),
     FunctionSummary: Kind(
         fields=(*_COMMON, *_SUMMARY, *_FUNCTION, _CALLPATH, *_WINDOW,
                 Int(Len("sketch_keys"), None, _BUCKETS,
