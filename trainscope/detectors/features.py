@@ -162,8 +162,14 @@ def runqueue_wait_per_step(view: WindowView) -> pd.Series:
 
 def per_call_bandwidth(view: WindowView) -> pd.DataFrame:
     """Achieved bytes/s per rank and function, for functions that move bytes."""
+    return view.derived("per_call_bandwidth", _per_call_bandwidth).copy()
+
+
+def _per_call_bandwidth(view: WindowView) -> pd.DataFrame:
     s = view.summaries
-    moving = s[(s["bytes_total"] > 0) & (s["total_ns"] > 0)]
+    # The columns read before the rows: not the latency sketches' lists (costly to take).
+    moving = s[["rank", "layer", "name", "bytes_total", "total_ns"]][
+        (s["bytes_total"] > 0) & (s["total_ns"] > 0)]
     if moving.empty:
         return pd.DataFrame()
     sums = moving.groupby(["rank", "layer", "name"])[["bytes_total", "total_ns"]].sum()
@@ -173,6 +179,11 @@ def per_call_bandwidth(view: WindowView) -> pd.DataFrame:
 
 def metric_means(view: WindowView) -> pd.DataFrame:
     """Mean of each metric per rank over the window (index rank, one column per metric)."""
+    # Three detectors read it, the mixture's once per finding: a pivot of every sample.
+    return view.derived("metric_means", _metric_means).copy()
+
+
+def _metric_means(view: WindowView) -> pd.DataFrame:
     m = view.metrics
     if m.empty:
         return pd.DataFrame()
@@ -190,6 +201,10 @@ def throttling_shares(view: WindowView) -> pd.DataFrame:
     its reason sample is then an OR over the window, so that rank's per-reason shares are unknown
     (NaN) rather than taken from the OR.
     """
+    return view.derived("throttling_shares", _throttling_shares).copy()
+
+
+def _throttling_shares(view: WindowView) -> pd.DataFrame:
     metrics = view.metrics
     if metrics.empty:
         return pd.DataFrame(columns=[*_THROTTLING_BITS.values(), ANY_THROTTLING], dtype=float)
