@@ -8,6 +8,9 @@ reference it is compared with.
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pandas as pd
@@ -244,4 +247,60 @@ def robust_z(
     scale = np.maximum(np.maximum(MAD_TO_SIGMA * mad, rel_floor * median.abs()), floor)
     z = (frame["v"] - median) / scale
     z[size < 3] = np.nan
+    return z, median
+
+
+# Groups of fewer members give no robust reference (robust_z's rule).
+MIN_ROBUST_GROUP = 3
+
+
+@contextmanager
+def quiet_nan() -> Iterator[None]:
+    """numpy's warnings about NaN medians off: a cell with no value in any row of its group
+    has no reference, its median is NaN on purpose, and "All-NaN slice" says only that."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "All-NaN slice", RuntimeWarning)
+        yield
+
+
+def median_skipna(values: np.ndarray, axis: int) -> np.ndarray:
+    """pandas' median (NaN skipped), by numpy's faster path when there is no NaN; the same
+    numbers either way, since a median is a selection and at most one halving of a sum."""
+    if np.isnan(values).any():
+        with quiet_nan():
+            return np.nanmedian(values, axis=axis)
+    return np.median(values, axis=axis)
+
+
+def group_medians(values: np.ndarray, groups: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(median, size): each cell's column median over the rows of its group, and each row's
+    group size; pandas' ``groupby(groups).transform("median")`` and ``("size")`` of a
+    ranks × columns matrix, computed per group rather than per column (one group when
+    ``groups`` is None; ``groups`` holds no NaN)."""
+    if groups is None:
+        return (np.broadcast_to(median_skipna(values, axis=0), values.shape).copy(),
+                np.full(len(values), len(values), dtype=np.int64))
+    median = np.empty_like(values)
+    size = np.empty(len(values), dtype=np.int64)
+    for g in np.unique(groups):
+        rows = np.flatnonzero(groups == g)
+        # Columns × rows: the median runs along contiguous memory.
+        median[rows] = median_skipna(values[rows].T, axis=1)
+        size[rows] = len(rows)
+    return median, size
+
+
+def robust_z_matrix(
+    values: np.ndarray, groups: np.ndarray | None, floor: float | np.ndarray,
+    rel_floor: float = 0.02,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`robust_z` of every column of a ranks × columns matrix at once (``floor`` per
+    column or for all), to the bit: a pandas group-by per column cost most of a detector's
+    time at 10,240 ranks."""
+    median, size = group_medians(values, groups)
+    mad, _ = group_medians(np.abs(values - median), groups)
+    scale = np.maximum(np.maximum(MAD_TO_SIGMA * mad, rel_floor * np.abs(median)), floor)
+    with np.errstate(all="ignore"):
+        z = (values - median) / scale
+    z[size < MIN_ROBUST_GROUP] = np.nan
     return z, median
