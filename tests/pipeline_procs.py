@@ -39,7 +39,8 @@ class PipelineProcess:
     """``trainscope pipeline`` as a child process; stdout and stderr kept in files."""
 
     def __init__(
-        self, url: str, store: Path, group: str, *args: str, logs: Path, verbose: bool = False
+        self, url: str, store: Path, group: str, *args: str, logs: Path, verbose: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.logs = logs
         self.stdout = logs.with_suffix(".out")
@@ -49,7 +50,8 @@ class PipelineProcess:
                 [sys.executable, "-m", "trainscope.cli.main", *(["-v"] if verbose else []),
                  "pipeline", "--bus", url,
                  "--store", str(store), "--group", group, *args],
-                stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                stdout=out, stderr=err,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
 
     def kill(self) -> None:

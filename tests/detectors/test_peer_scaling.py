@@ -5,18 +5,22 @@ random windows with NaNs, ties, pipelines and many suspects."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pandas as pd
 import pytest
 
-from trainscope.detectors.peer import (
+from trainscope.detectors.features import robust_z, robust_z_matrix
+from trainscope.detectors.peer_groups import (
     HEALTHY_QUANTILE,
     MAX_VICTIMS,
     VICTIM_WAIT_FRAC,
-    _Groups,
-    _LargerElsewhere,
-    _victims,
+    Groups,
+    LargerElsewhere,
+    victims,
 )
+from trainscope.detectors.peer_own import history_reference
 from trainscope.detectors.throttle import PeerMedians
 
 
@@ -62,7 +66,7 @@ def test_the_larger_suspects_elsewhere_are_those_of_a_pass_over_all(seed: int) -
                                   replace=False)}
     layout = layout.astype(float)
     layout.loc[int(rng.choice(ranks))] = np.nan  # a rank outside the declared topology
-    larger = _LargerElsewhere(totals, _Groups(layout, pd.Series(0.0, index=layout.index)))
+    larger = LargerElsewhere(totals, Groups(layout, pd.Series(0.0, index=layout.index)))
     for (rank, category), excess in totals.items():
         expected = sum(
             e for (r, c), e in totals.items()
@@ -95,10 +99,51 @@ def test_victims_are_those_of_a_pass_over_the_layout_per_culprit(seed: int) -> N
     layout.iloc[-3:] = np.nan
     waits = pd.Series(rng.random(len(layout)) * 1e8, index=layout.index)
     waits = waits.drop(index=waits.index[:2])  # ranks without collective time
-    groups = _Groups(layout, waits)
+    groups = Groups(layout, waits)
     for _ in range(30):
         culprits = [int(r) for r in rng.choice(layout.index, rng.integers(1, 6), replace=False)]
         excess = float(rng.random() * 5e7)
         for network in (False, True):
-            assert _victims(groups, culprits, excess, network) == naive_victims(
+            assert victims(groups, culprits, excess, network) == naive_victims(
                 layout, waits, culprits, excess, network)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_robust_z_of_all_columns_at_once_is_robust_z_of_each_bit_for_bit(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    rows, columns = int(rng.integers(1, 80)), 6
+    values = rng.random((rows, columns)) * 1e7
+    values[:, 0] = np.round(values[:, 0] / 1e6)  # ties
+    values[rng.random((rows, columns)) < 0.1] = np.nan  # missing cells
+    values[:, 1] = np.nan  # a column nothing is known of
+    groups = rng.integers(0, 5, rows)  # some groups under 3 members
+    floor = rng.random(columns) * 1e4
+    for by, rel_floor in ((groups, 0.02), (None, 0.0)):
+        z, reference = robust_z_matrix(values, by, floor, rel_floor)
+        for j in range(columns):
+            expected_z, expected_reference = robust_z(
+                pd.Series(values[:, j]), None if by is None else pd.Series(by), floor[j],
+                rel_floor)
+            np.testing.assert_array_equal(z[:, j], expected_z.to_numpy())
+            np.testing.assert_array_equal(reference[:, j], expected_reference.to_numpy())
+
+
+@pytest.mark.parametrize("with_nan", [False, True])
+def test_the_history_reference_is_numpy_nanmedian_of_the_stacked_windows(with_nan: bool) -> None:
+    rng = np.random.default_rng(int(with_nan))
+    index = pd.Index(range(40), name="rank")
+    columns = pd.MultiIndex.from_tuples([("torch_op", f"f{j}") for j in range(5)])
+    history = []
+    for _ in range(6):
+        values = np.round(rng.random((40, 5)) * 20)  # ties
+        if with_nan:
+            values[rng.random((40, 5)) < 0.2] = np.nan
+        history.append(pd.DataFrame(values, index=index, columns=columns))
+    median, mad = history_reference(history, index, columns)
+    stack = np.stack([h.to_numpy() for h in history])
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        expected = np.nanmedian(stack, axis=0)
+        expected_mad = np.nanmedian(np.abs(stack - expected), axis=0)
+    np.testing.assert_array_equal(median, expected)
+    np.testing.assert_array_equal(mad, expected_mad)

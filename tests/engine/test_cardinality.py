@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -213,20 +214,55 @@ def test_a_million_function_names_beside_a_normal_job(
     sigterm_while_a_detector_holds_the_loop(url, tmp_path, final["decode"]["received"])
 
 
+# A detector plugin that holds the main thread on a window of thousands of functions, as
+# peer-diff did on the hostile window (about 20 s of pandas per window of 10,000 functions until
+# it scored all functions at once; now well under a second). Found through the entry-point group
+# like any plugin, from a distribution on the child's path; on the contract's small windows it
+# returns at once.
+SLOW_PLUGIN = """
+import time
+
+
+class HoldingDetector:
+    name = "holding"
+
+    def detect(self, window):
+        if window.summaries["name"].nunique() >= 1000:
+            until = time.monotonic() + 60
+            while time.monotonic() < until:  # CPU work in Python, as a slow detector's
+                pass
+        return []
+"""
+
+
+def holding_plugin(directory: Path) -> dict[str, str]:
+    """The environment that makes detector ``holding`` available to a child process."""
+    directory.mkdir()
+    (directory / "holding_detector.py").write_text(SLOW_PLUGIN)
+    info = directory / "holding_detector-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: holding-detector\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(
+        "[trainscope.detectors]\nholding = holding_detector:HoldingDetector\n")
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join([str(directory), *([path] if path else [])])}
+
+
 def sigterm_while_a_detector_holds_the_loop(url: str, tmp_path: Path, messages: int) -> None:
-    """No time budget: peer-diff takes about a minute on the hostile window's 10,000 functions
-    (a few ms each). SIGTERM arrives while it runs: the process is gone within
+    """No time budget: a detector holds the main thread for a minute on the hostile window
+    (``holding``, above). SIGTERM arrives while it runs: the process is gone within
     --stop-timeout-s, with the watchdog's one line and exit status 3."""
     held = PipelineProcess(url, tmp_path / "held", "held", "--window-s", str(WINDOW_S),
                            "--close-idle-s", "2", "--source-idle-s", "1",
                            "--stop-timeout-s", "3", "--detector-budget-s", "0",
-                           "--detectors", "peer-diff", "--stats-every-s", "0.2",
-                           "--no-auto-profile", logs=tmp_path / "held")
+                           "--detectors", "holding", "--stats-every-s", "0.2",
+                           "--no-auto-profile", logs=tmp_path / "held",
+                           env=holding_plugin(tmp_path / "plugin"))
     try:
         wait_for(held, lambda s: s["decode"]["received"] >= messages, 120,
                  "the held pipeline did not read every message")
         # Every message is handled; a stats line follows every poll (0.2 s apart when idle),
-        # so none for 1.5 s means the poll loop is held: by peer-diff on the hostile window.
+        # so none for 1.5 s means the poll loop is held: by the detector on the hostile window.
         deadline = time.monotonic() + 60
         lines, quiet_since = -1, time.monotonic()
         while time.monotonic() - quiet_since < 1.5:

@@ -8,6 +8,9 @@ reference it is compared with.
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pandas as pd
@@ -144,10 +147,42 @@ def _per_step_times(view: WindowView) -> pd.DataFrame:
     s = view.summaries
     if s.empty:
         return pd.DataFrame()
-    table = s.pivot_table(
-        index="rank", columns=["layer", "name"], values="total_ns", aggfunc="sum", fill_value=0
-    )
+    table = _summed_times(s)
+    if table is None:
+        table = s.pivot_table(
+            index="rank", columns=["layer", "name"], values="total_ns", aggfunc="sum",
+            fill_value=0)
     return table.div(steps_per_rank(view).reindex(table.index, fill_value=1.0), axis=0)
+
+
+def _summed_times(s: pd.DataFrame) -> pd.DataFrame | None:
+    """``total_ns`` summed per rank (index) and ``(layer, name)`` (columns, sorted), 0 where a
+    rank has none: the pivot table of the summaries, by codes and one bincount (the pivot's
+    sorts and unstack cost a tenth of a second a window at 10,240 ranks). None where a sum
+    could leave float64's exact integers (never in practice: 2**53 ns is 104 days), so that
+    the pivot's int64 sums are kept."""
+    total = s["total_ns"].to_numpy()
+    if total.dtype.kind not in "iu" or np.abs(total).sum(dtype=np.float64) >= 2.0**53:
+        return None
+    layer_codes, layers = pd.factorize(s["layer"], sort=True)
+    name_codes, names = pd.factorize(s["name"], sort=True)
+    keep = (layer_codes >= 0) & (name_codes >= 0)  # the pivot drops rows without a key
+    if not keep.any():
+        return None
+    if not keep.all():
+        layer_codes, name_codes, total = layer_codes[keep], name_codes[keep], total[keep]
+    ranks, rank_at = np.unique(s["rank"].to_numpy()[keep], return_inverse=True)
+    # (layer, name) pairs present, ascending by layer then name, as the pivot orders columns.
+    pairs, pair_at = np.unique(layer_codes.astype(np.int64) * len(names) + name_codes,
+                               return_inverse=True)
+    # Laid out rank by rank, as the pivot's frame is (hence copy=False below): a row's sum over
+    # the columns then adds in the same order, to the bit.
+    sums = np.bincount(rank_at * len(pairs) + pair_at, weights=total.astype(np.float64),
+                       minlength=len(ranks) * len(pairs)).reshape(len(ranks), len(pairs))
+    columns = pd.MultiIndex(levels=[layers, names],
+                            codes=[pairs // len(names), pairs % len(names)],
+                            names=["layer", "name"])
+    return pd.DataFrame(sums, index=pd.Index(ranks, name="rank"), columns=columns, copy=False)
 
 
 def runqueue_wait_per_step(view: WindowView) -> pd.Series:
@@ -162,8 +197,14 @@ def runqueue_wait_per_step(view: WindowView) -> pd.Series:
 
 def per_call_bandwidth(view: WindowView) -> pd.DataFrame:
     """Achieved bytes/s per rank and function, for functions that move bytes."""
+    return view.derived("per_call_bandwidth", _per_call_bandwidth).copy()
+
+
+def _per_call_bandwidth(view: WindowView) -> pd.DataFrame:
     s = view.summaries
-    moving = s[(s["bytes_total"] > 0) & (s["total_ns"] > 0)]
+    # The columns read before the rows: not the latency sketches' lists (costly to take).
+    moving = s[["rank", "layer", "name", "bytes_total", "total_ns"]][
+        (s["bytes_total"] > 0) & (s["total_ns"] > 0)]
     if moving.empty:
         return pd.DataFrame()
     sums = moving.groupby(["rank", "layer", "name"])[["bytes_total", "total_ns"]].sum()
@@ -173,6 +214,11 @@ def per_call_bandwidth(view: WindowView) -> pd.DataFrame:
 
 def metric_means(view: WindowView) -> pd.DataFrame:
     """Mean of each metric per rank over the window (index rank, one column per metric)."""
+    # Three detectors read it, the mixture's once per finding: a pivot of every sample.
+    return view.derived("metric_means", _metric_means).copy()
+
+
+def _metric_means(view: WindowView) -> pd.DataFrame:
     m = view.metrics
     if m.empty:
         return pd.DataFrame()
@@ -190,6 +236,10 @@ def throttling_shares(view: WindowView) -> pd.DataFrame:
     its reason sample is then an OR over the window, so that rank's per-reason shares are unknown
     (NaN) rather than taken from the OR.
     """
+    return view.derived("throttling_shares", _throttling_shares).copy()
+
+
+def _throttling_shares(view: WindowView) -> pd.DataFrame:
     metrics = view.metrics
     if metrics.empty:
         return pd.DataFrame(columns=[*_THROTTLING_BITS.values(), ANY_THROTTLING], dtype=float)
@@ -229,4 +279,60 @@ def robust_z(
     scale = np.maximum(np.maximum(MAD_TO_SIGMA * mad, rel_floor * median.abs()), floor)
     z = (frame["v"] - median) / scale
     z[size < 3] = np.nan
+    return z, median
+
+
+# Groups of fewer members give no robust reference (robust_z's rule).
+MIN_ROBUST_GROUP = 3
+
+
+@contextmanager
+def quiet_nan() -> Iterator[None]:
+    """numpy's warnings about NaN medians off: a cell with no value in any row of its group
+    has no reference, its median is NaN on purpose, and "All-NaN slice" says only that."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "All-NaN slice", RuntimeWarning)
+        yield
+
+
+def median_skipna(values: np.ndarray, axis: int) -> np.ndarray:
+    """pandas' median (NaN skipped), by numpy's faster path when there is no NaN; the same
+    numbers either way, since a median is a selection and at most one halving of a sum."""
+    if np.isnan(values).any():
+        with quiet_nan():
+            return np.nanmedian(values, axis=axis)
+    return np.median(values, axis=axis)
+
+
+def group_medians(values: np.ndarray, groups: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(median, size): each cell's column median over the rows of its group, and each row's
+    group size; pandas' ``groupby(groups).transform("median")`` and ``("size")`` of a
+    ranks × columns matrix, computed per group rather than per column (one group when
+    ``groups`` is None; ``groups`` holds no NaN)."""
+    if groups is None:
+        return (np.broadcast_to(median_skipna(values, axis=0), values.shape).copy(),
+                np.full(len(values), len(values), dtype=np.int64))
+    median = np.empty_like(values)
+    size = np.empty(len(values), dtype=np.int64)
+    for g in np.unique(groups):
+        rows = np.flatnonzero(groups == g)
+        # Columns × rows: the median runs along contiguous memory.
+        median[rows] = median_skipna(values[rows].T, axis=1)
+        size[rows] = len(rows)
+    return median, size
+
+
+def robust_z_matrix(
+    values: np.ndarray, groups: np.ndarray | None, floor: float | np.ndarray,
+    rel_floor: float = 0.02,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`robust_z` of every column of a ranks × columns matrix at once (``floor`` per
+    column or for all), to the bit: a pandas group-by per column cost most of a detector's
+    time at 10,240 ranks."""
+    median, size = group_medians(values, groups)
+    mad, _ = group_medians(np.abs(values - median), groups)
+    scale = np.maximum(np.maximum(MAD_TO_SIGMA * mad, rel_floor * np.abs(median)), floor)
+    with np.errstate(all="ignore"):
+        z = (values - median) / scale
+    z[size < MIN_ROBUST_GROUP] = np.nan
     return z, median

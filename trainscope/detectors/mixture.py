@@ -32,13 +32,14 @@ import pandas as pd
 
 from trainscope.detectors.features import (
     MAD_TO_SIGMA,
+    group_medians,
     metric_means,
     per_step_times,
-    robust_z,
+    robust_z_matrix,
     throttling_shares,
 )
 from trainscope.detectors.params import check_number
-from trainscope.detectors.throttle import ThrottleRule
+from trainscope.detectors.throttle import PeerMedians, ThrottleRule
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
@@ -266,8 +267,10 @@ class MixtureDetector:
         layout = window.rank_layout().reindex(raw.index)
         stage = layout["pp_stage"].fillna(0).astype(int)
         by_stage = stage.value_counts().min() >= MIN_STAGE_PEERS
-        groups = stage if by_stage else pd.Series(0, index=raw.index)
-        median = raw.groupby(groups).transform("median")
+        # The peers' median per column, computed per group (pandas' transform, per column, cost
+        # more than the rest of the window's features).
+        values, _ = group_medians(raw.to_numpy(dtype=float), stage.to_numpy() if by_stage else None)
+        median = pd.DataFrame(values, index=raw.index, columns=raw.columns)
         out = raw - median
         relative = [c for c in raw.columns if not c.endswith("_share")]
         out[relative] = out[relative] / median[relative].abs().clip(lower=MEDIAN_FLOOR)
@@ -299,8 +302,9 @@ class MixtureDetector:
             ll = model["gmm"].score_samples(x)
             strength = (model["threshold"] - ll) / model["scale"]
             flagged = strength >= self.min_strength
+            peers = _Peers(window, raw)
             for i in np.flatnonzero(flagged):
-                findings.append(self._finding(window, raw, dev, model, i, ll[i], strength[i]))
+                findings.append(self._finding(window, peers, dev, model, i, ll[i], strength[i]))
         self._learn(key, raw, dev, x, flagged)
         return findings
 
@@ -315,9 +319,9 @@ class MixtureDetector:
         healthy = ~flagged
         # The loose gate against faults present from the first window: a deviation from the
         # peers far beyond the others' spread (and beyond gate_floor) is not healthy.
-        for column in dev.columns:
-            z, _ = robust_z(dev[column], None, floor=self.gate_floor, rel_floor=0.0)
-            healthy &= ~(z.abs() > self.healthy_gate_z).fillna(False).to_numpy()
+        z, _ = robust_z_matrix(dev.to_numpy(dtype=float), None, self.gate_floor, rel_floor=0.0)
+        with np.errstate(invalid="ignore"):
+            healthy &= ~(np.abs(z) > self.healthy_gate_z).any(axis=1)  # NaN: not beyond
         if key not in self._history and len(self._history) >= MAX_FEATURE_SETS:
             oldest = next(iter(self._history))  # bounded: forget the oldest feature set
             for state in (self._history, self._models, self._typical_counts):
@@ -357,7 +361,7 @@ class MixtureDetector:
     def _finding(
         self,
         window: WindowView,
-        raw: pd.DataFrame,
+        peers: _Peers,
         dev: pd.DataFrame,
         model: dict[str, Any],
         i: int,
@@ -369,7 +373,7 @@ class MixtureDetector:
         component = int(gmm.predict(x[None, :])[0])
         z = (x - gmm.means_[component]) / np.sqrt(gmm.covariances_[component])
         order = np.argsort(-np.abs(z))
-        rank = int(raw.index[i])
+        rank = int(peers.raw.index[i])
         moved = [str(dev.columns[j]) for j in order[:FEATURES_NAMED]]
         # The category comes from the most specific cause among the features that moved
         # (|z| >= MOVED_Z), not simply the largest move: a throttled GPU is also busier for longer
@@ -385,14 +389,12 @@ class MixtureDetector:
             move = (str(dev.columns[j]), int(np.sign(z[j])))
             if CATEGORY_OF_MOVE.get(move[0], {}).get(move[1]) == "gpu-throttle":
                 if throttled is None:
-                    throttled, _ = ThrottleRule().judge(
-                        throttling_shares(window), metric_means(window), rank)
+                    throttled = peers.throttled(rank)
                 if not throttled:
                     continue
             if move in CATEGORY_PRIORITY and CATEGORY_PRIORITY.index(move) < best:
                 best = CATEGORY_PRIORITY.index(move)
                 category = CATEGORY_OF_MOVE[move[0]][move[1]]
-        peers = raw.drop(index=rank).median()
         evidence = {
             "log_likelihood": float(ll),
             "threshold": model["threshold"],
@@ -401,10 +403,11 @@ class MixtureDetector:
         parts = []
         for feature in moved:
             j = dev.columns.get_loc(feature)
+            value, peer = peers.value(i, feature), peers.without(feature, rank)
             evidence[f"z:{feature}"] = float(z[j])
-            evidence[f"value:{feature}"] = float(raw.iloc[i][feature])
-            evidence[f"peers:{feature}"] = float(peers[feature])
-            parts.append(f"{feature} {raw.iloc[i][feature]:.4g} vs peers {peers[feature]:.4g}")
+            evidence[f"value:{feature}"] = value
+            evidence[f"peers:{feature}"] = peer
+            parts.append(f"{feature} {value:.4g} vs peers {peer:.4g}")
         # min_strength maps to 0.5 (the alert threshold), twice that to 0.75, and so on.
         score = round(float(1.0 - 0.5 ** (strength / self.min_strength)), 4)
         return window.finding(
@@ -420,3 +423,31 @@ class MixtureDetector:
                 f"{model['threshold']:.1f}); moved most: {'; '.join(parts)}"
             ),
         )
+
+
+class _Peers:
+    """A window's raw features with what a finding compares them with, prepared once for all
+    the window's findings: each feature's median over the other ranks (pandas' median of the
+    column without the rank, by one sort per column) and the throttle rule's peer medians."""
+
+    def __init__(self, window: WindowView, raw: pd.DataFrame) -> None:
+        self.window = window
+        self.raw = raw
+        self._values = raw.to_numpy(dtype=float)  # a row of raw, as raw.iloc gives it
+        self._others = PeerMedians(raw)
+        self._throttle: tuple[PeerMedians, PeerMedians] | None = None
+
+    def value(self, i: int, feature: str) -> float:
+        return float(self._values[i, self.raw.columns.get_loc(feature)])
+
+    def without(self, feature: str, rank: int) -> float:
+        return self._others.without(feature, rank)
+
+    def throttled(self, rank: int) -> bool:
+        """Whether the rank's GPU is held back more than its peers'
+        (:mod:`trainscope.detectors.throttle`)."""
+        if self._throttle is None:
+            self._throttle = (PeerMedians(throttling_shares(self.window)),
+                              PeerMedians(metric_means(self.window)))
+        throttled, _ = ThrottleRule().judge_with(*self._throttle, rank)
+        return throttled

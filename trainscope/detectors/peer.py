@@ -22,21 +22,15 @@ threshold — a straggler persists, a hiccup of a busy host does not.
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
-
 import numpy as np
 import pandas as pd
 
 from trainscope.detectors.features import (
-    MAD_TO_SIGMA,
     OWN_WORK_CATEGORY,
     WAIT_LAYERS,
     gpu_evidence,
-    group_codes,
     honest_category,
     metric_means,
-    own_work_columns,
     per_call_bandwidth,
     per_step_times,
     robust_z,
@@ -44,55 +38,29 @@ from trainscope.detectors.features import (
     throttling_shares,
 )
 from trainscope.detectors.params import check_number, check_order
+from trainscope.detectors.peer_groups import (
+    HEALTHY_QUANTILE,
+    Groups,
+    LargerElsewhere,
+    victims,
+)
+from trainscope.detectors.peer_own import (
+    ABSENT_ON_PEERS_FRAC,
+    MIN_HISTORY_WINDOWS,
+    OwnWorkRule,
+    Suspect,
+    own_work_suspects,
+)
 from trainscope.detectors.throttle import PeerMedians, ThrottleRule
 from trainscope.schemas import metrics as m
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
 
-# At most this many victims are listed per finding (a finding is one row in the store).
-MAX_VICTIMS = 64
 # Score cap for a suspect that has not persisted yet: visible in the store, not an alert.
 UNCONFIRMED_SCORE_CAP = 0.45
-# The smallest spread a per-step time is judged against, as a share of the step: a function of
-# a few microseconds whose peers agree to the nanosecond must not become a 50-sigma outlier.
-NOISE_FLOOR_STEP_FRAC = 0.002
-# Likewise against the rank's own history: a 2% wobble from window to window is noise (the same
-# relative floor robust_z applies to peers).
-HISTORY_REL_FLOOR = 0.02
-# A median over fewer past windows is not robust: history is used from this many windows on.
-MIN_HISTORY_WINDOWS = 3
-# When at least this share of a stage's ranks are flagged against their history alone, the
-# stage moved together (a job-wide change), not one rank.
-CROWD_FRAC = 0.5
 # Confidence of a suspect exactly at z_min; it grows linearly to 1 at z_full.
 MIN_CONFIDENCE = 0.5
-# The healthy collective wait that network suspects and victims are measured from: the lower
-# quartile of the job's, below the waits of a straggler's victims.
-HEALTHY_QUANTILE = 0.25
-# A rank related to a culprit is its victim when its wait grew by at least this share of the
-# culprit's excess: it spends a material part of the delay waiting.
-VICTIM_WAIT_FRAC = 0.25
-
-# A function on which the reference spends at most this share of the suspect's time is work
-# the peers hardly do (see PeerDiffDetector._excess_floor).
-ABSENT_ON_PEERS_FRAC = 0.1
 DETECTOR = "peer-diff"
-
-
-@dataclass
-class _Suspect:
-    rank: int
-    layer: str
-    name: str
-    category: str
-    excess_ns: float
-    z: float
-    value_ns: float
-    reference_ns: float
-    source: str  # "peers" or "history"
-    ranks: tuple[int, ...] = ()
-    pp_stage: int = -1
-    evidence: dict[str, float] | None = None
 
 
 class PeerDiffDetector:
@@ -292,83 +260,15 @@ class PeerDiffDetector:
         per_rank = steps.groupby("rank")["tokens"].mean().reindex(ranks)
         return per_rank if per_rank.notna().all() and (per_rank > 0).all() else None
 
-    def _history_reference(self, table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame] | None:
-        if len(self._history) < MIN_HISTORY_WINDOWS:
-            return None
-        stack = np.stack(
-            [h.reindex(index=table.index, columns=table.columns).to_numpy(float)
-             for h in self._history]
-        )
-        # A (rank, function) cell absent from every past window has no reference: its median
-        # is NaN on purpose, and numpy's "All-NaN slice" warning says only that.
-        with np.errstate(all="ignore"), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "All-NaN slice", RuntimeWarning)
-            median = np.nanmedian(stack, axis=0)
-            mad = np.nanmedian(np.abs(stack - median), axis=0)
-        frame = lambda a: pd.DataFrame(a, index=table.index, columns=table.columns)  # noqa: E731
-        return frame(median), frame(mad)
-
     def _own_work_suspects(
         self, table: pd.DataFrame, stage: pd.Series, tokens: pd.Series | None, step_ns: float
-    ) -> list[_Suspect]:
-        step_floor = NOISE_FLOOR_STEP_FRAC * step_ns
-        min_excess = self._min_excess(step_ns)
-        history = self._history_reference(table)
-        suspects: list[_Suspect] = []
-        for layer, name in own_work_columns(table.columns):
-            category = OWN_WORK_CATEGORY[layer]
-            x = table[(layer, name)]
-            # Work the ranks hardly do at all (GC pauses, mostly) has no wobble that scales with
-            # the step: there, time enough to report (min_excess) is evidence enough, and the
-            # step's noise floor would hide a 10-ms pause per step in a long step.
-            absent = float(x.median()) <= ABSENT_ON_PEERS_FRAC * min_excess
-            floor = min_excess / self.z_full if absent else step_floor
-            # Compare compute per token: longer sequences are not a slower GPU.
-            per_token = tokens is not None and category == "gpu-compute"
-            scale = tokens / tokens.median() if per_token else pd.Series(1.0, index=x.index)
-            normalised = x / scale
-            z_peer, ref_peer = robust_z(normalised, stage, floor)
-            excess_peer = (normalised - ref_peer) * scale
-            z_hist = pd.Series(np.nan, index=x.index)
-            excess_hist = pd.Series(np.nan, index=x.index)
-            if history is not None:
-                h_med, h_mad = history[0][(layer, name)], history[1][(layer, name)]
-                relative = HISTORY_REL_FLOOR * h_med.abs()
-                spread = np.maximum(np.maximum(MAD_TO_SIGMA * h_mad, relative), floor)
-                # Per token too: a rank that drew longer sequences is not slower than its past.
-                z_hist = (normalised - h_med) / spread
-                excess_hist = (normalised - h_med) * scale
-            use_hist = z_hist.fillna(-np.inf) > z_peer.fillna(-np.inf)
-            z = z_peer.where(~use_hist, z_hist)
-            excess = excess_peer.where(~use_hist, excess_hist)
-            flagged = (z >= self.z_min) & (excess >= self._min_excess(step_ns))
-            # History alone cannot tell a straggler from a job-wide change: if most of a
-            # stage moved together, it is not one rank's problem.
-            hist_only = flagged & use_hist
-            crowd = hist_only.groupby(stage).transform("mean") >= CROWD_FRAC
-            flagged &= ~(hist_only & crowd)
-            for rank in x.index[flagged.fillna(False)]:
-                hist = bool(use_hist[rank])
-                suspects.append(
-                    _Suspect(
-                        rank=int(rank),
-                        layer=layer,
-                        name=name,
-                        category=category,
-                        excess_ns=float(excess[rank]),
-                        z=float(z[rank]),
-                        value_ns=float(x[rank]),
-                        reference_ns=float(x[rank] - excess[rank]),
-                        source="history" if hist else "peers",
-                        # Compared per token: not a rank that merely drew longer sequences.
-                        evidence={"per_token": 1.0} if per_token else None,
-                    )
-                )
-        return suspects
+    ) -> list[Suspect]:
+        rule = OwnWorkRule(self.z_min, self.z_full, self._min_excess(step_ns))
+        return own_work_suspects(rule, table, stage, tokens, step_ns, self._history)
 
     def _stage_suspects(
         self, table: pd.DataFrame, stage: pd.Series, step_ns: float
-    ) -> list[_Suspect]:
+    ) -> list[Suspect]:
         compute_cols = [c for c in table.columns if OWN_WORK_CATEGORY.get(c[0]) == "gpu-compute"]
         if stage.nunique() < 2 or not compute_cols:
             return []
@@ -386,7 +286,7 @@ class PeerDiffDetector:
             ranks = tuple(int(r) for r in stage.index[stage == s])
             main = table.loc[list(ranks), compute_cols].median().idxmax()
             suspects.append(
-                _Suspect(
+                Suspect(
                     rank=min(ranks),
                     layer=main[0],
                     name=main[1],
@@ -406,7 +306,7 @@ class PeerDiffDetector:
 
     def _network_suspects(
         self, window: WindowView, table: pd.DataFrame, stage: pd.Series, step_ns: float
-    ) -> list[_Suspect]:
+    ) -> list[Suspect]:
         signals: dict[int, tuple[float, float, str]] = {}  # rank → (z, drop, signal)
 
         def consider(values: pd.Series, groups: pd.Series | None, signal: str) -> None:
@@ -442,7 +342,7 @@ class PeerDiffDetector:
                 continue
             worst = (table.loc[rank, wait_cols] - healthy.loc[rank]).idxmax()
             suspects.append(
-                _Suspect(
+                Suspect(
                     rank=rank,
                     layer=worst[0],
                     name=worst[1],
@@ -457,7 +357,7 @@ class PeerDiffDetector:
             )
         return suspects
 
-    def _categorise_compute(self, window: WindowView, suspects: list[_Suspect]) -> None:
+    def _categorise_compute(self, window: WindowView, suspects: list[Suspect]) -> None:
         """A compute suspect whose GPU is held back more than its peers' is throttled
         (:mod:`trainscope.detectors.throttle` says how, and why relative to the peers)."""
         if not any(s.category == "gpu-compute" for s in suspects):
@@ -467,10 +367,9 @@ class PeerDiffDetector:
                             self.power_limit_ratio_max)
         means = PeerMedians(metric_means(window))
         shares = PeerMedians(throttling_shares(window))
-        for s in suspects:
-            if s.category != "gpu-compute":
-                continue
-            throttled, evidence = rule.judge_with(shares, means, s.rank)
+        compute = [s for s in suspects if s.category == "gpu-compute"]
+        judged = rule.judge_ranks(shares, means, [s.rank for s in compute])
+        for s, (throttled, evidence) in zip(compute, judged, strict=True):
             s.evidence = {**(s.evidence or {}), **evidence} or None
             if throttled:
                 s.category = "gpu-throttle"
@@ -482,13 +381,13 @@ class PeerDiffDetector:
         window: WindowView,
         table: pd.DataFrame,
         layout: pd.DataFrame,
-        suspects: list[_Suspect],
+        suspects: list[Suspect],
         step_ns: float,
     ) -> list[Finding]:
         if not suspects:
             self._streaks = {}
             return []
-        merged: dict[tuple[int, str], _Suspect] = {}
+        merged: dict[tuple[int, str], Suspect] = {}
         totals: dict[tuple[int, str], float] = {}
         for s in suspects:  # one finding per rank and cause, naming its costliest function
             key = (s.rank, s.category)
@@ -498,8 +397,9 @@ class PeerDiffDetector:
         step_excess = max(self._step_excess(step_ns), sum(totals.values()))
         wait_cols = [c for c in table.columns if c[0] in WAIT_LAYERS]
         waits = table[wait_cols].sum(axis=1) if wait_cols else pd.Series(0.0, index=table.index)
-        groups = _Groups(layout, waits)
-        larger = _LargerElsewhere(totals, groups)
+        groups = Groups(layout, waits)
+        larger = LargerElsewhere(totals, groups)
+        coordinates = _Coordinates(layout)
         self._streaks = {key: self._streaks.get(key, 0) + 1 for key in merged}
         findings = []
         for key, s in merged.items():
@@ -512,17 +412,16 @@ class PeerDiffDetector:
             larger_elsewhere = larger.than(s.rank, s.category, excess)
             share = min(1.0, excess / max(step_excess - larger_elsewhere,
                                           self._excess_floor(s, step_ns)))
-            confidence = float(np.clip(
+            # Clipped to [MIN_CONFIDENCE, 1] (np.clip's result, without numpy per finding).
+            confidence = min(max(
                 MIN_CONFIDENCE
                 + (1.0 - MIN_CONFIDENCE) * (s.z - self.z_min) / (self.z_full - self.z_min),
-                MIN_CONFIDENCE,
-                1.0,
-            ))
+                MIN_CONFIDENCE), 1.0)
             score = confidence * share
             if self._streaks[key] < self.confirm_windows:
                 score = min(score, UNCONFIRMED_SCORE_CAP)
             ranks = list(s.ranks) or [s.rank]
-            victims = _victims(groups, ranks, excess, s.category == "network")
+            waiting = victims(groups, ranks, excess, s.category == "network")
             evidence = {
                 "excess_ns_per_step": excess,
                 "value_ns_per_step": s.value_ns,
@@ -538,20 +437,20 @@ class PeerDiffDetector:
                     self.name,
                     rank=s.rank,
                     ranks=ranks,
-                    victims=victims,
+                    victims=waiting,
                     pp_stage=s.pp_stage,
                     layer=s.layer,
                     function=s.name,
                     category=s.category,
                     score=round(score, 4),
                     evidence=evidence,
-                    message=_message(s, layout, excess, share, len(victims)),
+                    message=_message(s, coordinates, excess, share, len(waiting)),
                 )
             )
         findings.sort(key=lambda f: f.score, reverse=True)
         return findings
 
-    def _excess_floor(self, s: _Suspect, step_ns: float) -> float:
+    def _excess_floor(self, s: Suspect, step_ns: float) -> float:
         """The least step-time excess a suspect's share is taken of. The floor keeps a small
         wobble of a large function from claiming all of a near-zero excess; time in work its
         peers hardly do at all (GC pauses, data-loader waits) is no wobble, so there the
@@ -571,105 +470,28 @@ class PeerDiffDetector:
             self._step_history = [*self._step_history, step_ns][-self.history_windows :]
 
 
-class _Groups:
-    """The window's ranks by communicator group (TP: stage and DP rank; DP: stage and TP rank;
-    PP: DP and TP rank) as integer codes, with each rank's collective time, so that the
-    victims and pipeline neighbours of hundreds of suspects in a 10,000-rank window are array
-    lookups rather than a pass over the layout per suspect."""
+class _Coordinates:
+    """Each rank's place in the layout as a message writes it, `` (dp D, stage S, tp T)``: a
+    dict lookup per finding, where pandas' row lookup cost more than the rest of the message.
+    The values are those of the layout's row (its common dtype: ``3.0`` where a NaN made the
+    column float)."""
 
-    def __init__(self, layout: pd.DataFrame, waits: pd.Series) -> None:
-        self.ranks = layout.index.to_numpy()
-        self.position = {int(r): i for i, r in enumerate(self.ranks)}
-        # A rank outside the declared topology has no coordinates (NaN): it shares no group.
-        self.stage = layout["pp_stage"].to_numpy(dtype=float)
-        self.tp_group, self.dp_group, self.pp_group = (
-            group_codes(layout, keys).to_numpy()
-            for keys in (["pp_stage", "dp_rank"], ["pp_stage", "tp_rank"],
-                         ["dp_rank", "tp_rank"]))
-        self.waits = waits
-        # Each rank's collective time, by position; NaN for a rank that has none.
-        self.wait_at = waits.reindex(layout.index).to_numpy(dtype=float)
-        self._healthy_wait: float | None = None
-        self._by_pipeline: dict[tuple[int, int], int] | None = None
+    def __init__(self, layout: pd.DataFrame) -> None:
+        self._position = {int(r): i for i, r in enumerate(layout.index.tolist())}
+        rows = layout.to_numpy()  # the dtype a row of the layout has
+        self._columns = [rows[:, layout.columns.get_loc(c)]
+                         for c in ("dp_rank", "pp_stage", "tp_rank")]
 
-    def healthy_wait(self) -> float:
-        """The job's lower quartile of collective time (computed once)."""
-        if self._healthy_wait is None:
-            self._healthy_wait = float(self.waits.quantile(HEALTHY_QUANTILE))
-        return self._healthy_wait
-
-    def pipeline_neighbours(self, rank: int) -> list[int]:
-        """The ranks one pipeline link away from ``rank`` (the stages before and after it)."""
-        i = self.position.get(rank)
-        if i is None or np.isnan(self.stage[i]):
-            return []
-        if self._by_pipeline is None:
-            self._by_pipeline = {(int(g), int(st)): int(r) for g, st, r
-                                 in zip(self.pp_group, self.stage, self.ranks, strict=True)
-                                 if not np.isnan(st)}
-        key = int(self.pp_group[i])
-        return [r for st in (self.stage[i] - 1, self.stage[i] + 1)
-                if (r := self._by_pipeline.get((key, int(st)))) is not None]
+    def of(self, rank: int) -> str:
+        i = self._position.get(rank)
+        if i is None:
+            return ""
+        dp, stage, tp = (c[i] for c in self._columns)
+        return f" (dp {dp}, stage {stage}, tp {tp})"
 
 
-class _LargerElsewhere:
-    """For each suspect, the summed excess of the larger suspects on other ranks, leaving out
-    the other end of a slow link (a network suspect on a pipeline neighbour): a sort and a
-    running sum, not a pass over every suspect per suspect."""
-
-    def __init__(self, totals: dict[tuple[int, str], float], groups: _Groups) -> None:
-        self._totals = totals
-        self._groups = groups
-        self._ascending = np.sort(np.fromiter(totals.values(), dtype=float, count=len(totals)))
-        self._running = np.concatenate([[0.0], np.cumsum(self._ascending)])
-        self._by_rank: dict[int, list[float]] = {}
-        for (rank, _), excess in totals.items():
-            self._by_rank.setdefault(rank, []).append(excess)
-
-    def than(self, rank: int, category: str, excess: float) -> float:
-        above = int(np.searchsorted(self._ascending, excess, side="right"))
-        larger = float(self._running[-1] - self._running[above])
-        larger -= sum(e for e in self._by_rank[rank] if e > excess)
-        if category == "network":
-            for neighbour in self._groups.pipeline_neighbours(rank):
-                e = self._totals.get((neighbour, "network"), 0.0)
-                if e > excess:
-                    larger -= e
-        return max(larger, 0.0)
-
-
-def _victims(
-    groups: _Groups,
-    culprits: list[int],
-    excess: float,
-    culprit_waits_too: bool = False,
-) -> list[int]:
-    """Ranks sharing a TP, DP or PP group with a culprit whose collective time is inflated."""
-    waits = groups.waits
-    if waits.empty:
-        return []
-    # Everyone in a synchronous job waits for a straggler, so the healthy reference is the
-    # culprit's own wait: it arrives last and waits least. A slow link is the exception: the
-    # culprit sits in the slow collective too, so compare with the job's lower quartile.
-    at = np.array([groups.position[r] for r in culprits if r in groups.position], dtype=np.int64)
-    own = groups.wait_at[at]
-    own = own[~np.isnan(own)]
-    baseline = float(own.min()) if len(own) and not culprit_waits_too else groups.healthy_wait()
-    if at.size == 1:  # the usual case: a comparison, not isin's sort (720 calls a window)
-        one = int(at[0])
-        related = ((groups.tp_group == groups.tp_group[one])
-                   | (groups.dp_group == groups.dp_group[one])
-                   | (groups.pp_group == groups.pp_group[one]))
-    else:
-        related = (np.isin(groups.tp_group, groups.tp_group[at])
-                   | np.isin(groups.dp_group, groups.dp_group[at])
-                   | np.isin(groups.pp_group, groups.pp_group[at]))
-    related[at] = False
-    inflated = np.nan_to_num(groups.wait_at) >= baseline + VICTIM_WAIT_FRAC * excess
-    return [int(r) for r in groups.ranks[related & inflated][:MAX_VICTIMS]]
-
-
-def _message(s: _Suspect, layout: pd.DataFrame, excess: float, share: float, victims: int) -> str:
+def _message(s: Suspect, coordinates: _Coordinates, excess: float, share: float,
+             victims: int) -> str:
     ms = 1e-6
     if s.category == "stage-imbalance":
         who = f"pipeline stage {s.pp_stage} ({len(s.ranks)} ranks)"
@@ -680,11 +502,7 @@ def _message(s: _Suspect, layout: pd.DataFrame, excess: float, share: float, vic
             f"stages, most in {s.layer}/{s.name}"
         )
     else:
-        where = ""
-        if s.rank in layout.index:
-            row = layout.loc[s.rank]
-            where = f" (dp {row['dp_rank']}, stage {row['pp_stage']}, tp {row['tp_rank']})"
-        who = f"rank {s.rank}{where}"
+        who = f"rank {s.rank}{coordinates.of(s.rank)}"
         if s.category == "network":
             drop = (s.evidence or {}).get("throughput_drop_frac", 0.0)
             what = (

@@ -95,58 +95,104 @@ class ThrottleRule:
         """``judge`` with the window's shares and means wrapped once for all the ranks judged
         in it (a 10,000-rank window with hundreds of suspects: one sort per column, not a
         median over the peers per suspect and column)."""
-        evidence: dict[str, float] = {}
-        throttled = False
-        peers_capped = False
-        if shares.has_peers(rank):
-            capped = shares.without(POWER_CAP, rank)
-            if np.isnan(capped):  # condensed readings: any throttling reason, mostly the cap
-                capped = shares.without(ANY_THROTTLING, rank)
-            peers_capped = bool(capped >= self.peers_capped_frac)  # False for NaN
-        util = ratio_to_peers(means, m.SM_UTIL_PCT, rank)
-        busier = util is not None and util >= BUSIER_UTIL_RATIO
-        if util is not None:
-            evidence["sm_util_ratio"] = util
-        own_capped = False
-        if rank in shares.frame.index:
-            own = shares.frame.loc[rank]
-            own_cap = own.get(POWER_CAP, np.nan)
-            own_cap = own[ANY_THROTTLING] if pd.isna(own_cap) else own_cap
-            own_capped = bool(own_cap >= self.peers_capped_frac)
-            reference = pd.Series([shares.without(c, rank) for c in own.index],
-                                  index=own.index, dtype=float).fillna(0.0)
-            excess = (own - reference).dropna()
-            evidence["throttled_frac"] = float(own[ANY_THROTTLING])
-            evidence["peers_throttled_frac"] = float(reference[ANY_THROTTLING])
-            if not excess.empty:
-                evidence["throttled_excess_frac"] = float(excess.max())
-                load_bound = excess.index.isin([POWER_CAP, ANY_THROTTLING])
-                # The cap follows load: a busier rank's cap is not its GPU held back.
-                throttled |= not busier and bool(
-                    (excess[load_bound] >= self.power_cap_excess_frac).any())
-                throttled |= bool((excess[~load_bound] >= self.excess_frac).any())
-        limit = ratio_to_peers(means, m.POWER_LIMIT_W, rank)
-        if limit is not None:
-            evidence["power_limit_ratio"] = limit
-            throttled |= limit <= self.power_limit_ratio_max
-        clock = ratio_to_peers(means, m.SM_CLOCK_MHZ, rank)
-        if clock is not None:
-            evidence["sm_clock_ratio"] = clock
-            throttled |= (clock <= self.clock_ratio_max and not peers_capped
-                          and not (busier and own_capped))
-        return throttled, evidence
+        return self.judge_ranks(shares, means, [rank])[0]
+
+    def judge_ranks(
+        self, shares: PeerMedians, means: PeerMedians, ranks: list[int]
+    ) -> list[tuple[bool, dict[str, float]]]:
+        """``judge_with`` of each of ``ranks``, as arrays over them: a window can hold
+        thousands of compute suspects, and a pandas row per suspect cost more than the rule."""
+        at = np.asarray(ranks, dtype=np.int64)
+        in_shares = np.array([r in shares.row for r in ranks], dtype=bool)
+        capped = shares.without_ranks(POWER_CAP, at)
+        # Condensed readings: any throttling reason, mostly the cap.
+        capped = np.where(np.isnan(capped), shares.without_ranks(ANY_THROTTLING, at), capped)
+        has_peers = len(shares.frame) - in_shares.astype(np.int64) > 0
+        with np.errstate(invalid="ignore"):
+            peers_capped = has_peers & (capped >= self.peers_capped_frac)  # False for NaN
+        util = ratios_to_peers(means, m.SM_UTIL_PCT, at)
+        busier = ~np.isnan(util) & (util >= BUSIER_UTIL_RATIO)
+        own = _OwnShares(self, shares, at, in_shares, busier)
+        limit = ratios_to_peers(means, m.POWER_LIMIT_W, at)
+        clock = ratios_to_peers(means, m.SM_CLOCK_MHZ, at)
+        results = []
+        for i in range(len(at)):
+            evidence: dict[str, float] = {}
+            if not np.isnan(util[i]):
+                evidence["sm_util_ratio"] = float(util[i])
+            throttled = own.judge(i, evidence)
+            if not np.isnan(limit[i]):
+                evidence["power_limit_ratio"] = float(limit[i])
+                throttled |= bool(limit[i] <= self.power_limit_ratio_max)
+            if not np.isnan(clock[i]):
+                evidence["sm_clock_ratio"] = float(clock[i])
+                throttled |= bool(clock[i] <= self.clock_ratio_max and not peers_capped[i]
+                                  and not (busier[i] and own.capped[i]))
+            results.append((throttled, evidence))
+        return results
+
+
+class _OwnShares:
+    """The judged ranks' own throttling shares against their peers' medians (ranks × reasons)."""
+
+    def __init__(self, rule: ThrottleRule, shares: PeerMedians, at: np.ndarray,
+                 in_shares: np.ndarray, busier: np.ndarray) -> None:
+        self.rule = rule
+        self.present = in_shares
+        self.busier = busier
+        columns = list(shares.frame.columns)
+        self.any = columns.index(ANY_THROTTLING) if in_shares.any() else -1
+        table = shares.frame.to_numpy(dtype=float)
+        rows = [shares.row.get(int(r), 0) for r in at]
+        self.own = table[rows] if len(table) else np.full((len(at), len(columns)), np.nan)
+        cap = columns.index(POWER_CAP) if POWER_CAP in columns else None
+        own_cap = self.own[:, cap] if cap is not None else np.full(len(at), np.nan)
+        if self.any >= 0:
+            own_cap = np.where(np.isnan(own_cap), self.own[:, self.any], own_cap)
+        with np.errstate(invalid="ignore"):
+            self.capped = in_shares & (own_cap >= rule.peers_capped_frac)
+        reference = np.column_stack([shares.without_ranks(c, at) for c in columns]) \
+            if columns else np.empty((len(at), 0))
+        self.reference = np.nan_to_num(reference, nan=0.0, posinf=np.inf, neginf=-np.inf)
+        self.excess = self.own - self.reference  # NaN where the rank's own share is unknown
+        self.load_bound = np.isin(columns, [POWER_CAP, ANY_THROTTLING])
+
+    def judge(self, i: int, evidence: dict[str, float]) -> bool:
+        """Whether rank ``i``'s shares say throttled; its share evidence added."""
+        if not self.present[i]:
+            return False
+        evidence["throttled_frac"] = float(self.own[i, self.any])
+        evidence["peers_throttled_frac"] = float(self.reference[i, self.any])
+        excess = self.excess[i]
+        known = ~np.isnan(excess)
+        if not known.any():
+            return False
+        evidence["throttled_excess_frac"] = float(excess[known].max())
+        # The cap follows load: a busier rank's cap is not its GPU held back.
+        rule = self.rule
+        throttled = not self.busier[i] and bool(
+            (excess[known & self.load_bound] >= rule.power_cap_excess_frac).any())
+        return throttled | bool((excess[known & ~self.load_bound] >= rule.excess_frac).any())
 
 
 def ratio_to_peers(means: PeerMedians, metric: str, rank: int) -> float | None:
     """A rank's window mean of ``metric`` over the median of the other ranks' (None if unknown)."""
+    ratio = float(ratios_to_peers(means, metric, np.array([rank], dtype=np.int64))[0])
+    return None if np.isnan(ratio) else ratio
+
+
+def ratios_to_peers(means: PeerMedians, metric: str, ranks: np.ndarray) -> np.ndarray:
+    """``ratio_to_peers`` of each of ``ranks``, NaN where unknown."""
     frame = means.frame
-    if metric not in frame.columns or rank not in frame.index:
-        return None
-    own = float(frame.at[rank, metric])
-    reference = means.without(metric, rank)
-    if not (np.isfinite(own) and np.isfinite(reference)) or reference <= 0:
-        return None
-    return own / reference
+    out = np.full(len(ranks), np.nan)
+    if metric not in frame.columns:
+        return out
+    own = means.own(metric, ranks)
+    reference = means.without_ranks(metric, ranks)
+    valid = np.isfinite(own) & np.isfinite(reference)
+    valid[valid] = reference[valid] > 0
+    out[valid] = own[valid] / reference[valid]
+    return out
 
 
 class PeerMedians:
@@ -159,30 +205,46 @@ class PeerMedians:
         self._sorted: dict[str, np.ndarray] = {}
         self._values: dict[str, np.ndarray] = {}
         # Row of each rank: a dict lookup, not pandas' (thousands of calls a window).
-        self._row = {rank: i for i, rank in enumerate(frame.index.tolist())}
+        self.row = {rank: i for i, rank in enumerate(frame.index.tolist())}
 
     def has_peers(self, rank: int) -> bool:
         """Whether a rank other than ``rank`` has a row."""
-        return len(self.frame) - int(rank in self._row) > 0
+        return len(self.frame) - int(rank in self.row) > 0
 
     def without(self, column: str, rank: int) -> float:
+        return float(self.without_ranks(column, np.array([rank], dtype=np.int64))[0])
+
+    def own(self, column: str, ranks: np.ndarray) -> np.ndarray:
+        """Each rank's own value of ``column`` (NaN for a rank without a row)."""
+        values = self._column(column)[1]
+        rows = np.array([self.row.get(int(r), -1) for r in ranks], dtype=np.int64)
+        return np.where(rows >= 0, values[rows] if len(values) else np.nan, np.nan)
+
+    def without_ranks(self, column: str, ranks: np.ndarray) -> np.ndarray:
+        """``without`` of each of ``ranks``: the median of the sorted column with the rank's own
+        value left out, by its position (a search), not a median per rank."""
+        out = np.full(len(ranks), np.nan)
         if column not in self.frame.columns:
-            return np.nan
-        values = self._sorted.get(column)
-        if values is None:
-            column_values = self._values[column] = self.frame[column].to_numpy(dtype=float)
-            values = self._sorted[column] = np.sort(column_values[~np.isnan(column_values)])
-        row = self._row.get(rank)
-        own = float(self._values[column][row]) if row is not None else np.nan
+            return out
+        values = self._column(column)[0]
+        if len(values) == 0:
+            return out
+        own = self.own(column, ranks)
         # Removing any one of equal values leaves the same numbers: the first will do.
-        skip = int(np.searchsorted(values, own)) if not np.isnan(own) else len(values)
+        skip = np.where(np.isnan(own), len(values), np.searchsorted(values, own))
         left = len(values) - (skip < len(values))
-        if left == 0:
-            return np.nan
+        half = left // 2
 
-        def at(k: int) -> float:
-            return float(values[k] if k < skip else values[k + 1])
+        def at(k: np.ndarray) -> np.ndarray:
+            return values[np.clip(np.where(k < skip, k, k + 1), 0, len(values) - 1)]
 
-        if left % 2:
-            return at(left // 2)
-        return (at(left // 2 - 1) + at(left // 2)) / 2
+        upper = at(half)
+        median = np.where(left % 2 == 1, upper, (at(np.maximum(half - 1, 0)) + upper) / 2)
+        return np.where(left > 0, median, np.nan)
+
+    def _column(self, column: str) -> tuple[np.ndarray, np.ndarray]:
+        """(the column's known values sorted, its values by row), computed once."""
+        if column not in self._sorted:
+            values = self._values[column] = self.frame[column].to_numpy(dtype=float)
+            self._sorted[column] = np.sort(values[~np.isnan(values)])
+        return self._sorted[column], self._values[column]
