@@ -103,6 +103,10 @@ class RankClocks:
                 by_rank = self.ends[step] = {}
             by_rank[rank_] = end
         self.ranks.update(np.unique(rank).tolist())
+        cache = vars(self).get("_diffs")
+        if cache:  # the steps these records touched are read again (see _step_diffs)
+            for touched in np.unique(number).tolist():
+                cache.pop(touched, None)
         if len(self.ends) > KEPT_STEPS:
             for old in sorted(self.ends)[: len(self.ends) - KEPT_STEPS]:
                 del self.ends[old]
@@ -112,17 +116,24 @@ class RankClocks:
         ranks reported; ranks with fewer than ``MIN_STEPS`` such steps are left out. The
         medians are ``np.median``'s, taken for all ranks at once (a 10,000-rank job asks on
         every poll that brings step records)."""
+        ranks, offsets, used = self._estimate_arrays(world_size)
+        return {rank: (offset, steps) for rank, offset, steps
+                in zip(ranks.tolist(), offsets.tolist(), used.tolist(), strict=True)}
+
+    def _estimate_arrays(self, world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`estimates` as arrays, by rank: ranks, offsets (ns), steps used."""
         quorum = _quorum(world_size)
         rank_parts: list[np.ndarray] = []
         diff_parts: list[np.ndarray] = []
-        for by_rank in self.ends.values():
+        for step, by_rank in self.ends.items():
             if len(by_rank) < quorum:
                 continue
-            ends = np.fromiter(by_rank.values(), dtype=np.int64, count=len(by_rank))
-            rank_parts.append(np.fromiter(by_rank.keys(), dtype=np.int64, count=len(by_rank)))
-            diff_parts.append(ends - int(np.median(ends)))
+            ranks_diffs = self._step_diffs(step, by_rank)
+            rank_parts.append(ranks_diffs[0])
+            diff_parts.append(ranks_diffs[1])
         if not rank_parts:
-            return {}
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
         ranks, diffs = np.concatenate(rank_parts), np.concatenate(diff_parts)
         order = np.lexsort((diffs, ranks))
         ranks, diffs = ranks[order], diffs[order]
@@ -130,11 +141,30 @@ class RankClocks:
         counts = np.diff(np.r_[starts, len(ranks)])
         enough = counts >= MIN_STEPS
         starts, counts = starts[enough], counts[enough]
-        # The middle value, or the mean of the middle two, in float64 as np.median takes it.
+        # The middle value, or the mean of the middle two, in float64 as np.median takes it;
+        # truncated toward zero, as int() truncates it.
         middle = (diffs[starts + (counts - 1) // 2].astype(np.float64)
                   + diffs[starts + counts // 2].astype(np.float64)) / 2
-        return {rank: (int(offset), used) for rank, offset, used
-                in zip(ranks[starts].tolist(), middle.tolist(), counts.tolist(), strict=True)}
+        return ranks[starts], middle.astype(np.int64), counts
+
+    def _step_diffs(self, step: int, by_rank: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """The step's ranks and their ends minus the step's median end, kept until the step
+        changes: a poll touches a few new steps, and re-reading all 32 from their dicts per
+        poll was most of the engine's time at 10,000 ranks."""
+        # Not a dataclass field: jobs pickled by an older version lack it (snapshots).
+        cache: dict[int, tuple[int, np.ndarray, np.ndarray]] = vars(self).setdefault(
+            "_diffs", {})
+        cached = cache.get(step)
+        if cached is not None and cached[0] == len(by_rank):
+            return cached[1], cached[2]
+        ends = np.fromiter(by_rank.values(), dtype=np.int64, count=len(by_rank))
+        ranks = np.fromiter(by_rank.keys(), dtype=np.int64, count=len(by_rank))
+        diffs = ends - int(np.median(ends))
+        cache[step] = (len(by_rank), ranks, diffs)
+        if len(cache) > 2 * KEPT_STEPS:
+            for old in [s for s in cache if s not in self.ends]:
+                del cache[old]
+        return ranks, diffs
 
     def calibrate(self, world_size: int, tolerance_ns: int) -> list[int]:
         """Take new estimates: a rank not calibrated yet gets its offset (0 within the
@@ -144,15 +174,21 @@ class RankClocks:
         Taken on every call: a rank taken as it was (offset 0, its records released after the
         hold) whose steps come after its peers' gets its estimate from steps that already had
         a majority, so no cheaper sign of news will do."""
-        changed = []
-        for rank, (offset, used) in self.estimates(world_size).items():
-            applied = self.offsets_ns.get(rank)
-            wanted = offset if abs(offset) > tolerance_ns else 0
-            if applied is None or (abs(offset - applied) > tolerance_ns and wanted != applied):
-                self.offsets_ns[rank] = wanted
-                changed.append(rank)
-            self.steps_used[rank] = used
-        return changed
+        ranks, offsets, used = self._estimate_arrays(world_size)
+        rank_list = ranks.tolist()
+        known = self.offsets_ns
+        unknown = np.iinfo(np.int64).min
+        applied = np.fromiter((known.get(r, unknown) for r in rank_list), dtype=np.int64,
+                              count=len(rank_list))
+        wanted = np.where(np.abs(offsets) > tolerance_ns, offsets, 0)
+        new = applied == unknown
+        moved = ~new & (np.abs(offsets - np.where(new, 0, applied)) > tolerance_ns) & (
+            wanted != applied)
+        changed = np.flatnonzero(new | moved)
+        for i in changed.tolist():
+            known[rank_list[i]] = int(wanted[i])
+        self.steps_used.update(zip(rank_list, used.tolist(), strict=True))
+        return [rank_list[i] for i in changed.tolist()]
 
     def ready(self, record: Held) -> bool:
         return all(rank in self.offsets_ns for rank in ranks_of(record))
