@@ -11,10 +11,12 @@ Two workloads, each produced first (not timed as pipeline work), then processed 
   host sends its GPUs' condensed metric samples, as the host agent does. The batches are made by
   the producers' own code (``summary_batches``) from the simulated cluster's spans (each of its
   10 functions split into 6 parts, so 60 functions per rank), and tiled out to the job size.
-  Columns: decode + window engine + close in summaries/s (steps and metrics of the same messages
-  included in the time), the same window's summaries sent as row FunctionSummary records (older
-  producers' wire format) as a same-run baseline, detectors + sink, real-time factor, and the
-  process's peak resident memory after the row.
+  Step records and metric samples travel as StepBatch and MetricBatch columns, as the producers
+  send them. Columns: decode + window engine + close in records/s (summary rows, step records
+  and metric samples), over the whole run and, best of 3, over one window: its summaries alone,
+  the whole message, and the whole message with step records and metric samples as rows (the
+  wire format of producers before them, a same-run baseline); detectors + sink, real-time
+  factor, and the process's peak resident memory after the row.
 
 The process is pinned to one CPU (BLAS and Arrow pools at one thread). Times are CPU seconds,
 not wall-clock, because the machines we measure on are shared: the pipeline thread's own CPU
@@ -58,8 +60,10 @@ from trainscope.producers.simulate import (  # noqa: E402
 from trainscope.producers.simulate.layout import Layout  # noqa: E402
 from trainscope.schemas.codec import decode_batch, encode_batch  # noqa: E402
 from trainscope.schemas.records import (  # noqa: E402
+    MetricBatch,
     MetricSample,
     Record,
+    StepBatch,
     StepRecord,
     SummaryBatch,
 )
@@ -196,86 +200,100 @@ def simulate_sources(steps: int) -> tuple[dict[tuple[int, int], _Sent], list[int
     return sent, windows, (end_ns - cluster.spec.start_ns) / 1e9
 
 
+@dataclass
+class Window:
+    """One window's bus payloads and the records they hold (summary rows, step records,
+    metric samples)."""
+
+    payloads: list[bytes]
+    records: int
+
+
 def tiled_messages(sent: dict[tuple[int, int], _Sent], windows: list[int], ranks: int,
-                   job_id: str) -> Iterator[list[bytes]]:
+                   job_id: str, rows: bool = False) -> Iterator[Window]:
     """Per window, the bus payloads of a ``ranks``-rank job: one message per rank (its summary
-    batch and steps), one per host of 8 GPUs (their condensed metrics); the topology first."""
+    batch and step batch), one per host of 8 GPUs (their condensed metrics, one metric batch),
+    the topology first. ``rows``: step records and metric samples one record each, as
+    producers sent them before they sent batches (the same-run baseline)."""
     target = Layout(*SUMMARY_SIZES[ranks])
     source = Layout(*SOURCE)
     origin = []
     for r in range(ranks):
         dp_rank, pp_stage, tp_rank = target.coords(r)
         origin.append(source.rank(dp_rank % source.dp, pp_stage, tp_rank))
+    step_batches = {key: StepBatch.from_records(s.steps) for key, s in sent.items() if s.steps}
     first = True
     for w in windows:
         payloads = [encode_batch([target.topology(job_id)])] if first else []
         first = False
-        host_metrics: list[Record] = []
+        records = 0
+        host_metrics: list[MetricSample] = []
         for r in range(ranks):
             s = sent.get((origin[r], w))
             if s is None:
                 continue
             batch = msgspec.structs.replace(
                 s.batch, rank=np.full(len(s.batch), r, dtype="<i4").tobytes())
-            steps = [msgspec.structs.replace(x, rank=r) for x in s.steps]
-            payloads.append(encode_batch([batch, *steps]))
+            message: list[Record] = [batch]
+            if rows:
+                message += [msgspec.structs.replace(x, rank=r) for x in s.steps]
+            elif s.steps:
+                steps = step_batches[(origin[r], w)]
+                message.append(msgspec.structs.replace(
+                    steps, rank=np.full(len(steps), r, dtype="<i4").tobytes()))
+            payloads.append(encode_batch(message))
+            records += len(s.batch) + len(s.steps)
             host_metrics += [msgspec.structs.replace(x, rank=r, host=target.host(r))
                              for x in s.metrics]
-            if r % 8 == 7:
-                payloads.append(encode_batch(host_metrics))
+            if r % 8 == 7 or r == ranks - 1:
+                if host_metrics:
+                    payloads.append(encode_batch(
+                        host_metrics if rows else [MetricBatch.from_records(host_metrics)]))
+                    records += len(host_metrics)
                 host_metrics = []
-        if host_metrics:
-            payloads.append(encode_batch(host_metrics))
-        yield payloads
+        yield Window(payloads, records)
 
 
-def as_rows(payloads: list[bytes]) -> list[bytes]:
-    """The same messages with each summary batch sent as row FunctionSummary records."""
-    out = []
-    for payload in payloads:
-        records: list[Record] = []
-        for r in decode_batch(payload):
-            records += r.to_summaries() if isinstance(r, SummaryBatch) else [r]
-        out.append(encode_batch(records))
-    return out
-
-
-def engine_rate(payloads: list[bytes], repeats: int = 1) -> float:
-    """Summaries/s of decode + window engine + close over these messages, no detectors; the
-    best of ``repeats`` passes (the machine is shared: the best pass is the least disturbed)."""
+def engine_rate(window: Window, repeats: int = 1) -> float:
+    """Records/s of decode + window engine + close over this window's messages, no detectors;
+    the best of ``repeats`` passes (the machine is shared: the best pass is the least
+    disturbed)."""
     best = 0.0
     for _ in range(repeats):
         pipeline = EmbeddedStreamJob([], window_s=WINDOW_S)
+        payloads = window.payloads
         started = clock()
         for i in range(0, len(payloads), CHUNK):
             pipeline.process_records(
                 [r for payload in payloads[i : i + CHUNK] for r in decode_batch(payload)])
         pipeline.finish()
         elapsed = clock() - started
-        best = max(best, pipeline.engine.stats.summaries_received / elapsed)
+        best = max(best, window.records / elapsed)
     return best
 
 
-def only_summaries(payloads: list[bytes]) -> list[bytes]:
+def only_summaries(window: Window) -> Window:
     """The messages' summary batches alone (no step records, no metric samples)."""
-    out = []
-    for payload in payloads:
+    out, records = [], 0
+    for payload in window.payloads:
         batches = [r for r in decode_batch(payload) if isinstance(r, SummaryBatch)]
         if batches:
             out.append(encode_batch(batches))
-    return out
+            records += sum(len(b) for b in batches)
+    return Window(out, records)
 
 
 @dataclass
 class SummaryRun:
     summaries: int = 0
+    records: int = 0  # summary rows, step records and metric samples
     engine_s: float = 0.0
     detect_s: float = 0.0
     sink_s: float = 0.0
     windows: int = 0
 
 
-def summaries_pass(messages: Iterator[list[bytes]], sink: ClickHouseSink) -> SummaryRun:
+def summaries_pass(messages: Iterator[Window], sink: ClickHouseSink) -> SummaryRun:
     """The production path; detectors + sink run on each window as it closes, timed apart."""
     run = SummaryRun()
     runner = DetectorRunner(load().detectors)  # every built-in detector, as the pipeline runs
@@ -299,7 +317,9 @@ def summaries_pass(messages: Iterator[list[bytes]], sink: ClickHouseSink) -> Sum
 
     pipeline = EmbeddedStreamJob([], window_s=WINDOW_S, on_window=on_window)
     total_s = 0.0
-    for payloads in messages:  # producing a window's messages is not timed
+    for window in messages:  # producing a window's messages is not timed
+        payloads = window.payloads
+        run.records += window.records
         started = clock()
         for i in range(0, len(payloads), CHUNK):
             pipeline.process_records(
@@ -344,34 +364,39 @@ def span_rows(quick: bool, sink: ClickHouseSink) -> None:
 Workload = tuple[dict[tuple[int, int], _Sent], list[int], float]
 
 
-def summary_baselines(workload: Workload) -> dict[int, tuple[float, float]]:
-    """Per job size, on its first full window: summaries/s of its summary batches alone (best
-    of 3), and of the first 1,024 ranks' summaries as row records (older producers' format).
-    Measured before the embedded store is opened, so none of its background work runs."""
+def summary_baselines(workload: Workload) -> dict[int, tuple[float, float, float]]:
+    """Per job size, on its first full window, records/s (best of 3 passes each): its summary
+    batches alone; the whole production message as producers send it (step records and metric
+    samples as batches); the same with them as rows, as producers sent them before (the
+    same-run baseline). Measured before the embedded store is opened, so none of its
+    background work runs."""
     sent, windows, _ = workload
     rates = {}
     for ranks in SUMMARY_SIZES:
         (window,) = itertools.islice(tiled_messages(sent, windows, ranks, "baseline"), 1, 2)
-        batches = only_summaries(window)
-        rates[ranks] = (engine_rate(batches, repeats=3), engine_rate(as_rows(batches[:1024])))
+        (as_rows,) = itertools.islice(
+            tiled_messages(sent, windows, ranks, "baseline-rows", rows=True), 1, 2)
+        rates[ranks] = (engine_rate(only_summaries(window), repeats=3),
+                        engine_rate(window, repeats=3), engine_rate(as_rows, repeats=3))
     return rates
 
 
-def summary_rows(workload: Workload, baselines: dict[int, tuple[float, float]],
+def summary_rows(workload: Workload, baselines: dict[int, tuple[float, float, float]],
                  sink: ClickHouseSink) -> None:
     sent, windows, job_s = workload
-    print(f"{'ranks':>6} {'windows':>7} {'summaries':>10} {'engine sum/s':>13} "
-          f"{'batches sum/s':>13} {'rows sum/s':>11} {'batches/rows':>12} {'detect s':>9} "
-          f"{'sink s':>7} {'job s':>6} {'proc s':>7} {'x real time':>11} {'peak RSS MiB':>12}")
+    print(f"{'ranks':>6} {'windows':>7} {'records':>10} {'engine rec/s':>13} "
+          f"{'summaries alone rec/s':>21} {'window rec/s':>12} {'rows rec/s':>11} "
+          f"{'batches/rows':>12} {'detect s':>9} {'sink s':>7} {'job s':>6} {'proc s':>7} "
+          f"{'x real time':>11} {'peak RSS MiB':>12}")
     for ranks in SUMMARY_SIZES:
-        batch_rate, rows_rate = baselines[ranks]
+        alone, batches, rows = baselines[ranks]
         run = summaries_pass(tiled_messages(sent, windows, ranks, f"bench-{ranks}"), sink)
         processing_s = run.engine_s + run.detect_s + run.sink_s
-        print(f"{ranks:>6} {run.windows:>7} {run.summaries:>10,} "
-              f"{run.summaries / run.engine_s:>13,.0f} {batch_rate:>13,.0f} {rows_rate:>11,.0f} "
-              f"{batch_rate / rows_rate:>12.1f} {run.detect_s:>9.2f} {run.sink_s:>7.2f} "
-              f"{job_s:>6.0f} {processing_s:>7.1f} {job_s / processing_s:>11.1f} "
-              f"{peak_rss_mib():>12,.0f}")
+        print(f"{ranks:>6} {run.windows:>7} {run.records:>10,} "
+              f"{run.records / run.engine_s:>13,.0f} {alone:>21,.0f} {batches:>12,.0f} "
+              f"{rows:>11,.0f} {batches / rows:>12.2f} {run.detect_s:>9.2f} "
+              f"{run.sink_s:>7.2f} {job_s:>6.0f} {processing_s:>7.1f} "
+              f"{job_s / processing_s:>11.1f} {peak_rss_mib():>12,.0f}")
 
 
 def main() -> None:

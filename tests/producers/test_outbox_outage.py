@@ -29,6 +29,9 @@ pytestmark = pytest.mark.kafka
 
 OUTAGE_S = 3.0
 CAPACITY = 60  # small, so that the outage overflows it
+# The PyTorch producer sends a few batches a second (its step records and window summaries
+# as one batch each), the agent many more records: a smaller queue for it to overflow.
+TORCH_CAPACITY = 6
 
 
 class Run(Protocol):
@@ -46,7 +49,8 @@ class TorchRun:
 
     def __init__(self, url: str) -> None:
         torch.set_num_threads(1)
-        att = api.attach(bus=url, job_id="outbox-torch", window_s=0.5, queue_size=CAPACITY)
+        att = api.attach(bus=url, job_id="outbox-torch", window_s=0.5,
+                         queue_size=TORCH_CAPACITY)
         assert att is not None
         self.att = att
         self.att.sender.backoff_max_s = 1.0  # see the broker come back within seconds

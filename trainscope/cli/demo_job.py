@@ -24,7 +24,14 @@ from trainscope.engine.bus_job import BusStreamJob
 from trainscope.engine.core import PipelineStats
 from trainscope.producers.simulate import ClusterSpec, Fault, SimulatedCluster, StepOutput
 from trainscope.schemas.codec import encode_batch
-from trainscope.schemas.records import Finding, Record
+from trainscope.schemas.records import (
+    Finding,
+    MetricBatch,
+    MetricSample,
+    Record,
+    StepBatch,
+    StepRecord,
+)
 from trainscope.schemas.window import WindowView
 from trainscope.transport.bus import EVENTS_TOPIC, METRICS_TOPIC, Bus, open_bus, rank_key
 
@@ -78,17 +85,21 @@ def publish_step(bus: Bus, cluster: SimulatedCluster, output: StepOutput, first:
         by_host.setdefault(int(batch.column("rank")[0]) // per_host, []).append(batch)
     for summary in output.summaries:
         by_host.setdefault(int(summary.column("rank")[0]) // per_host, []).append(summary)
+    # Step records and metric samples go as columnar batches, as the real producers send them.
+    steps_by_host: dict[int, list[StepRecord]] = {}
     for record in output.steps:
-        by_host.setdefault(record.rank // per_host, []).append(record)
+        steps_by_host.setdefault(record.rank // per_host, []).append(record)
+    for host, steps in steps_by_host.items():
+        by_host.setdefault(host, []).append(StepBatch.from_records(steps))
     for host in sorted(by_host):
         bus.publish(EVENTS_TOPIC, encode_batch(by_host[host]),
                     key=rank_key(spec.job_id, host * per_host))
         messages += 1
-    metrics_by_host: dict[int, list[Record]] = {}
+    metrics_by_host: dict[int, list[MetricSample]] = {}
     for sample in output.metrics:
         metrics_by_host.setdefault(sample.rank // per_host, []).append(sample)
     for host, samples in metrics_by_host.items():
-        bus.publish(METRICS_TOPIC, encode_batch(samples),
+        bus.publish(METRICS_TOPIC, encode_batch([MetricBatch.from_records(samples)]),
                     key=rank_key(spec.job_id, host * per_host))
         messages += 1
     return messages

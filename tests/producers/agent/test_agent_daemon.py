@@ -22,7 +22,13 @@ from trainscope.producers.agent.ebpf import EbpfCollector
 from trainscope.producers.agent.host import HostCollector
 from trainscope.schemas import metrics as m
 from trainscope.schemas.codec import decode_batch
-from trainscope.schemas.records import FunctionSummary, MetricSample, Record, SummaryBatch
+from trainscope.schemas.records import (
+    FunctionSummary,
+    MetricBatch,
+    MetricSample,
+    Record,
+    SummaryBatch,
+)
 from trainscope.schemas.summaries import summarize
 from trainscope.transport.bus import EVENTS_TOPIC, METRICS_TOPIC
 from trainscope.transport.memory import MemoryBus
@@ -126,7 +132,9 @@ def test_a_failing_collector_is_isolated(tmp_path: Path) -> None:
     assert state.status == "failed" and "FileNotFoundError" in state.reason
     assert state.stats.errors == 3
     assert stats.collectors["host"].status == "stopped"
-    samples = [r for r in published(bus, METRICS_TOPIC) if isinstance(r, MetricSample)]
+    sent = published(bus, METRICS_TOPIC)
+    assert not [r for r in sent if isinstance(r, MetricSample)], "samples sent as rows"
+    samples = [s for r in sent if isinstance(r, MetricBatch) for s in r.to_records()]
     assert {s.name for s in samples} == {
         m.HOST_CPU_UTIL_PCT,
         m.HOST_NET_TX_BYTES_PER_S,
@@ -143,13 +151,13 @@ def test_backlog_is_bounded_when_the_bus_refuses() -> None:
     agent.start()
     stats = agent.run(max_windows=8)
     assert stats.messages_published == 0 and stats.publish_errors > 0
-    # Every record the collector produced (one per series and interval, one window per
-    # interval here) was lost and counted: dropped when the queue was full, failed when
-    # nothing could send them at shutdown.
-    produced = stats.collectors["host"].stats.samples
-    assert produced == 3 * stats.windows
+    # Every record the agent made (the collector's three series condensed per window, one
+    # window per interval here, sent as one metric batch) was lost and counted: dropped when
+    # the queue was full, failed when nothing could send them at shutdown.
+    assert stats.collectors["host"].stats.samples == 3 * stats.windows
+    assert stats.records_submitted == stats.windows
     assert stats.records_dropped > 0 and stats.records_failed == 6
-    assert stats.records_dropped + stats.records_failed == produced
+    assert stats.records_dropped + stats.records_failed == stats.records_submitted
 
 
 def test_window_aggregation_reducers_and_bound() -> None:

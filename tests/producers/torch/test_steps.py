@@ -15,7 +15,8 @@ def test_steps_are_drained_as_records_in_order_with_their_figures() -> None:
     assert tracker.end(2_700, samples=4, tokens=0) == 1  # an explicit step's own counts
     assert tracker.end(2_600) == 2  # a clock that stepped back: no negative duration
     assert tracker.log.pending() == 3
-    assert tracker.drain() == [
+    (batch,) = tracker.drain()
+    assert batch.to_records() == [
         StepRecord(job_id="job", rank=3, step=0, start_ns=1_000, duration_ns=500, samples=8,
                    tokens=512),
         StepRecord(job_id="job", rank=3, step=1, start_ns=1_500, duration_ns=1_200, samples=4),
@@ -32,7 +33,7 @@ def test_a_log_nobody_drains_is_cleared_and_counted(monkeypatch) -> None:
     tracker.log.bound()
     assert tracker.log.dropped == 5 and tracker.log.pending() == 0
     tracker.end(1_000)
-    assert [r.step for r in tracker.drain()] == [5]
+    assert [r.step for b in tracker.drain() for r in b.to_records()] == [5]
 
 
 def test_collective_time_goes_into_its_step_and_a_stall_is_reported_as_it_lasts() -> None:
@@ -42,7 +43,7 @@ def test_collective_time_goes_into_its_step_and_a_stall_is_reported_as_it_lasts(
     for step in range(10):
         tracker.collective_ns += 3 * ms  # what the collective hooks add during the step
         tracker.end((step + 1) * 10 * ms)
-    records = tracker.drain()
+    records = [r for b in tracker.drain() for r in b.to_records()]
     assert {r.collective_ns for r in records} == {3 * ms}
     start = tracker.start_ns
     # A step open for 1 s (100 recent steps) but under STALL_MIN_S: nothing to report.

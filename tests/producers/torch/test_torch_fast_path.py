@@ -14,10 +14,9 @@ from itertools import pairwise
 from typing import Any
 
 import torch
-from torch_producer_helpers import by_type, read_records, summaries_of
+from torch_producer_helpers import read_records, steps_of, summaries_of
 
 from trainscope.producers.torch.backward import EXACT, PARAMETERS
-from trainscope.schemas.records import StepRecord
 from trainscope.transport.memory import MemoryBus
 
 STEPS = 24
@@ -96,7 +95,7 @@ def test_the_settled_path_sends_the_same_functions_steps_and_fields(attach) -> N
     assert fast[("dataloader", "next_batch")][0] == STEPS + 1
     # Step records: the same fields and values but times, tiling the timeline.
     for records in (exact_records, fast_records):
-        steps = by_type(records, StepRecord)
+        steps = steps_of(records)
         assert [r.step for r in steps] == list(range(STEPS))
         assert {(r.job_id, r.rank, r.samples, r.tokens) for r in steps} == {
             ("test-job", 0, BATCH, 0)

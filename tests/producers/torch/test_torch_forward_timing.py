@@ -16,9 +16,7 @@ import types
 
 import torch
 import torch.nn.functional as F
-from torch_producer_helpers import TinyModel, by_type, read_records, summaries_of
-
-from trainscope.schemas.records import StepRecord
+from torch_producer_helpers import TinyModel, read_records, steps_of, summaries_of
 
 
 class ScriptableModel(torch.nn.Module):
@@ -69,7 +67,7 @@ def test_a_user_model_class_is_timed_by_its_wrapped_forward_and_restored_on_deta
     att.detach()
     assert TinyModel.__dict__["forward"] is original
     records = read_records(memory_bus)
-    assert _forwards(records) == 6 == len(by_type(records, StepRecord))
+    assert _forwards(records) == 6 == len(steps_of(records))
     assert att.stats()["errors"] == 0
 
 
@@ -127,7 +125,7 @@ def test_a_forward_that_raises_leaves_the_timing_of_later_ones_intact(
     _train(model, steps=8, fail_at=5)
     att.detach()
     records = read_records(memory_bus)
-    assert len(by_type(records, StepRecord)) == 7
+    assert len(steps_of(records)) == 7
     # The failed call is timed too (it ran until it raised), then every later one.
     assert _forwards(records) == 8
     assert att.stats()["errors"] == 0

@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 from kafka_broker import TansuBroker, free_port
 from slow_proxy import SlowProxy
-from torch_producer_helpers import TinyModel, by_type, train
+from torch_producer_helpers import TinyModel, steps_of, train
 
 from trainscope.producers.torch.control import wait_until
 from trainscope.schemas.codec import decode_batch
-from trainscope.schemas.records import StepRecord
 from trainscope.transport.bus import EVENTS_TOPIC, open_bus
 
 pytestmark = pytest.mark.kafka
@@ -35,6 +34,9 @@ def _train_for(model: TinyModel, seconds: float) -> int:
         train(model, steps=2)
         steps += 2
     return steps
+
+
+QUEUE = 6  # records (batches) the producer holds for the bus
 
 
 def _records_on_broker(url: str, group: str) -> tuple[Counter[str], set[int]]:
@@ -56,7 +58,7 @@ def _records_on_broker(url: str, group: str) -> tuple[Counter[str], set[int]]:
             for message in messages:
                 records = decode_batch(message.value)
                 seen.update(repr(r) for r in records)
-                steps.update(r.step for r in by_type(records, StepRecord))
+                steps.update(r.step for r in steps_of(records))
         consumer.close()
     finally:
         bus.close()
@@ -78,13 +80,14 @@ def test_after_an_outage_everything_acked_is_on_the_topic(attach, fresh_kafka_br
                                                           outage_s: float) -> None:
     broker = fresh_kafka_broker
     caplog.set_level(logging.WARNING)
-    att = attach(bus=broker.url, window_s=0.5, queue_size=300)
+    # Step records and summaries go as a few batches a second: a queue the outage overflows.
+    att = attach(bus=broker.url, window_s=0.5, queue_size=QUEUE)
     # Short backoff so the test sees the reconnect within seconds, not the default 10 s cap.
     att.sender.backoff_max_s = 1.0
     model = TinyModel()
 
     train(model, steps=4)
-    assert wait_until(lambda: att.stats()["records_acked"] >= 5, timeout_s=20), att.stats()
+    assert wait_until(lambda: att.stats()["records_acked"] >= 2, timeout_s=20), att.stats()
     assert_counts_add_up(att.stats())
 
     broker.stop()
@@ -101,7 +104,7 @@ def test_after_an_outage_everything_acked_is_on_the_topic(attach, fresh_kafka_br
     assert wait_until(lambda: att.stats()["records_in_flight"] == 0, timeout_s=15), att.stats()
     down = att.stats()
     assert not down["bus_up"] and down["records_in_flight"] == 0, down
-    assert down["records_queued"] <= 300 and down["records_dropped"] > 0
+    assert down["records_queued"] <= QUEUE and down["records_dropped"] > 0
     acked_before_restart = down["records_acked"]
 
     broker.start()
@@ -152,7 +155,7 @@ def test_a_slow_broker_gets_everything_once_and_the_counts_say_so(attach) -> Non
         final = att.stats()
         assert_counts_add_up(final)
         assert final["records_send_failures"] == 0 and final["records_resent"] == 0, final
-        assert final["records_dropped"] == 0 and final["records_acked"] > 30
+        assert final["records_dropped"] == 0 and final["records_acked"] > 5
         on_topic, steps = _records_on_broker(f"kafka://127.0.0.1:{broker.port}", "slow-check")
     assert sum(on_topic.values()) == len(on_topic) == final["records_acked"]  # no duplicates
     assert set(range(30)) <= steps

@@ -7,11 +7,10 @@ import time
 
 import pytest
 from kafka_tls import CLIENT_KEY_PASSWORD
-from torch_producer_helpers import TinyModel, by_type, train
+from torch_producer_helpers import TinyModel, steps_of, train
 
 from trainscope.producers.torch.control import wait_until
 from trainscope.schemas.codec import decode_batch
-from trainscope.schemas.records import StepRecord
 from trainscope.transport.bus import EVENTS_TOPIC, open_bus
 
 pytestmark = pytest.mark.kafka
@@ -35,7 +34,7 @@ def test_attach_publishes_steps_over_tls(attach, tls_kafka_broker, monkeypatch, 
         deadline = time.monotonic() + 20
         while len(steps) < 8 and time.monotonic() < deadline:
             for message in consumer.poll(timeout_s=0.5):
-                steps.update(r.step for r in by_type(decode_batch(message.value), StepRecord)
+                steps.update(r.step for r in steps_of(decode_batch(message.value))
                              if r.job_id == job)
         consumer.close()
     finally:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
-from torch_producer_helpers import TinyModel, by_type, read_records, summaries_of, train
+from torch_producer_helpers import TinyModel, by_type, read_records, steps_of, summaries_of, train
 
 from trainscope.cli.profile import profile, profile_request
 from trainscope.producers.torch.control import wait_until
 from trainscope.schemas.callpath import callpath_id
 from trainscope.schemas.codec import encode_batch
-from trainscope.schemas.records import FunctionSummary, StepRecord
+from trainscope.schemas.records import FunctionSummary
 from trainscope.transport.bus import CONTROL_TOPIC, rank_key
 
 FINE_LAYERS = {"python", "torch_op", "cuda_kernel", "cuda_api", "memcpy"}
@@ -74,7 +74,7 @@ def test_a_profile_request_profiles_exactly_k_steps_with_call_paths(attach, memo
     steps = [s for s in summaries_of(records) if s.name == "Optimizer.step#SGD.step"]
     assert {s.layer for s in steps} == {"user_annotation"} and sum(s.count for s in steps) == 3
     # Profiled steps are ordinary steps as well: all 8 still have step records.
-    assert len(by_type(records, StepRecord)) == 8
+    assert len(steps_of(records)) == 8
 
 
 def test_requests_for_another_rank_or_job_are_ignored(attach, memory_bus) -> None:

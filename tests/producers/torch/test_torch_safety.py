@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch_producer_helpers import TinyModel, by_type, read_records, train
+from torch_producer_helpers import TinyModel, read_records, steps_of, train
 
 from trainscope.producers.torch.control import wait_until
-from trainscope.schemas.records import StepRecord
 from trainscope.transport.bus import BusError
 from trainscope.transport.memory import MemoryBus
 
@@ -99,7 +98,7 @@ def test_sending_resumes_after_the_bus_comes_back(attach) -> None:
     assert wait_until(lambda: att.stats()["bus_up"] and att.stats()["records_queued"] == 0,
                       timeout_s=10)
     att.detach()
-    steps = by_type(read_records(bus), StepRecord)
+    steps = steps_of(read_records(bus))
     # Nothing was dropped (the queue was large enough), so every step arrived, in order.
     assert att.stats()["records_dropped"] == 0
     assert sorted({r.step for r in steps}) == list(range(9))
@@ -133,7 +132,7 @@ def test_a_data_loader_with_forked_workers_trains_normally(attach, memory_bus) -
     train(TinyModel(), steps=4, loader=loader)
     att.detach()
     assert att.stats()["errors"] == 0
-    assert len(by_type(read_records(memory_bus), StepRecord)) == 4
+    assert len(steps_of(read_records(memory_bus))) == 4
 
 
 # Run as its own process: with the bug this test guards against, the process deadlocks.

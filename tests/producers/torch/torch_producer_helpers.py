@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from trainscope.schemas.codec import decode_batch
-from trainscope.schemas.records import FunctionSummary, SummaryBatch
+from trainscope.schemas.records import FunctionSummary, StepBatch, StepRecord, SummaryBatch
 from trainscope.transport.bus import EVENTS_TOPIC
 from trainscope.transport.memory import MemoryBus
 
@@ -59,3 +59,9 @@ def summaries_of(records: list[Any]) -> list[FunctionSummary]:
     """The rows of the summary batches the producer sent; it sends no row summaries."""
     assert not by_type(records, FunctionSummary), "the producer sent row summaries"
     return [s for batch in by_type(records, SummaryBatch) for s in batch.to_summaries()]
+
+
+def steps_of(records: list[Any]) -> list[StepRecord]:
+    """The rows of the step batches the producer sent; it sends no row step records."""
+    assert not by_type(records, StepRecord), "the producer sent row step records"
+    return [s for batch in by_type(records, StepBatch) for s in batch.to_records()]

@@ -34,7 +34,7 @@ from trainscope.config.env import DEFAULT_WINDOW_S
 from trainscope.producers.agent.aggregate import WindowAggregator
 from trainscope.producers.agent.base import Collector, CollectorStats, CollectorUnavailable
 from trainscope.schemas.recorder import window_ns_of, window_start_of
-from trainscope.schemas.records import MetricSample, Record, SummaryBatch
+from trainscope.schemas.records import MetricBatch, MetricSample, Record, SummaryBatch
 from trainscope.transport.bus import EVENTS_TOPIC, METRICS_TOPIC, Bus, rank_key
 from trainscope.transport.outbox import Outbox
 
@@ -278,7 +278,10 @@ class Agent:
                 topic, rank = EVENTS_TOPIC, int(record.column("rank")[0])
             groups.setdefault((topic, rank_key(record.job_id, rank)), []).append(record)
         for (topic, key), group in groups.items():
-            self.outbox.offer_many(group, key, topic)
+            # A rank's samples as one columnar batch (one job per key): the stream job takes
+            # them column by column, not one decoded object each.
+            sent = [MetricBatch.from_records(group)] if topic == METRICS_TOPIC else group
+            self.outbox.offer_many(sent, key, topic)
         self.outbox.flush_soon()
         log.debug(
             "window %d: [%d, %d) ns, %d records; %s",
