@@ -68,13 +68,15 @@ def test_estimator_takes_the_majority_of_ranks_and_enough_steps() -> None:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_estimates_are_each_ranks_median_of_its_differences_to_the_agreed_end(seed: int) -> None:
+@pytest.mark.parametrize("spacing", [1, 100_003])  # ranks numbered densely (a table) or not
+def test_estimates_are_each_ranks_median_of_its_differences_to_the_agreed_end(
+        seed: int, spacing: int) -> None:
     """The estimates, taken for all ranks at once, are those of a median per rank (np.median's,
     even counts included) over the steps a majority reported."""
     rng = np.random.default_rng(seed)
     clocks = RankClocks()
     world = 12
-    for rank in range(world):
+    for rank in range(0, world * spacing, spacing):
         first = int(rng.integers(0, 4))  # ranks that joined late: fewer steps, even counts
         clocks.note_steps(StepBatch.from_records(steps_of(
             rank, first, int(rng.integers(1, 9)), int(rng.integers(-3, 4)) * 10**9, rng)))
@@ -224,3 +226,25 @@ def test_a_job_checkpointed_before_clock_estimates_restores_with_defaults() -> N
     views = restored.close_all()
     assert sum(len(v.steps) for v in views) == 40
     assert restored.stats.late_events == 0
+
+
+@pytest.mark.parametrize("ranks", [range(-1, 9), range(0, 10 * 100_003, 100_003)])
+def test_offset_lookup_agrees_with_the_offsets_in_force(ranks: range) -> None:
+    """The arrays the engine reads per record (dense by rank, or the dict where ranks are too
+    sparse for a table) say what ``offsets_ns`` says, also after offsets change."""
+    clocks = RankClocks()
+    known = list(ranks)[:6]
+    clocks.offsets_ns.update({r: (i % 3 - 1) * 10**9 for i, r in enumerate(known)})
+    asked = np.array([*ranks, max(ranks) + 7, min(ranks) - 5], dtype=np.int64)
+
+    def expected() -> tuple[list[bool], list[int]]:
+        return ([int(r) in clocks.offsets_ns for r in asked],
+                [clocks.offsets_ns.get(int(r), 0) for r in asked])
+
+    found, offsets = clocks.lookup(asked)
+    assert (found.tolist(), offsets.tolist()) == expected()
+    clocks.trust_the_rest([(0, StepBatch.from_records(steps_of(
+        list(ranks)[7], 0, 1, 0, np.random.default_rng(0))))])
+    found, offsets = clocks.lookup(asked)
+    assert (found.tolist(), offsets.tolist()) == expected()
+    assert found.sum() == 7

@@ -134,18 +134,11 @@ class RankClocks:
         if not rank_parts:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
-        ranks, diffs = np.concatenate(rank_parts), np.concatenate(diff_parts)
-        order = np.lexsort((diffs, ranks))
-        ranks, diffs = ranks[order], diffs[order]
-        starts = np.flatnonzero(np.r_[True, ranks[1:] != ranks[:-1]])
-        counts = np.diff(np.r_[starts, len(ranks)])
-        enough = counts >= MIN_STEPS
-        starts, counts = starts[enough], counts[enough]
-        # The middle value, or the mean of the middle two, in float64 as np.median takes it;
-        # truncated toward zero, as int() truncates it.
-        middle = (diffs[starts + (counts - 1) // 2].astype(np.float64)
-                  + diffs[starts + counts // 2].astype(np.float64)) / 2
-        return ranks[starts], middle.astype(np.int64), counts
+        lo = min(int(part.min()) for part in rank_parts)
+        hi = max(int(part.max()) for part in rank_parts)
+        if hi - lo < _DENSE_RANKS_PER_ENTRY * max(len(part) for part in rank_parts) + 1024:
+            return _medians_dense(rank_parts, diff_parts, lo, hi)
+        return _medians_sorted(np.concatenate(rank_parts), np.concatenate(diff_parts))
 
     def _step_diffs(self, step: int, by_rank: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """The step's ranks and their ends minus the step's median end, kept until the step
@@ -178,8 +171,8 @@ class RankClocks:
         rank_list = ranks.tolist()
         known = self.offsets_ns
         unknown = np.iinfo(np.int64).min
-        applied = np.fromiter((known.get(r, unknown) for r in rank_list), dtype=np.int64,
-                              count=len(rank_list))
+        is_known, offsets_known = self.lookup(ranks)
+        applied = np.where(is_known, offsets_known, unknown)
         wanted = np.where(np.abs(offsets) > tolerance_ns, offsets, 0)
         new = applied == unknown
         moved = ~new & (np.abs(offsets - np.where(new, 0, applied)) > tolerance_ns) & (
@@ -187,8 +180,51 @@ class RankClocks:
         changed = np.flatnonzero(new | moved)
         for i in changed.tolist():
             known[rank_list[i]] = int(wanted[i])
+        if len(changed):
+            self._offsets_changed()
         self.steps_used.update(zip(rank_list, used.tolist(), strict=True))
         return [rank_list[i] for i in changed.tolist()]
+
+    def lookup(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For each of ``ranks``: whether its offset is known, and the offset (0 if not):
+        the stream job asks for every record it takes in, so from arrays indexed by rank,
+        rebuilt only when offsets change."""
+        table = vars(self).get("_table")  # not a field: see _step_diffs
+        if table is None or table[0] != len(self.offsets_ns):
+            table = self._offset_table()
+        _, lo, known, offsets = table
+        if known is None:  # ranks too sparse for a table
+            hits = np.fromiter((r in self.offsets_ns for r in ranks.tolist()), dtype=bool,
+                               count=len(ranks))
+            return hits, np.fromiter((self.offsets_ns.get(r, 0) for r in ranks.tolist()),
+                                     dtype=np.int64, count=len(ranks))
+        if not len(known):
+            return np.zeros(len(ranks), dtype=bool), np.zeros(len(ranks), dtype=np.int64)
+        index = ranks.astype(np.int64) - lo
+        inside = (index >= 0) & (index < len(known))
+        if inside.all():
+            return known[index], offsets[index]
+        index = np.where(inside, index, 0)
+        return known[index] & inside, np.where(inside, offsets[index], 0)
+
+    def _offset_table(self) -> tuple[int, int, np.ndarray | None, np.ndarray | None]:
+        keys = np.fromiter(self.offsets_ns, dtype=np.int64, count=len(self.offsets_ns))
+        values = np.fromiter(self.offsets_ns.values(), dtype=np.int64, count=len(keys))
+        lo = int(keys.min()) if len(keys) else 0
+        size = int(keys.max()) - lo + 1 if len(keys) else 0
+        known: np.ndarray | None = None
+        offsets: np.ndarray | None = None
+        if size <= _DENSE_RANKS_PER_ENTRY * len(keys) + 1024:
+            known = np.zeros(size, dtype=bool)
+            offsets = np.zeros(size, dtype=np.int64)
+            known[keys - lo] = True
+            offsets[keys - lo] = values
+        table = (len(self.offsets_ns), lo, known, offsets)
+        vars(self)["_table"] = table
+        return table
+
+    def _offsets_changed(self) -> None:
+        vars(self).pop("_table", None)
 
     def ready(self, record: Held) -> bool:
         return all(rank in self.offsets_ns for rank in ranks_of(record))
@@ -198,6 +234,7 @@ class RankClocks:
         for _, record in records:
             for rank in ranks_of(record):
                 self.offsets_ns.setdefault(rank, 0)
+        self._offsets_changed()
 
     def reported(self) -> dict[int, tuple[int, int]]:
         """The corrections in force: rank -> (offset ns, steps it rests on)."""
@@ -206,6 +243,48 @@ class RankClocks:
             for rank, offset in self.offsets_ns.items()
             if offset
         }
+
+
+# Ranks are numbered densely from 0: a ranks x steps table of differences is at most this many
+# times larger than the rows it holds before the sparse path (one sort of every row) is taken.
+_DENSE_RANKS_PER_ENTRY = 4
+_MISSING = np.iinfo(np.int64).max  # a rank that did not report a step: sorts last
+
+
+def _middle(diffs: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The middle value of each run ``diffs[start : start + count]`` (sorted), or the mean of
+    the middle two, in float64 as np.median takes it, truncated toward zero as int() does."""
+    return ((diffs[starts + (counts - 1) // 2].astype(np.float64)
+             + diffs[starts + counts // 2].astype(np.float64)) / 2).astype(np.int64)
+
+
+def _medians_sorted(ranks: np.ndarray, diffs: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per rank with ``MIN_STEPS`` differences or more: rank, median difference, count."""
+    order = np.lexsort((diffs, ranks))
+    ranks, diffs = ranks[order], diffs[order]
+    starts = np.flatnonzero(np.r_[True, ranks[1:] != ranks[:-1]])
+    counts = np.diff(np.r_[starts, len(ranks)])
+    enough = counts >= MIN_STEPS
+    starts, counts = starts[enough], counts[enough]
+    return ranks[starts], _middle(diffs, starts, counts), counts
+
+
+def _medians_dense(rank_parts: list[np.ndarray], diff_parts: list[np.ndarray], lo: int,
+                   hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_medians_sorted` of each step's (ranks, differences), a rank at most once per
+    step, as a table of ranks ``lo..hi`` by step sorted along its rows: at 10,000 ranks a
+    sort of short rows costs a fraction of one sort of every difference by rank."""
+    table = np.full((hi - lo + 1, len(rank_parts)), _MISSING, dtype=np.int64)
+    for column, (ranks, diffs) in enumerate(zip(rank_parts, diff_parts, strict=True)):
+        table[ranks - lo, column] = diffs
+    table.sort(axis=1)
+    counts = (table != _MISSING).sum(axis=1)
+    rows = np.flatnonzero(counts >= MIN_STEPS)
+    counts = counts[rows]
+    flat = table[rows].ravel()
+    starts = np.arange(len(rows), dtype=np.int64) * table.shape[1]
+    return rows + lo, _middle(flat, starts, counts), counts
 
 
 def _quorum(world_size: int) -> int:

@@ -38,6 +38,7 @@ from trainscope.engine.clocks import (
     MAX_HELD_ROWS,
     MIN_RANKS,
     Held,
+    RankClocks,
     corrected,
     rows_of,
 )
@@ -519,7 +520,12 @@ class WindowEngine:
             # clocks are estimated is not idle (idle closing would release them and close its
             # first window before the rest of that window's records came).
             job.last_arrival_s = self._clock()
-        for record in records:
+        unknown, shifted = _rank_flags(clocks, records)
+        for i, record in enumerate(records):
+            if not unknown[i]:
+                ready.append(corrected(record, clocks.offsets_ns, self.window_ns)
+                             if shifted[i] else record)
+                continue
             if isinstance(record, StepBatch | MetricBatch):
                 record, waiting = _split_ready(record, clocks.offsets_ns)
                 if record is not None:
@@ -527,9 +533,6 @@ class WindowEngine:
                 if waiting is None:
                     continue
                 record = waiting
-            elif clocks.ready(record):
-                ready.append(corrected(record, clocks.offsets_ns, self.window_ns))
-                continue
             if clocks.held_since_s is None:
                 clocks.held_since_s = self._clock()
             clocks.held.append((source, record))
@@ -665,6 +668,24 @@ class WindowEngine:
         )
         self.stats.summaries_emitted += len(view.summaries)
         return view
+
+
+def _rank_flags(clocks: RankClocks, records: list[Any]) -> tuple[list[bool], list[bool]]:
+    """Per record: whether any of its ranks' offsets is still unknown, and whether any of its
+    rows moves (a known, non-zero offset); looked up for all records' rows at once (a
+    10,000-rank job brings ten thousand single-rank batches a window)."""
+    columns = [np.array([r.rank]) if isinstance(r, StepRecord | MetricSample)
+               else r.column("rank") for r in records]
+    lengths = np.fromiter((len(c) for c in columns), dtype=np.int64, count=len(columns))
+    unknown = np.zeros(len(records), dtype=bool)
+    shifted = np.zeros(len(records), dtype=bool)
+    filled = lengths > 0
+    if filled.any():
+        known, offsets = clocks.lookup(np.concatenate(columns))
+        starts = (np.cumsum(lengths) - lengths)[filled]
+        unknown[filled] = np.logical_or.reduceat(~known, starts)
+        shifted[filled] = np.logical_or.reduceat(offsets != 0, starts)
+    return unknown.tolist(), shifted.tolist()
 
 
 def _split_ready(batch: Any, offsets_ns: dict[int, int]) -> tuple[Any, Any]:
