@@ -136,7 +136,7 @@ class RankClocks:
             return empty, empty, empty
         lo = min(int(part.min()) for part in rank_parts)
         hi = max(int(part.max()) for part in rank_parts)
-        if hi - lo < _DENSE_RANKS_PER_ENTRY * max(len(part) for part in rank_parts) + 1024:
+        if _dense_enough(hi - lo + 1, max(len(part) for part in rank_parts)):
             return _medians_dense(rank_parts, diff_parts, lo, hi)
         return _medians_sorted(np.concatenate(rank_parts), np.concatenate(diff_parts))
 
@@ -214,7 +214,7 @@ class RankClocks:
         size = int(keys.max()) - lo + 1 if len(keys) else 0
         known: np.ndarray | None = None
         offsets: np.ndarray | None = None
-        if size <= _DENSE_RANKS_PER_ENTRY * len(keys) + 1024:
+        if _dense_enough(size, len(keys)):
             known = np.zeros(size, dtype=bool)
             offsets = np.zeros(size, dtype=np.int64)
             known[keys - lo] = True
@@ -245,9 +245,14 @@ class RankClocks:
         }
 
 
-# Ranks are numbered densely from 0: a ranks x steps table of differences is at most this many
-# times larger than the rows it holds before the sparse path (one sort of every row) is taken.
+# Ranks are numbered densely from 0: a table by rank is at most this many times larger than the
+# ranks it holds (plus a little) before a sparse path (a sort, a dict) is taken instead.
 _DENSE_RANKS_PER_ENTRY = 4
+
+
+def _dense_enough(span: int, entries: int) -> bool:
+    """Whether ``entries`` ranks spread over ``span`` rank numbers fit a table by rank."""
+    return span <= _DENSE_RANKS_PER_ENTRY * entries + 1024
 _MISSING = np.iinfo(np.int64).max  # a rank that did not report a step: sorts last
 
 

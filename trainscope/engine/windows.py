@@ -527,7 +527,7 @@ class WindowEngine:
                              if shifted[i] else record)
                 continue
             if isinstance(record, StepBatch | MetricBatch):
-                record, waiting = _split_ready(record, clocks.offsets_ns)
+                record, waiting = _split_ready(record, clocks)
                 if record is not None:
                     ready.append(corrected(record, clocks.offsets_ns, self.window_ns))
                 if waiting is None:
@@ -688,13 +688,9 @@ def _rank_flags(clocks: RankClocks, records: list[Any]) -> tuple[list[bool], lis
     return unknown.tolist(), shifted.tolist()
 
 
-def _split_ready(batch: Any, offsets_ns: dict[int, int]) -> tuple[Any, Any]:
+def _split_ready(batch: Any, clocks: RankClocks) -> tuple[Any, Any]:
     """(rows whose ranks' clock offsets are known, rows still waiting); None for no rows."""
-    rank = batch.column("rank")
-    if len(rank) and (rank == rank[0]).all():  # one rank per producer's batch: one lookup
-        return (batch, None) if int(rank[0]) in offsets_ns else (None, batch)
-    known = np.fromiter(offsets_ns, dtype=np.int64, count=len(offsets_ns))
-    ready = np.isin(rank, known)
+    ready, _ = clocks.lookup(batch.column("rank"))
     if ready.all():
         return batch, None
     if not ready.any():
