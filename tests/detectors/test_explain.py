@@ -74,6 +74,30 @@ def test_ranks_that_drew_longer_sequences_are_not_alerted_under_a_seq_imbalance(
     assert _alerted(weak) == {("mixture", 3, "gpu-compute")}
 
 
+def test_ranks_taking_turns_for_a_cpu_explain_their_own_but_not_a_straggler() -> None:
+    """On a busy host the ranks of a job take turns waiting for a CPU (a job-level
+    cpu-contention); a rank's compute alert is then one of those turns, unless its groups have
+    waited on it window after window: a real straggler (a 4-rank DDP job with 60 extra matmuls
+    in one rank's forward, beside a busy test run, lost its alert to this once)."""
+    contention = _finding("waits", -1, "cpu-contention", score=1.0, ranks=[0, 1, 2, 3],
+                          evidence={"runqueue_wait_ns_per_step": 8e6})
+    compute = _finding("peer-diff", 2, "compute", function="forward", victims=[0, 1, 3])
+    turn = _finding("peer-diff", 1, "compute", function="forward", victims=[0, 2, 3])
+
+    def late(windows: float) -> Finding:
+        return _finding("waits", 2, "host", score=0.3, victims=[0, 1, 3],
+                        evidence={"peers_wait_ns_per_step": 15e6,
+                                  "consecutive_windows": windows})
+
+    assert _alerted(fold_explained([contention, compute, turn, late(2.0)])) == {
+        ("waits", -1, "cpu-contention"), ("peer-diff", 2, "compute")}
+    # Waited on in this window only: as likely a turn as a straggler.
+    for findings in ([contention, compute, turn, late(1.0)], [contention, compute, turn]):
+        folded = fold_explained(findings)
+        assert _alerted(folded) == {("waits", -1, "cpu-contention")}
+        assert "the job's cpu-contention" in folded[1].message
+
+
 def test_nothing_is_folded_without_an_explaining_alert() -> None:
     weak = _finding("peer-diff", 2, "gpu-compute", score=0.45, victims=[0, 1, 3])
     network = _finding("mixture", 1, "network")

@@ -42,6 +42,10 @@ EXPLAINED_SCORE = 0.3
 # already explains the ranks that drew the most work in its window: in the imbalance's first
 # window they would otherwise be alerted, each, for one window.
 PENDING_SCORE = 0.45
+# Windows in a row a rank's groups must have waited on it for it to be a straggler of its own
+# rather than one of ranks taking turns waiting for a CPU: a busy host can make a real
+# straggler's group also take turns in another collective, and that must not hide it.
+PERSISTENT_WINDOWS = 2
 # What the ranks of an imbalanced stage look like to a detector that compares them with the
 # whole job: the stage's own extra time, not a fault of each rank.
 _STAGE_SYMPTOMS = frozenset({"slowdown", "compute", "gpu-compute"})
@@ -68,11 +72,20 @@ def fold_explained(findings: list[Finding]) -> list[Finding]:
               or (_takes_turns(f) and f.score >= PENDING_SCORE)]
     if len(alerts) < 2:
         return findings
-    return [_folded(f, alerts) if f.score >= ALERT_THRESHOLD and f.rank >= 0 else f
+    waited_on = _waited_on(findings)
+    return [_folded(f, alerts, waited_on) if f.score >= ALERT_THRESHOLD and f.rank >= 0 else f
             for f in findings]
 
 
-def _folded(finding: Finding, alerts: list[Finding]) -> Finding:
+def _waited_on(findings: list[Finding]) -> set[int]:
+    """Ranks their groups waited on, on average, in this window and the one before (the
+    waits detector's late ranks, at any score): stragglers, not ranks taking turns."""
+    return {f.rank for f in findings
+            if f.rank >= 0 and "peers_wait_ns_per_step" in f.evidence
+            and f.evidence.get("consecutive_windows", 0.0) >= PERSISTENT_WINDOWS}
+
+
+def _folded(finding: Finding, alerts: list[Finding], waited_on: set[int]) -> Finding:
     for cause in alerts:
         if cause is finding:
             continue
@@ -81,7 +94,8 @@ def _folded(finding: Finding, alerts: list[Finding]) -> Finding:
             why = ("the job's seq-imbalance (this rank drew longer sequences or more data "
                    "than its peers)")
         elif (cause.category == "cpu-contention" and cause.rank < 0
-                and finding.category in _LONGER_SEQUENCE_SYMPTOMS and finding.rank in cause.ranks):
+                and finding.category in _LONGER_SEQUENCE_SYMPTOMS and finding.rank in cause.ranks
+                and finding.rank not in waited_on):
             why = "the job's cpu-contention (its ranks take turns waiting for a CPU)"
         elif (cause.category == "stage-imbalance" and finding.category in _STAGE_SYMPTOMS
                 and finding.rank in cause.ranks):

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,22 @@ def _sharing_a_core_with_a_busy_process() -> Iterator[None]:
         hog.wait()
 
 
+@dataclass
+class _OffCpu:
+    ns: int = 0
+
+
+@contextmanager
+def _off_the_cpu() -> Iterator[_OffCpu]:
+    """Wall time minus this process's CPU time over the block: for a process that is always
+    runnable, the run-queue wait to expect, whoever else (a third process, another test
+    worker) shares the core."""
+    measured = _OffCpu()
+    wall_ns, cpu_ns = time.perf_counter_ns(), time.process_time_ns()
+    yield measured
+    measured.ns = (time.perf_counter_ns() - wall_ns) - (time.process_time_ns() - cpu_ns)
+
+
 NO_SCHEDSTAT = pytest.mark.skipif(not Path("/proc/thread-self/schedstat").exists(),
                                   reason="the kernel keeps no scheduler statistics here "
                                          "(not Linux)")
@@ -64,10 +81,13 @@ def test_a_process_sharing_its_core_with_a_busy_process_is_charged_the_wait() ->
         clock = RunQueueClock()
         assert clock.enabled
         recorder = WindowRecorder.for_window(60.0)
-        _spin(SPIN_S)
-        waited_ns = clock.sample_into(recorder, steps_ended=1)
-    # Two busy processes on one core: about half the wall time runnable without it.
-    assert 0.2 * SPIN_S * 1e9 < waited_ns < 0.85 * SPIN_S * 1e9, waited_ns
+        with _off_the_cpu() as off_cpu:
+            _spin(SPIN_S)
+            waited_ns = clock.sample_into(recorder, steps_ended=1)
+    # Two busy processes on one core: about half the wall time runnable without it, and the
+    # wait is the time this always-runnable process spent off the CPU.
+    assert waited_ns > 0.2 * SPIN_S * 1e9, waited_ns
+    assert waited_ns == pytest.approx(off_cpu.ns, rel=0.25, abs=20e6), (waited_ns, off_cpu.ns)
     assert _recorded_ns(recorder) == [waited_ns]
 
 
@@ -90,17 +110,21 @@ def test_threads_that_start_and_end_between_reads_count_once() -> None:
         clock = RunQueueClock()
         recorder = WindowRecorder.for_window(60.0)
         worker = threading.Thread(target=_spin, args=(SPIN_S / 2,))
-        worker.start()
-        _spin(SPIN_S / 2)
-        worker.join()
-        with_worker_ns = clock.sample_into(recorder, steps_ended=1)
-        _spin(SPIN_S / 2)  # the worker is gone
-        alone_ns = clock.sample_into(recorder, steps_ended=2)
+        with _off_the_cpu() as with_worker_off:
+            worker.start()
+            _spin(SPIN_S / 2)
+            worker.join()
+            with_worker_ns = clock.sample_into(recorder, steps_ended=1)
+        with _off_the_cpu() as alone_off:
+            _spin(SPIN_S / 2)  # the worker is gone
+            alone_ns = clock.sample_into(recorder, steps_ended=2)
     # Against the busy process, this process ran about half the time in each half: with the
-    # worker, only the thread holding the GIL was runnable (the other waited off the CPU).
+    # worker, only the thread holding the GIL was runnable (the other waited off the CPU, not
+    # in the run queue), so neither half counts a wait twice or loses the worker's.
     half_s = SPIN_S / 2
-    for waited_ns in (with_worker_ns, alone_ns):
-        assert 0.25 * half_s * 1e9 < waited_ns < 0.85 * half_s * 1e9, (with_worker_ns, alone_ns)
+    for waited_ns, off in ((with_worker_ns, with_worker_off), (alone_ns, alone_off)):
+        assert 0.25 * half_s * 1e9 < waited_ns, (with_worker_ns, alone_ns)
+        assert waited_ns == pytest.approx(off.ns, rel=0.25, abs=20e6), (waited_ns, off.ns)
     assert _recorded_ns(recorder) == [with_worker_ns, alone_ns]
 
 

@@ -9,6 +9,7 @@ step) and compare what reaches the bus, and check the durations against the loop
 
 from __future__ import annotations
 
+import statistics
 import time
 from itertools import pairwise
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from torch_producer_helpers import read_records, steps_of, summaries_of
 
 from trainscope.producers.torch.backward import EXACT, PARAMETERS
+from trainscope.schemas.sketch import merge, quantile
 from trainscope.transport.memory import MemoryBus
 
 STEPS = 24
@@ -79,6 +81,16 @@ def totals(records: list[Any]) -> dict[tuple[str, str], tuple[int, int]]:
     return out
 
 
+def merged_sketch(records: list[Any], name: str) -> tuple[list[int], list[int]]:
+    """The duration sketch of one torch phase over every window the producer sent."""
+    keys: list[int] = []
+    counts: list[int] = []
+    for s in summaries_of(records):
+        if (s.layer, s.name) == ("torch_op", name):
+            keys, counts = merge(keys, counts, s.sketch_keys, s.sketch_counts)
+    return keys, counts
+
+
 def test_the_settled_path_sends_the_same_functions_steps_and_fields(attach) -> None:
     exact_records, _, exact_mode = run(attach, MemoryBus(), exact=True)
     fast_records, own, fast_mode = run(attach, MemoryBus(), exact=False)
@@ -111,8 +123,11 @@ def test_the_settled_path_sends_the_same_functions_steps_and_fields(attach) -> N
     own_backward = sum(own["backward"])
     assert backward_ns <= own_backward
     # The settled start is the first accumulated gradient (after the loss's and the head's
-    # backward): most of a backward whose work is in the body, not all of it.
-    assert backward_ns >= 0.4 * sum(own["backward"][settled])
+    # backward): most of a backward whose work is in the body, not all of it. Compared step
+    # for step as medians: one preemption of the loop by a busy neighbour on the core can
+    # outweigh every settled backward's sub-millisecond work in a sum.
+    fast_backward = merged_sketch(fast_records, "backward")
+    assert quantile(*fast_backward, 0.5) >= 0.4 * statistics.median(own["backward"][settled])
 
 
 def test_a_model_with_one_parameter_keeps_the_exact_backward(attach, memory_bus) -> None:
