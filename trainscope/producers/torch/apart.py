@@ -31,10 +31,12 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-# Niceness added in the child: it yields a shared core to the training processes, yet still
-# gets a quarter of one against a busy peer (at +19 a loaded 2-core host starved it for
-# minutes, past the closed loop's wait).
-CHILD_NICENESS = 5
+# The child yields a shared core to the training processes (a tenth of it against one busy
+# process): the training job comes first, and a host without spare cores pays for our
+# condensing mostly with a later answer. Not lower: at nice +19 or SCHED_IDLE, a core that a
+# CPU-bound rank keeps busy gave the child next to nothing, and a profile of a few seconds of
+# condensing was not back in minutes.
+CHILD_NICENESS = 10
 _READ_BYTES = 1 << 20
 
 
