@@ -44,6 +44,18 @@ def test_a_victim_is_not_a_network_culprit_but_a_second_fault_stays() -> None:
     assert "it waits for rank 2 (gpu-compute)" in folded[1].message
 
 
+def test_a_rank_waiting_far_more_than_the_straggler_costs_is_not_its_victim() -> None:
+    """A slow link's rank sits in the DP group of a rank with GC pauses: it is on the GC
+    rank's victim list, but its 182 ms/step cannot be waiting for 41 ms/step of GC pauses."""
+    gc = _finding("peer-diff", 173, "python-gc", victims=[109, 45],
+                  evidence={"excess_ns_per_step": 41e6})
+    link = _finding("peer-diff", 109, "network", evidence={"excess_ns_per_step": 182e6})
+    waiting = _finding("peer-diff", 45, "network", evidence={"excess_ns_per_step": 40e6})
+    folded = fold_explained([gc, link, waiting])
+    assert _alerted(folded) == {("peer-diff", 173, "python-gc"), ("peer-diff", 109, "network")}
+    assert "it waits for rank 173 (python-gc)" in folded[2].message
+
+
 def test_a_host_wait_is_folded_into_the_same_ranks_own_work_alert() -> None:
     loader = _finding("peer-diff", 2, "dataloader", function="next_batch", victims=[0, 1, 3])
     host = _finding("waits", 2, "host", victims=[0, 1, 3],

@@ -42,6 +42,9 @@ EXPLAINED_SCORE = 0.3
 # already explains the ranks that drew the most work in its window: in the imbalance's first
 # window they would otherwise be alerted, each, for one window.
 PENDING_SCORE = 0.45
+# A victim waits about what its straggler costs; one whose own excess is more than this many
+# times the straggler's is not (only) waiting for it.
+VICTIM_EXCESS_RATIO = 2.0
 # Windows in a row a rank's groups must have waited on it for it to be a straggler of its own
 # rather than one of ranks taking turns waiting for a CPU: a busy host can make a real
 # straggler's group also take turns in another collective, and that must not hide it.
@@ -85,6 +88,15 @@ def _waited_on(findings: list[Finding]) -> set[int]:
             and f.evidence.get("consecutive_windows", 0.0) >= PERSISTENT_WINDOWS}
 
 
+def _waits_more_than_it_costs(finding: Finding, cause: Finding) -> bool:
+    """Whether a waiting rank's excess is well beyond the whole excess of the rank it would be
+    waiting for: then it is no such victim (a slow link's rank in the DP group of a rank with
+    GC pauses waits 182 ms/step, the GC pauses cost 41)."""
+    waited = finding.evidence.get("excess_ns_per_step")
+    cost = cause.evidence.get("excess_ns_per_step")
+    return waited is not None and cost is not None and waited > VICTIM_EXCESS_RATIO * cost
+
+
 def _folded(finding: Finding, alerts: list[Finding], waited_on: set[int]) -> Finding:
     for cause in alerts:
         if cause is finding:
@@ -101,7 +113,8 @@ def _folded(finding: Finding, alerts: list[Finding], waited_on: set[int]) -> Fin
                 and finding.rank in cause.ranks):
             why = f"part of pipeline stage {cause.pp_stage}'s imbalance"
         elif (finding.category in _WAITING_SYMPTOMS and finding.rank in cause.victims
-                and finding.rank != cause.rank and finding.rank not in cause.ranks):
+                and finding.rank != cause.rank and finding.rank not in cause.ranks
+                and not _waits_more_than_it_costs(finding, cause)):
             why = f"it waits for rank {cause.rank} ({cause.category})"
         elif (finding.category == "host" and cause.rank == finding.rank
                 and cause.category in _OWN_WORK):

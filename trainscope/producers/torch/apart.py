@@ -31,12 +31,12 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-# The child yields a shared core to the training processes (a tenth of it against one busy
+# The child yields a shared core to the training processes (a quarter of it against one busy
 # process): the training job comes first, and a host without spare cores pays for our
-# condensing mostly with a later answer. Not lower: at nice +19 or SCHED_IDLE, a core that a
-# CPU-bound rank keeps busy gave the child next to nothing, and a profile of a few seconds of
-# condensing was not back in minutes.
-CHILD_NICENESS = 10
+# condensing partly with a later answer. Not lower: at nice +10 a 4-rank job on 2 busy cores
+# ended before its profile was condensed, and at +19 or SCHED_IDLE a core that a CPU-bound
+# rank keeps busy gave the child next to nothing for minutes.
+CHILD_NICENESS = 5
 _READ_BYTES = 1 << 20
 
 
