@@ -45,3 +45,16 @@ def _zombie_children() -> list[int]:
         if fields[0] == "Z" and int(fields[1]) == os.getpid():
             zombies.append(int(stat.parent.name))
     return zombies
+
+
+def test_the_child_is_not_held_to_the_cores_its_parent_is_pinned_to() -> None:
+    """A rank pinned to one core would otherwise lend that core to the child."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.fail("this test needs a process allowed on 2 cores or more")
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        child_cores = run_apart(lambda: os.sched_getaffinity(0), 30.0)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert child_cores >= allowed and child_cores != {min(allowed)}

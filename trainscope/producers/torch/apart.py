@@ -81,6 +81,10 @@ def _child(work: Callable[[], object], read_fd: int, write_fd: int) -> None:
         os.close(read_fd)
         with contextlib.suppress(OSError):
             os.nice(CHILD_NICENESS)
+        # A rank pinned to its cores (NUMA-local, or beside a noisy neighbour) would otherwise
+        # lend them to the child; anywhere, the kernel puts it on a core with room.
+        with contextlib.suppress(OSError, AttributeError):
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
         data = pickle.dumps(work(), protocol=pickle.HIGHEST_PROTOCOL)
         view = memoryview(data)
         while view:
