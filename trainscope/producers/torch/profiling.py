@@ -3,10 +3,8 @@
 A request (from the control topic) arms the controller; the training thread starts the
 profiler at the next step boundary and stops it after K steps or when the time budget is spent,
 whichever comes first. Only one session runs per process, and the next starts once the last
-is summarised. Stopping hands the raw result to the sender's task thread, which has a forked
-child walk the event tree and condense it per function (:mod:`.apart`: the walk is seconds of
-Python in a Python-heavy loop, and on a thread of the training process it would hold the GIL
-the training thread needs):
+is summarised. Stopping hands the raw result to the sender's task thread, which walks the
+event tree and condenses it per function:
 
 - ``python`` (Python frames), ``user_annotation`` (``record_function`` blocks), ``torch_op``
   (ATen ops), ``cuda_kernel``, ``cuda_api`` (runtime calls such as cudaLaunchKernel),
@@ -31,7 +29,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trainscope.producers.torch.apart import ApartError, can_fork, run_apart
 from trainscope.schemas.callpath import (
     callpath_id,
     collective_or,
@@ -52,12 +49,6 @@ MAX_FUNCTIONS = 20_000
 CALLPATHS_PER_PART = 1_000
 # Reports a process keeps (``ProfileController.reports``), newest last.
 KEPT_REPORTS = 16
-# Seconds a session's condensing may take in its child process before the session is dropped
-# (a few seconds per 100,000 events; a loaded host stretches that).
-CONDENSE_TIMEOUT_S = 300.0
-# What condensing fills in on a session's report (in the child, sent back with the records).
-_CONDENSED_FIELDS = ("summaries", "events", "folded", "callpaths", "path_counts",
-                     "path_total_ns", "path_child_ns")
 # Device-side layers: their time overlaps the host's, so it is not taken from a parent's self time.
 _DEVICE_LAYERS = frozenset({"cuda_kernel", "memcpy"})
 
@@ -111,8 +102,7 @@ class ProfileController:
         # The latest sessions' reports (their call-path tables): a long job profiled on every
         # finding would otherwise keep all of them.
         self.reports: deque[ProfileReport] = deque(maxlen=KEPT_REPORTS)
-        self.counts = {"requested": 0, "started": 0, "completed": 0, "rejected": 0,
-                       "failed": 0}
+        self.counts = {"requested": 0, "started": 0, "completed": 0, "rejected": 0}
 
     # -- control thread -----------------------------------------------------------------------
     def request(self, message: ControlMessage) -> None:
@@ -179,33 +169,14 @@ class ProfileController:
         self._summarising = report
         att = self.att
 
-        window_ns, job_id, rank = att.recorder.window_ns, att.options.job_id, att.options.rank
-
-        def condense() -> tuple[list[SummaryBatch | ProfileCallPaths], dict[str, Any]]:
-            summaries = summarise_result(result, window_ns, job_id, rank, report)
-            report.summaries = sum(len(batch) for batch in summaries)
-            records = [*summaries, *call_path_parts(report, job_id, rank)]
-            return records, {name: getattr(report, name) for name in _CONDENSED_FIELDS}
-
         def summarise() -> list[SummaryBatch | ProfileCallPaths]:
             try:
-                if not can_fork():  # the training process's own GIL, as a last resort
-                    records, _ = condense()
-                else:
-                    records, fields = run_apart(condense, CONDENSE_TIMEOUT_S)
-                    for name, value in fields.items():
-                        setattr(report, name, value)
+                summaries = summarise_result(result, att, report)
+                report.summaries = sum(len(batch) for batch in summaries)
                 self.counts["completed"] += 1
                 self.reports.append(report)
-                return records
-            except ApartError as exc:
-                self.counts["failed"] += 1
-                att.guard.warn_once(
-                    "profile condense",
-                    "trainscope: profile %r dropped: condensing it failed (%s)",
-                    report.request_id, exc,
-                )
-                return []
+                return [*summaries, *call_path_parts(report, att.options.job_id,
+                                                     att.options.rank)]
             finally:
                 report.done.set()
 
@@ -277,8 +248,7 @@ def _thread_of_mark(roots: list[Any]) -> int | None:
 _HOST_ORDER = {"python": 0, "user_annotation": 1, "torch_op": 2, "cuda_api": 3}
 
 
-def summarise_result(result: Any, window_ns: int, job_id: str, rank: int,
-                     report: ProfileReport) -> list[SummaryBatch]:
+def summarise_result(result: Any, att: Attachment, report: ProfileReport) -> list[SummaryBatch]:
     """Condense the profiler's events into per-(window, function, call path) summaries.
 
     Host events nest by time on their thread, as in :mod:`trainscope.traces.cct`, so live and
@@ -288,6 +258,7 @@ def summarise_result(result: Any, window_ns: int, job_id: str, rank: int,
     events hang under the runtime call with the same correlation id.
     """
     durations: dict[tuple[int, str, str, int], list[int]] = {}
+    window_ns = att.recorder.window_ns
     host, device = _flatten(result.experimental_event_tree())
     host.sort(key=lambda e: (e[0], e[1], -e[2], _HOST_ORDER.get(e[3], 9)))
 
@@ -331,13 +302,14 @@ def summarise_result(result: Any, window_ns: int, job_id: str, rank: int,
     by_window: dict[int, dict[FunctionKey, list[int]]] = {}
     for (window, layer, name, cp), values in durations.items():
         by_window.setdefault(window, {})[(layer, name, cp)] = values
+    options = att.options
     return [
         batch
         for window, functions in sorted(by_window.items())
         for batch in summary_batches(
             functions,
-            job_id=job_id,
-            rank=rank,
+            job_id=options.job_id,
+            rank=options.rank,
             window_start_ns=window,
             window_end_ns=window + window_ns,
         )
