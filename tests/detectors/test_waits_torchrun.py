@@ -183,9 +183,12 @@ def test_a_straggler_outside_the_hooks_is_named_and_a_healthy_job_is_not(
     assert 20 <= statistics.median(w[4] for w in alerts) <= 40, waits
     # The healthy job names no rank and no uneven data. Should the machine get busy beside it
     # (4 ranks on 2 cores, and whatever else runs), its ranks take turns waiting for a CPU:
-    # that, and only with the run-queue wait measured, is said for the job as a whole.
-    contention = [w for w in waits if w[0] == healthy_job]
-    assert all(w[1] == -1 and w[2] == "cpu-contention" and w[5] > 0 for w in contention), waits
+    # that, and only with the run-queue wait measured, is said for the job as a whole. A rank
+    # the busy host made late for one window, or whose own functions explain its lateness, is
+    # kept as evidence below the alert threshold (a hiccup does not persist), never an alert.
+    healthy_waits = [w for w in waits if w[0] == healthy_job]
+    assert all(w[1] == -1 and w[2] == "cpu-contention" and w[5] > 0
+               for w in healthy_waits if w[1] == -1 or w[3] >= ALERT_THRESHOLD), waits
     assert all(s["category"] == "cpu-contention" and s["rank"] == -1
                for s in healthy["suspects"]), healthy
     # The closed loop profiled rank 2 against a healthy peer on the host finding: the call
