@@ -173,3 +173,23 @@ def test_ranks_all_busy_in_their_own_code_are_no_stall() -> None:
     # Half the job held by the other half is no single rank's stall either.
     watch.add_metrics(_stall(101.0, [4.0] * 4 + [0.0] * 4, open_s=31.0))
     assert watch.check() == []
+
+
+def test_a_rank_slowed_by_its_own_profile_is_not_flagged() -> None:
+    """trainscope's on-demand profile of a rank slows it (the profiler's stop, condensing its
+    events under the GIL): the rank's report of it (``profiler_busy_s``) keeps the flag quiet;
+    the same steps without the report are flagged."""
+    def run(profiled: bool) -> list[Finding]:
+        watch = EarlyWatch(window_ns=15 * 10**9)
+        for step in range(12):
+            watch.add(_steps(step, [400] * 8, [20] * 8))
+        assert watch.check() == []
+        for step in range(12, 13 + RECENT_STEPS):
+            if profiled:
+                watch.add_metrics([MetricSample(job_id="j", rank=6, ts_ns=step * 10**9,
+                                                name=m.PROFILER_BUSY_S, value=0.5)])
+            watch.add(_steps(step, [560] * 8, [180] * 6 + [20, 180]))
+        return watch.check()
+
+    assert [(f.rank, f.category) for f in run(profiled=False)] == [(6, "straggler")]
+    assert run(profiled=True) == []

@@ -45,6 +45,11 @@ from trainscope.schemas.step_metric import metrics_by_job, steps_by_job
 
 DETECTOR = "early"
 _STALL_METRICS = frozenset({m.STEP_OPEN_S, m.COLLECTIVE_WAIT_S})
+_KEPT_METRICS = _STALL_METRICS | {m.PROFILER_BUSY_S}
+# A run of slow steps is not flagged on a rank that reported its own profile (trainscope's
+# on-demand profile, ``profiler_busy_s``) during the run or this long before it: the run is
+# the profile's cost (detectors/own_cost.py), which the flag would otherwise alert.
+PROFILE_SLACK_S = 2.0
 # Steps kept per job (a ring); a run's baseline is the median of the complete steps before it.
 HISTORY_STEPS = 64
 # A run of slow steps is flagged once it is this many steps long and lasts MIN_SLOW_S (at
@@ -127,6 +132,8 @@ class _Job:
     # Stall reports: rank -> (ts_ns, step open s, collective wait s), the newest of each.
     stall: dict[int, tuple[int, float, float]] = field(default_factory=dict)
     stall_flagged_at: int = -2  # checked_through when the last stall was flagged
+    # rank -> when it last reported its own profile recording or being condensed.
+    profiled_ns: dict[int, int] = field(default_factory=dict)
     run: _SlowRun | None = None  # the current run of slow steps, if any
 
     def end_at_ns(self, row: int, ranks: np.ndarray) -> int:
@@ -196,9 +203,10 @@ class EarlyWatch:
         job.seen[rows, ranks] = True
 
     def add_metrics(self, samples: Iterable[MetricSample | MetricBatch]) -> None:
-        """Keep the stall reports (``step_open_s``, ``collective_wait_s``) among ``samples``."""
+        """Keep the stall reports (``step_open_s``, ``collective_wait_s``) and the reports
+        of the ranks' own profiles (``profiler_busy_s``) among ``samples``."""
         for job_id, batch in metrics_by_job(samples).items():
-            wanted = [i for i, name in enumerate(batch.names) if name in _STALL_METRICS]
+            wanted = [i for i, name in enumerate(batch.names) if name in _KEPT_METRICS]
             job = self._jobs.get(job_id)
             if not wanted or job is None:
                 continue  # no stall report, or a job with no step record yet to compare with
@@ -207,8 +215,13 @@ class EarlyWatch:
             rows = np.flatnonzero(np.isin(name, wanted) & (rank >= 0)
                                   & (rank < self.max_ranks))
             for i in rows.tolist():
-                self._stall_report(job, int(rank[i]), int(batch.column("ts_ns")[i]),
-                                   batch.names[int(name[i])],
+                metric = batch.names[int(name[i])]
+                ts_ns = int(batch.column("ts_ns")[i])
+                if metric == m.PROFILER_BUSY_S:
+                    r = int(rank[i])
+                    job.profiled_ns[r] = max(ts_ns, job.profiled_ns.get(r, 0))
+                    continue
+                self._stall_report(job, int(rank[i]), ts_ns, metric,
                                    float(batch.column("value")[i]))
             if len(rows):
                 self._touched.add(job_id)
@@ -349,12 +362,15 @@ class EarlyWatch:
         run.flagged = True
         if any(job.quiet_until.get(r, -1) >= step for r in ranks):
             return None
+        end_ns = job.end_at_ns(row, cols)
+        since_ns = end_ns - run.duration_ns - PROFILE_SLACK_S * 1e9
+        if any(job.profiled_ns.get(r, 0) >= since_ns for r in ranks):
+            return None  # the rank's own profile: trainscope's cost
         for r in ranks:
             job.quiet_until[r] = step + QUIET_STEPS
         gap_ms = (float(np.median(np.delete(grew_mean, culprits))) - grew_mean[culprits[0]]) / 1e6
         excess_frac = float(np.median(run.excess_ns)) / run.base_step_ns
         step_ms = (run.base_step_ns + float(np.median(run.excess_ns))) / 1e6
-        end_ns = job.end_at_ns(row, cols)
         window_start = end_ns // self.window_ns * self.window_ns
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         return Finding(

@@ -27,6 +27,7 @@ from trainscope.detectors.budget import OverBudget, time_budget
 from trainscope.detectors.contract import ContractViolation, check_contract, contract_windows
 from trainscope.detectors.explain import fold_explained
 from trainscope.detectors.features import always_on_view
+from trainscope.detectors.own_cost import Alerted, alerted, fold_own_cost, profile_busy_s
 from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
@@ -155,6 +156,9 @@ def _missing_package(entry_point: EntryPoint, factory: object) -> str | None:
 
 
 DEFAULT_MAX_JOBS = 256
+# Windows of alerts a job's runner remembers: a fault alerted in any of them before a profile
+# is no cost of the profile (a detector may hold it below the alert threshold for a window).
+REMEMBERED_WINDOWS = 3
 
 
 @dataclass
@@ -180,6 +184,9 @@ class DetectorRunner:
     over_budget: dict[str, int] = field(default_factory=dict)
     _templates: list[Detector] = field(init=False, repr=False)
     _jobs: OrderedDict[str, list[Detector]] = field(init=False, repr=False)
+    # Each job's alerts of its last windows, newest last (own_cost: a fault alerted before a
+    # profile stays an alert through it).
+    _alerted: dict[str, tuple[Alerted, ...]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_jobs < 1:
@@ -187,6 +194,7 @@ class DetectorRunner:
         # Copied now, so a caller that keeps using its instances cannot seed a new job's state.
         self._templates = [copy.deepcopy(d) for d in self.detectors]
         self._jobs = OrderedDict()
+        self._alerted = {}
 
     def for_job(self, job_id: str) -> list[Detector]:
         """The job's own detector instances (created on first use)."""
@@ -195,6 +203,7 @@ class DetectorRunner:
             instances = self._jobs[job_id] = [copy.deepcopy(d) for d in self._templates]
             while len(self._jobs) > self.max_jobs:
                 evicted, _ = self._jobs.popitem(last=False)
+                self._alerted.pop(evicted, None)
                 self.evicted_jobs += 1
                 log.warning("detector state of job %s evicted: more than %d jobs (%d evicted "
                             "so far)", evicted, self.max_jobs, self.evicted_jobs)
@@ -204,10 +213,11 @@ class DetectorRunner:
 
     def __setstate__(self, state: dict) -> None:
         # A checkpoint written before detect_seconds existed restores with it empty.
-        self.__dict__.update({"detect_seconds": {}, "over_budget": {}, **state})
+        self.__dict__.update({"detect_seconds": {}, "over_budget": {}, "_alerted": {}, **state})
 
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
+        self._alerted.pop(job_id, None)
 
     def jobs(self) -> list[str]:
         return list(self._jobs)
@@ -243,6 +253,11 @@ class DetectorRunner:
                 self.detect_seconds[detector.name] = (
                     self.detect_seconds.get(detector.name, 0.0) + spent_s
                 )
+        # Our own profile's cost first: what it explains must not explain other findings away
+        # (rank 2's host time folded into a compute alert that the profile itself caused).
+        before = self._alerted.get(window.job_id, ())
+        findings = fold_own_cost(findings, profile_busy_s(window), frozenset().union(*before))
+        self._alerted[window.job_id] = (*before, alerted(findings))[-REMEMBERED_WINDOWS:]
         findings = fold_explained(findings)
         self.findings_emitted += len(findings)
         return findings

@@ -44,6 +44,10 @@ HOST_NET_RX_BYTES_PER_S = "host_net_rx_bytes_per_s"
 # waiting in a collective (0: not in one). The rank the others wait for is not waiting.
 STEP_OPEN_S = "step_open_s"
 COLLECTIVE_WAIT_S = "collective_wait_s"
+# Seconds, since the PyTorch producer's previous sample, during which trainscope's own
+# on-demand profile of the rank was recording or being condensed (sent only then). What the rank
+# and its job lose to it is trainscope's cost, not the job's (``detectors/own_cost.py``).
+PROFILER_BUSY_S = "profiler_busy_s"
 
 # NVML clocks-event (formerly "throttle") reason bits, as in nvml.h
 # (``nvmlClocksEventReason*``; older bindings name them ``nvmlClocksThrottleReason*``).

@@ -10,7 +10,8 @@ from trainscope.cli.profile import profile, profile_request
 from trainscope.producers.torch.control import wait_until
 from trainscope.schemas.callpath import callpath_id
 from trainscope.schemas.codec import encode_batch
-from trainscope.schemas.records import FunctionSummary
+from trainscope.schemas.metrics import PROFILER_BUSY_S
+from trainscope.schemas.records import FunctionSummary, MetricSample
 from trainscope.transport.bus import CONTROL_TOPIC, rank_key
 
 FINE_LAYERS = {"python", "torch_op", "cuda_kernel", "cuda_api", "memcpy"}
@@ -42,10 +43,18 @@ def test_a_profile_request_profiles_exactly_k_steps_with_call_paths(attach, memo
     report = att.profiler.reports[0]
     assert report.request_id == request_id
     assert report.steps_profiled == 3 and report.stop_reason == "steps done"
+    # The sender's next round reports the session's time to its end (its condensing).
+    assert wait_until(lambda: not att.profiler._busy_from_ns, timeout_s=10)
     assert wait_until(lambda: att.stats()["records_queued"] == 0, timeout_s=10)
     att.detach()
 
     records = read_records(memory_bus)
+    # What the session cost the rank is reported (the stream job explains its effect as
+    # trainscope's own): from its start to its condensing's end, at least the profiled span.
+    busy = [r for r in by_type(records, MetricSample) if r.name == PROFILER_BUSY_S]
+    assert busy and all(r.rank == 1 and r.job_id == "test-job" for r in busy), busy
+    assert all(report.started_ns <= r.ts_ns for r in busy), busy
+    assert sum(r.value for r in busy) >= (report.stopped_ns - report.started_ns) / 1e9 - 0.002
     fine = _fine(records)
     assert fine and all(s.rank == 1 for s in fine)
     layers = {s.layer for s in fine}

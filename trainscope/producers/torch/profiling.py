@@ -35,7 +35,13 @@ from trainscope.schemas.callpath import (
     enclosing_depth,
     normalise_name,
 )
-from trainscope.schemas.records import ControlMessage, ProfileCallPaths, SummaryBatch
+from trainscope.schemas.metrics import PROFILER_BUSY_S
+from trainscope.schemas.records import (
+    ControlMessage,
+    MetricSample,
+    ProfileCallPaths,
+    SummaryBatch,
+)
 from trainscope.schemas.summaries import FunctionKey, summary_batches
 
 if TYPE_CHECKING:
@@ -49,6 +55,8 @@ MAX_FUNCTIONS = 20_000
 CALLPATHS_PER_PART = 1_000
 # Reports a process keeps (``ProfileController.reports``), newest last.
 KEPT_REPORTS = 16
+# A session still busy is reported at most this often (and once more when it ends).
+BUSY_REPORT_NS = 400_000_000
 # Device-side layers: their time overlaps the host's, so it is not taken from a parent's self time.
 _DEVICE_LAYERS = frozenset({"cuda_kernel", "memcpy"})
 
@@ -103,6 +111,11 @@ class ProfileController:
         # finding would otherwise keep all of them.
         self.reports: deque[ProfileReport] = deque(maxlen=KEPT_REPORTS)
         self.counts = {"requested": 0, "started": 0, "completed": 0, "rejected": 0}
+        # From a session's start to the end of its condensing (0: none since the last report),
+        # and up to when :meth:`busy_report` has reported it.
+        self._busy_from_ns = 0
+        self._busy_to_ns = 0
+        self._reported_to_ns = 0
 
     # -- control thread -----------------------------------------------------------------------
     def request(self, message: ControlMessage) -> None:
@@ -122,6 +135,23 @@ class ProfileController:
     @property
     def active(self) -> bool:
         return self._active is not None
+
+    # -- sender thread ------------------------------------------------------------------------
+    def busy_report(self, now_ns: int, job_id: str, rank: int, host: str) -> list[MetricSample]:
+        """How long since the last report a session of ours recorded or was condensed
+        (``profiler_busy_s``); nothing while none did. A profile slows its rank (the
+        profiler's stop, then a walk over its events holding the GIL): the stream job explains
+        that as trainscope's own cost instead of alerting it."""
+        with self._lock:
+            start, end = self._busy_from_ns, self._busy_to_ns
+            if not start or (not end and now_ns - self._reported_to_ns < BUSY_REPORT_NS):
+                return []  # the sender's rounds come faster while a session sends its parts
+            busy_ns = max(0, min(end or now_ns, now_ns) - max(start, self._reported_to_ns))
+            self._reported_to_ns = now_ns
+            if end:
+                self._busy_from_ns = self._busy_to_ns = 0
+        return [MetricSample(job_id=job_id, host=host, rank=rank, ts_ns=min(end or now_ns, now_ns),
+                             name=PROFILER_BUSY_S, value=round(busy_ns / 1e9, 3))]
 
     # -- training thread ----------------------------------------------------------------------
     def on_step_end(self, now_ns: int) -> None:
@@ -155,6 +185,8 @@ class ProfileController:
         steps = min(message.steps, self.max_steps)
         report = ProfileReport(request_id=message.request_id, steps_requested=message.steps)
         report.started_ns = time.time_ns()
+        with self._lock:
+            self._busy_from_ns, self._busy_to_ns = report.started_ns, 0
         self._steps_left = steps
         self._active = report
         self.counts["started"] += 1
@@ -178,6 +210,8 @@ class ProfileController:
                 return [*summaries, *call_path_parts(report, att.options.job_id,
                                                      att.options.rank)]
             finally:
+                with self._lock:
+                    self._busy_to_ns = time.time_ns()
                 report.done.set()
 
         att.sender.submit_task(summarise)
@@ -186,6 +220,8 @@ class ProfileController:
         """At detach: a running session is stopped and its result discarded."""
         if self._active is not None:
             self._active = None
+            with self._lock:
+                self._busy_to_ns = time.time_ns()
             try:
                 _disable()
             except Exception as exc:

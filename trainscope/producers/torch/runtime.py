@@ -263,7 +263,10 @@ class Attachment:
             phase.drain_into(recorder)
         if self.active:
             self.runqueue.sample_into(recorder, self.steps.step)
-            out += self.steps.stall_report(time.time_ns(), self.options.host)
+            now_ns = time.time_ns()
+            out += self.steps.stall_report(now_ns, self.options.host)
+            out += self.profiler.busy_report(now_ns, self.options.job_id, self.options.rank,
+                                             self.options.host)
         taken = recorder.take_all() if final else recorder.take_closed(time.time_ns())
         for window_start, functions in taken:
             out.extend(
