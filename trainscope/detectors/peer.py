@@ -410,8 +410,15 @@ class PeerDiffDetector:
             # whole excess. Its share is of what the larger suspects elsewhere leave, unless
             # it is their echo: the other end of a slow link (its pipeline neighbour's).
             larger_elsewhere = larger.than(s.rank, s.category, excess)
-            share = min(1.0, excess / max(step_excess - larger_elsewhere,
-                                          self._excess_floor(s, step_ns)))
+            # The smaller causes named on the same rank are the same straggler's (its late
+            # pipeline sends beside its GC pauses): they count with its largest, not against
+            # it, where the largest is itself a cost worth a share (a few % of the step): a
+            # healthy rank's wobbles must not add up to one.
+            own = excess
+            if excess >= self.excess_floor_frac * step_ns:
+                own += larger.smaller_here(s.rank, excess)
+            share = min(1.0, own / max(step_excess - larger_elsewhere,
+                                       self._excess_floor(s, step_ns)))
             # Clipped to [MIN_CONFIDENCE, 1] (np.clip's result, without numpy per finding).
             confidence = min(max(
                 MIN_CONFIDENCE

@@ -116,6 +116,11 @@ class LargerElsewhere:
                     larger -= e
         return max(larger, 0.0)
 
+    def smaller_here(self, rank: int, excess: float) -> float:
+        """The summed excess of the other suspects on ``rank`` smaller than ``excess``."""
+        here = self._by_rank[rank]
+        return sum(e for e in here if e < excess) if len(here) > 1 else 0.0
+
 
 def victims(
     groups: Groups,
