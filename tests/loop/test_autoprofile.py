@@ -110,6 +110,24 @@ def test_a_finding_asks_two_ranks_and_their_trees_make_its_call_path() -> None:
     assert "block" in row.message and loop.counts.completed == 1 and loop.pending == 0
 
 
+def test_a_straggler_slow_now_and_then_is_asked_for_enough_steps_to_catch_it() -> None:
+    import dataclasses
+
+    import pandas as pd
+
+    bus, written, clock = MemoryBus(), [], Clock()
+    announced: list[str] = []
+    loop = _loop(bus, written, clock)
+    loop.announce = announced.append
+    # Rank 1 stops for a second every 20 steps (its peers with it, in their collectives).
+    steps = pd.DataFrame([(r, k, T0, (1000 if k % 20 == 3 else 50) * MS)
+                          for r in range(3) for k in range(40)],
+                         columns=["rank", "step", "start_ns", "duration_ns"])
+    loop.on_window(dataclasses.replace(_view(), steps=steps), [_finding()])
+    assert [(m.rank, m.steps) for m in _requests(bus)] == [(1, 40), (0, 40)]
+    assert "for 40 profiled steps (its slow steps come now and then)" in announced[0]
+
+
 def test_profiles_nobody_asked_for_and_overdue_requests() -> None:
     bus, written, clock = MemoryBus(), [], Clock()
     loop = _loop(bus, written, clock, timeout_s=60)

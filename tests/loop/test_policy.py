@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pandas as pd
 import pytest
 
-from trainscope.loop.policy import ProfilePolicy
+from trainscope.loop.policy import MAX_COVER_STEPS, ProfilePolicy, cover_steps
 from trainscope.schemas.records import Finding, Topology, WorkerInfo
 from trainscope.schemas.window import WindowView
 
@@ -85,3 +88,25 @@ def test_a_job_of_one_rank_has_no_peer() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="max_pending"):
         ProfilePolicy(max_pending=0)
+
+
+def _steps(durations_ms: dict[int, list[float]]) -> pd.DataFrame:
+    rows = [(rank, step, T0 + step * 10**8, int(ms * 1e6))
+            for rank, steps in durations_ms.items() for step, ms in enumerate(steps)]
+    return pd.DataFrame(rows, columns=["rank", "step", "start_ns", "duration_ns"])
+
+
+def test_a_straggler_slow_now_and_then_is_profiled_long_enough_to_catch_it() -> None:
+    """A 1-s stop every 20 steps: 5 profiled steps between two stops find nothing; the plan
+    asks for enough steps to hold two of them, up to the cap."""
+    every_20th = [1050.0 if step % 20 == 7 else 50.0 for step in range(40)]
+    assert cover_steps(_steps({2: every_20th, 1: [90.0] * 40}), 2) == 40
+    assert cover_steps(_steps({2: every_20th[:20]}), 2) == 40  # one stop in the window
+    one_in_40 = [1050.0 if step == 7 else 50.0 for step in range(40)]
+    assert cover_steps(_steps({2: one_in_40}), 2) == MAX_COVER_STEPS  # 80 would do
+    # Steady steps (or slow ones throughout): any profile holds them.
+    assert cover_steps(_steps({2: [50.0] * 40}), 2) == 0
+    assert cover_steps(_steps({2: [50.0] * 40}), 3) == 0
+    view = dataclasses.replace(_view(), steps=_steps({r: every_20th for r in range(4)}))
+    (plan,) = ProfilePolicy(clock=Clock()).decide(view, [_finding(2, category="host")], 0)
+    assert (plan.suspect, plan.cover_steps) == (2, 40)

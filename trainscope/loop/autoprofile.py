@@ -115,10 +115,11 @@ class AutoProfiler:
         awaited = _Awaited(plan, job_id, f"auto-{base}-r{plan.suspect}",
                            f"auto-{base}-r{plan.peer}", self.clock())
         now_ns = time.time_ns()
+        steps = max(self.steps, plan.cover_steps)  # an intermittent straggler: its slow steps
         for rank, request_id in ((plan.suspect, awaited.suspect_id),
                                  (plan.peer, awaited.peer_id)):
             message = ControlMessage(job_id=job_id, action="profile", rank=rank,
-                                     steps=self.steps, request_id=request_id, issued_ns=now_ns)
+                                     steps=steps, request_id=request_id, issued_ns=now_ns)
             try:
                 self.publish(CONTROL_TOPIC, encode_batch([message]), rank_key(job_id, rank))
             except Exception as exc:
@@ -131,7 +132,8 @@ class AutoProfiler:
         f = plan.finding
         self.announce(
             f"PROFILE {job_id}: asked rank {plan.suspect} (suspect: {f.category} "
-            f"[{f.score:.2f}]) and rank {plan.peer} (peer) for {self.steps} profiled steps"
+            f"[{f.score:.2f}]) and rank {plan.peer} (peer) for {steps} profiled steps"
+            + (" (its slow steps come now and then)" if steps > self.steps else "")
         )
 
     def _expire(self) -> None:

@@ -12,16 +12,24 @@ The rule, per closed window of one job:
 - at most one request per (job, suspect rank) every ``every_s`` seconds, and at most
   ``max_pending`` sessions waiting for their profiles across all jobs (the fleet's budget).
 
+- a straggler that is slow only now and then (a stall every 20 steps, a periodic checkpoint)
+  is profiled for long enough to hold two of its slow steps, read from the window's step
+  records of the suspect (a step over twice the rank's median is slow), up to
+  ``MAX_COVER_STEPS``: a profile of 5 steps between two stalls finds nothing (``cover_steps``).
+
 A healthy job has no alert, so it is never profiled. The policy only decides; it publishes
 nothing and keeps only the times of its last requests.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from trainscope.detectors.base import ALERT_THRESHOLD
 from trainscope.schemas.records import Finding
@@ -37,6 +45,13 @@ DEFAULT_MAX_PENDING = 4
 # nor about a wrong host clock (clock-skew). A rank that never reported (no-data) has no
 # producer running to profile it.
 NOT_PROFILED = frozenset({"hang", "no-data", "cardinality", "clock-skew"})
+# The longest profile asked for to catch intermittent slow steps (the PyTorch producer's own
+# cap, TRAINSCOPE_PROFILE_MAX_STEPS, is 50 by default; its time budget bounds it too).
+MAX_COVER_STEPS = 50
+# A step this many times the rank's median step in the window is one of its slow steps.
+SLOW_STEP_RATIO = 2.0
+# Slow steps a profile of an intermittent straggler should hold.
+COVERED_SLOW_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,9 @@ class ProfilePlan:
     finding: Finding
     suspect: int
     peer: int
+    # Steps to profile so that the suspect's intermittent slow steps are in it (0: as many as
+    # the loop asks for by default).
+    cover_steps: int = 0
 
 
 @dataclass
@@ -99,12 +117,27 @@ class ProfilePolicy:
                 continue
             self._last[key] = now
             self.counts.planned += 1
-            plans.append(ProfilePlan(finding, rank, peer))
+            plans.append(ProfilePlan(finding, rank, peer, cover_steps(view.steps, rank)))
         return plans
 
     def forget(self, job_id: str) -> None:
         for key in [k for k in self._last if k[0] == job_id]:
             del self._last[key]
+
+
+def cover_steps(steps: pd.DataFrame, rank: int) -> int:
+    """Steps a profile of ``rank`` needs to hold about two of its slow steps in this window's
+    step records (``duration_ns`` over twice its median), at most ``MAX_COVER_STEPS``; 0 when
+    none or most of its steps are slow (any profile holds them)."""
+    if steps.empty:
+        return 0
+    durations = steps.loc[steps["rank"] == rank, "duration_ns"].to_numpy(dtype=float)
+    if len(durations) < 2:
+        return 0
+    slow = int((durations > SLOW_STEP_RATIO * float(np.median(durations))).sum())
+    if not slow:
+        return 0
+    return min(MAX_COVER_STEPS, math.ceil(COVERED_SLOW_STEPS * len(durations) / slow))
 
 
 def _peer(suspect: int, ranks: list[int], named: set[int], suspects: set[int],
