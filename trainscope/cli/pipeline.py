@@ -125,7 +125,8 @@ if TYPE_CHECKING:
                    "diff their call paths and store the result with the finding "
                    "(finding_call_paths).")
 @click.option("--auto-profile-steps", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Training steps each automatic profile covers.")
+              help="Training steps each automatic profile covers (more, up to 50, for a "
+                   "straggler slow only now and then: enough to hold two of its slow steps).")
 @click.option("--auto-profile-every-s", type=click.FloatRange(min=0), default=600.0,
               show_default=True,
               help="At most one automatic profile per job and suspect rank this often.")
