@@ -216,13 +216,11 @@ class EarlyWatch:
                                   & (rank < self.max_ranks))
             for i in rows.tolist():
                 metric = batch.names[int(name[i])]
-                ts_ns = int(batch.column("ts_ns")[i])
+                r, ts_ns = int(rank[i]), int(batch.column("ts_ns")[i])
                 if metric == m.PROFILER_BUSY_S:
-                    r = int(rank[i])
                     job.profiled_ns[r] = max(ts_ns, job.profiled_ns.get(r, 0))
-                    continue
-                self._stall_report(job, int(rank[i]), ts_ns, metric,
-                                   float(batch.column("value")[i]))
+                else:
+                    self._stall_report(job, r, ts_ns, metric, float(batch.column("value")[i]))
             if len(rows):
                 self._touched.add(job_id)
 

@@ -121,10 +121,16 @@ def _folded(finding: Finding, alerts: list[Finding], waited_on: set[int]) -> Fin
             why = f"the same straggler, named with its own {cause.category} ({cause.function})"
         else:
             continue
-        return msgspec.structs.replace(
-            finding,
-            score=min(finding.score, EXPLAINED_SCORE),
-            evidence={**finding.evidence, "explained_by_rank": float(cause.rank)},
-            message=f"{finding.message} [explained: {why}, found by {cause.detector}]",
-        )
+        return explained(finding, f"{why}, found by {cause.detector}",
+                         explained_by_rank=float(cause.rank))
     return finding
+
+
+def explained(finding: Finding, why: str, **evidence: float) -> Finding:
+    """``finding`` kept as evidence below the alert threshold, saying what explains it."""
+    return msgspec.structs.replace(
+        finding,
+        score=min(finding.score, EXPLAINED_SCORE),
+        evidence={**finding.evidence, **evidence},
+        message=f"{finding.message} [explained: {why}]",
+    )

@@ -26,11 +26,10 @@ A finding of any other kind (a throttled GPU, a hang, a stage imbalance) stays a
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 
 from trainscope.detectors.base import ALERT_THRESHOLD
-from trainscope.detectors.explain import EXPLAINED_SCORE
+from trainscope.detectors.explain import explained
 from trainscope.schemas.metrics import PROFILER_BUSY_S
 from trainscope.schemas.records import Finding
 from trainscope.schemas.window import WindowView
@@ -71,7 +70,7 @@ def fold_own_cost(findings: list[Finding], busy_s: dict[int, float],
         return findings
     ranks = sorted(busy_s)
     who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-    total_s = sum(busy_s.values())
+    total_s = sum(busy_s.values())  # evidence: every profiled rank's time together
     why = (f"trainscope's own profile of {who} was recording or being condensed for "
            f"{max(busy_s.values()):.1f} s of this window; a profile slows the ranks it covers")
     out = []
@@ -79,11 +78,7 @@ def fold_own_cost(findings: list[Finding], busy_s: dict[int, float],
         if (f.score >= ALERT_THRESHOLD and (f.rank, f.category) not in alerted_before
                 and (f.category in _JOB_SYMPTOMS
                      or (f.rank in busy_s and f.category in _PROFILED_RANK_SYMPTOMS))):
-            f = msgspec.structs.replace(
-                f, score=min(f.score, EXPLAINED_SCORE),
-                evidence={**f.evidence, "explained_by_profile_s": round(total_s, 3),
-                          "explained_by_rank": float(f.rank if f.rank in busy_s else ranks[0])},
-                message=f"{f.message} [explained: {why}]",
-            )
+            f = explained(f, why, explained_by_profile_s=round(total_s, 3),
+                          explained_by_rank=float(f.rank if f.rank in busy_s else ranks[0]))
         out.append(f)
     return out

@@ -10,8 +10,7 @@ The rule, per closed window of one job:
   suspect's pipeline stage and tensor-parallel rank (it runs the same code), else the nearest
   rank; if every rank is named, the nearest one that is not itself a suspect;
 - at most one request per (job, suspect rank) every ``every_s`` seconds, and at most
-  ``max_pending`` sessions waiting for their profiles across all jobs (the fleet's budget).
-
+  ``max_pending`` sessions waiting for their profiles across all jobs (the fleet's budget);
 - a straggler that is slow only now and then (a stall every 20 steps, a periodic checkpoint)
   is profiled for long enough to hold two of its slow steps, read from the window's step
   records of the suspect (a step over twice the rank's median is slow), up to

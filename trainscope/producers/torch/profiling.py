@@ -146,11 +146,12 @@ class ProfileController:
             start, end = self._busy_from_ns, self._busy_to_ns
             if not start or (not end and now_ns - self._reported_to_ns < BUSY_REPORT_NS):
                 return []  # the sender's rounds come faster while a session sends its parts
-            busy_ns = max(0, min(end or now_ns, now_ns) - max(start, self._reported_to_ns))
+            until_ns = end or now_ns  # a session ends before the report that sees it
+            busy_ns = max(0, until_ns - max(start, self._reported_to_ns))
             self._reported_to_ns = now_ns
             if end:
                 self._busy_from_ns = self._busy_to_ns = 0
-        return [MetricSample(job_id=job_id, host=host, rank=rank, ts_ns=min(end or now_ns, now_ns),
+        return [MetricSample(job_id=job_id, host=host, rank=rank, ts_ns=until_ns,
                              name=PROFILER_BUSY_S, value=round(busy_ns / 1e9, 3))]
 
     # -- training thread ----------------------------------------------------------------------
