@@ -193,3 +193,31 @@ def test_a_rank_slowed_by_its_own_profile_is_not_flagged() -> None:
 
     assert [(f.rank, f.category) for f in run(profiled=False)] == [(6, "straggler")]
     assert run(profiled=True) == []
+
+
+def test_a_straggler_is_flagged_while_its_peers_take_turns_being_late() -> None:
+    """On a busy host a peer is preempted now and then and reaches the collective late too;
+    the straggler, late in every step, is still named, judged over the recent steps."""
+    watch = EarlyWatch(window_ns=15 * 10**9)
+    for step in range(12):
+        watch.add(_steps(step, [400] * 8, [20] * 8))
+    assert watch.check() == []
+    for step in range(12, 12 + 3 * RECENT_STEPS):
+        waits = [180] * 8
+        waits[6] = 20  # the straggler
+        waits[step % 6] = 20  # one peer after another, late as well
+        watch.add(_steps(step, [560] * 8, waits))
+    flags = watch.check()
+    assert [(f.rank, f.ranks, f.category) for f in flags] == [(6, [6], "straggler")], flags
+
+
+def test_ranks_late_as_often_as_each_other_are_not_flagged() -> None:
+    # Two ranks late in turn, each in half the steps: neither stands out.
+    watch = EarlyWatch(window_ns=15 * 10**9)
+    for step in range(12):
+        watch.add(_steps(step, [400] * 8, [20] * 8))
+    for step in range(12, 12 + 4 * RECENT_STEPS):
+        waits = [180] * 8
+        waits[2 if step % 2 else 5] = 20
+        watch.add(_steps(step, [560] * 8, waits))
+    assert watch.check() == []

@@ -12,8 +12,11 @@ those whose waiting did not grow with the step.
 
 A rank is flagged when the job's step time rose above the median of the steps before (after
 :data:`RECENT_STEPS` steps that were not slow: the flag marks an onset) and stayed there for
-:data:`RECENT_STEPS` steps and :data:`MIN_SLOW_S`, and the same rank, alone or with a few
-others, was late in most of them. A change that does not single out a few ranks (a slow link
+:data:`RECENT_STEPS` steps and :data:`MIN_SLOW_S`, and over its last :data:`LATE_WINDOW_STEPS`
+steps the same rank (or a few) was late in most of them while each of its peers waited in most
+of them. Judged over the recent steps, not since the run began: on a busy host the peers take
+turns being late too, and a run whose first steps were muddled must still be named once its
+straggler stands out. A change that does not single out a few ranks (a slow link
 slows every member of its ring; sequence imbalance moves from rank to rank; a whole stage; the
 job itself) is left to the window detectors, as is any change where the producers do not time
 collectives (``collective_ns`` 0): no rank can be named then. The flag is a ``straggler``
@@ -34,6 +37,7 @@ few steps of state per rank. All per-rank work is numpy over a ring of the last
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -57,8 +61,12 @@ HISTORY_STEPS = 64
 # after as many steps that were not slow (the run is an onset).
 RECENT_STEPS = 4
 MIN_SLOW_S = 1.0
-# The flagged ranks were late (with at most a few others) in this share of the run's steps.
+# The flagged ranks were late in this share of the run's last LATE_WINDOW_STEPS steps ...
 LATE_STEPS_SHARE = 0.75
+LATE_WINDOW_STEPS = 16
+# ... and each of their peers in at most this share of them (it waited in the others): a
+# peer late now and then (preempted on a busy host) does not hide the straggler.
+PEER_LATE_SHARE = 0.5
 # Complete steps needed before a run of slow steps, for a baseline.
 MIN_BASELINE_STEPS = 8
 # A step is slow when the job's step time (median over ranks) exceeds the baseline by this
@@ -98,10 +106,10 @@ class _SlowRun:
     min_excess_ns: float
     base_wait_ns: np.ndarray  # each rank's collective time per step before the run
     timed: bool  # the producers time collectives (collective_ns not all 0)
-    late: np.ndarray  # per rank: steps in which it (with at most a few others) was late
     grew_ns: np.ndarray  # per rank: growth of its collective time, summed over the run
+    # The last LATE_WINDOW_STEPS steps' late ranks, a row per step.
+    late: deque[np.ndarray] = field(default_factory=lambda: deque(maxlen=LATE_WINDOW_STEPS))
     steps: int = 0
-    singled: int = 0  # steps that singled out a few late ranks
     duration_ns: float = 0.0
     excess_ns: list[float] = field(default_factory=list)
     flagged: bool = False
@@ -339,20 +347,15 @@ class EarlyWatch:
             return None
         # Each rank's waiting against its own before the run: did it grow with the step?
         grew = job.collective_ns[row, cols] - run.base_wait_ns
-        late = grew < LATE_SHARE * excess_ns
-        singled = 1 <= int(late.sum()) <= max(1, int(MAX_LATE_SHARE * cols.size))
+        run.late.append(grew < LATE_SHARE * excess_ns)
         run.steps += 1
         run.excess_ns.append(excess_ns)
         run.duration_ns += float(job.step_ns[row])
         run.grew_ns += grew
-        if singled:
-            run.singled += 1
-            run.late += late
         if run.flagged or run.steps < RECENT_STEPS or run.duration_ns < MIN_SLOW_S * 1e9:
             return None
-        needed = LATE_STEPS_SHARE * run.steps
-        culprits = np.flatnonzero(run.late >= needed)
-        if run.singled < needed or not culprits.size or not run.timed:
+        culprits = _culprits(np.array(run.late), max(1, int(MAX_LATE_SHARE * cols.size)))
+        if not culprits.size or not run.timed:
             return None
         grew_mean = run.grew_ns / run.steps
         culprits = culprits[np.argsort(grew_mean[culprits], kind="stable")]
@@ -419,5 +422,17 @@ class EarlyWatch:
         return _SlowRun(first=step, cols=cols, base_step_ns=base_step_ns,
                         min_excess_ns=min_excess_ns,
                         base_wait_ns=np.median(waits, axis=0),
-                        timed=bool(waits.any()), late=np.zeros(cols.size),
-                        grew_ns=np.zeros(cols.size))
+                        timed=bool(waits.any()), grew_ns=np.zeros(cols.size))
+
+
+def _culprits(late: np.ndarray, max_late: int) -> np.ndarray:
+    """The columns late in most of the recent steps (``late``: steps × ranks) while every
+    other rank waited in most of them; empty when none, or more than ``max_late`` (a stage,
+    the job), or when the others were late as often (ranks taking turns)."""
+    share = late.mean(axis=0)
+    culprits = np.flatnonzero(share >= LATE_STEPS_SHARE)
+    if not 1 <= culprits.size <= max_late:
+        return culprits[:0]
+    if np.delete(share, culprits).max(initial=0.0) > PEER_LATE_SHARE:
+        return culprits[:0]
+    return culprits
