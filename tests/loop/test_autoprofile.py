@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from trainscope.engine.core import ProfileParts
@@ -49,12 +50,13 @@ def _finding(rank: int = 1) -> Finding:
 def tree(rank: int, request_id: str, paths: dict[tuple[str, ...], int], steps: int = 4,
          per_part: int = 1000) -> list[ProfileCallPaths]:
     """A profile tree from {path of names: total ns}; every node a python frame but the
-    ``block`` annotation."""
+    ``block`` annotation and the ``gloo:`` collectives."""
     rows: dict[int, tuple[int, str, str, int]] = {}
     for path, total in paths.items():
         parent = 0
         for depth, name in enumerate(path):
-            layer = "user_annotation" if name == "block" else "python"
+            layer = ("user_annotation" if name == "block"
+                     else "collective" if name.startswith("gloo:") else "python")
             cp = callpath_id(parent, layer, name)
             if depth == len(path) - 1:
                 rows[cp] = (parent, layer, name, total)
@@ -174,6 +176,44 @@ def test_equal_trees_give_a_row_without_a_path() -> None:
     loop.on_profile(tree(0, ids[1], COMMON))
     (row,) = written
     assert row.path == [] and row.delta_ns == 0 and "no call path" in row.message
+
+
+def test_a_profile_that_caught_the_suspect_waiting_does_not_name_its_wait_as_the_cause(
+) -> None:
+    """Over its profiled steps the suspect waited for its peer in the all-reduce longer
+    than it spent over it anywhere (a slow loader worker kept up while the profile slowed
+    both ranks): its longer backward is where it waited, not why its peers wait on it."""
+    bus, written, clock = MemoryBus(), [], Clock()
+    loop = _loop(bus, written, clock)
+    loop.on_window(_view(), [_finding()])
+    ids = [m.request_id for m in _requests(bus)]
+    waited = {**COMMON, ("main", "step", "backward"): 30 * MS, ("gloo:all_reduce",): 60 * MS}
+    loop.on_profile(tree(1, ids[0], {**waited, ("main",): 130 * MS, ("main", "step"): 130 * MS,
+                                     ("main", "step", "backward"): 58 * MS,
+                                     ("gloo:all_reduce",): 120 * MS}))
+    loop.on_profile(tree(0, ids[1], waited))
+    (row,) = written
+    assert row.path == [] and row.delta_ns == 0, row
+    assert "did not catch it holding rank 0" in row.message, row.message
+    assert "+15.000 ms/step longer in collectives" in row.message, row.message
+    assert "+7.000 ms/step under backward" in row.message, row.message
+    # It is asked for once more, longer; a second miss is stored and not asked again.
+    again = [m for m in _requests(bus) if m.request_id not in ids]
+    assert [(m.rank, m.steps) for m in again] == [(1, 20), (0, 20)], again
+    assert loop.counts.retried == 1
+    loop.on_profile(tree(1, again[0].request_id, EXTRA))
+    loop.on_profile(tree(0, again[1].request_id, COMMON))
+    assert written[1].path[-1] == "sleep" and loop.pending == 0, written
+    # A slow link's suspect is slow in its collectives: that is its fault, not a wait.
+    bus, written = MemoryBus(), []
+    loop = _loop(bus, written, Clock())
+    loop.on_window(_view(), [msgspec.structs.replace(_finding(), category="network")])
+    ids = [m.request_id for m in _requests(bus)]
+    loop.on_profile(tree(1, ids[0], {**waited, ("main",): 130 * MS, ("main", "step"): 130 * MS,
+                                     ("main", "step", "backward"): 58 * MS,
+                                     ("gloo:all_reduce",): 120 * MS}))
+    loop.on_profile(tree(0, ids[1], waited))
+    assert written[0].path[-1] == "backward", written
 
 
 def test_the_parts_of_a_session_are_handed_over_once_whole() -> None:

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trainscope.loop.policy import ProfilePlan, ProfilePolicy
+from trainscope.loop.policy import MAX_COVER_STEPS, ProfilePlan, ProfilePolicy
 from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.records import (
     ControlMessage,
@@ -38,12 +38,20 @@ from trainscope.schemas.records import (
 from trainscope.schemas.topics import CONTROL_TOPIC, rank_key
 from trainscope.schemas.window import WindowView
 from trainscope.traces.cct import PathTimes
-from trainscope.traces.diff import diff, hot_chain
+from trainscope.traces.diff import diff, hot_chain, waiting_excess
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STEPS = 5
 DEFAULT_TIMEOUT_S = 300.0
+# Categories whose cause is the time in collectives itself: a suspect's longer collectives
+# are its fault there, not a sign that it waited for its peer.
+COLLECTIVE_CATEGORIES = frozenset({"network", "nvlink", "pcie"})
+# A profile that did not catch its suspect holding the job is asked for once more, this many
+# times as long (at least RETRY_MIN_STEPS, at most the policy's MAX_COVER_STEPS): more steps
+# dilute the profiles' start and hold more of a fault that comes and goes.
+RETRY_STEPS_FACTOR = 4
+RETRY_MIN_STEPS = 20
 
 Publish = Callable[[str, bytes, bytes], None]  # topic, value, key
 
@@ -53,6 +61,7 @@ class LoopCounts:
     requested: int = 0  # sessions asked for (two per plan)
     completed: int = 0  # findings that got their call path
     expired: int = 0  # plans whose profiles did not arrive in time
+    retried: int = 0  # plans asked again: the first profile did not catch the suspect
     unexpected: int = 0  # profiles nobody here asked for (manual ones, a restart)
     publish_errors: int = 0
     write_errors: int = 0
@@ -65,6 +74,8 @@ class _Awaited:
     suspect_id: str
     peer_id: str
     asked_s: float
+    steps: int
+    retry: bool = False  # a second profile, the first did not catch the suspect
     trees: dict[str, list[ProfileCallPaths]] = field(default_factory=dict)
 
 
@@ -110,12 +121,19 @@ class AutoProfiler:
         except Exception:  # the loop is an extra: the stream job goes on without it
             log.exception("auto-profile: deciding on a window of job %s raised", view.job_id)
 
-    def _ask(self, job_id: str, plan: ProfilePlan) -> None:
+    def _ask(self, job_id: str, plan: ProfilePlan, *, retry_of: int = 0) -> None:
+        """Ask the plan's two ranks for a profile; ``retry_of``: the steps of a profile that
+        did not catch the suspect, asked again longer."""
         base = uuid.uuid4().hex[:12]
+        # An intermittent straggler: enough steps for its slow steps.
+        steps = max(self.steps, plan.cover_steps)
+        if retry_of:
+            steps = max(steps, min(MAX_COVER_STEPS,
+                                   max(RETRY_MIN_STEPS, RETRY_STEPS_FACTOR * retry_of)))
         awaited = _Awaited(plan, job_id, f"auto-{base}-r{plan.suspect}",
-                           f"auto-{base}-r{plan.peer}", self.clock())
+                           f"auto-{base}-r{plan.peer}", self.clock(), steps,
+                           retry=bool(retry_of))
         now_ns = time.time_ns()
-        steps = max(self.steps, plan.cover_steps)  # an intermittent straggler: its slow steps
         for rank, request_id in ((plan.suspect, awaited.suspect_id),
                                  (plan.peer, awaited.peer_id)):
             message = ControlMessage(job_id=job_id, action="profile", rank=rank,
@@ -133,7 +151,8 @@ class AutoProfiler:
         self.announce(
             f"PROFILE {job_id}: asked rank {plan.suspect} (suspect: {f.category} "
             f"[{f.score:.2f}]) and rank {plan.peer} (peer) for {steps} profiled steps"
-            + (" (its slow steps come now and then)" if steps > self.steps else "")
+            + (" again: the first profile did not catch it holding the job" if retry_of
+               else " (its slow steps come now and then)" if steps > self.steps else "")
         )
 
     def _expire(self) -> None:
@@ -171,8 +190,8 @@ class AutoProfiler:
             return
         for done in (awaited.suspect_id, awaited.peer_id):
             self._awaited.pop(done, None)
-        row = explain(awaited.plan, awaited.trees[awaited.suspect_id],
-                      awaited.trees[awaited.peer_id], request_id=awaited.suspect_id)
+        row, caught = explain(awaited.plan, awaited.trees[awaited.suspect_id],
+                              awaited.trees[awaited.peer_id], request_id=awaited.suspect_id)
         self.results.append(row)
         self.counts.completed += 1
         try:
@@ -182,6 +201,9 @@ class AutoProfiler:
             log.error("auto-profile: could not store the call path of job %s rank %d: %s",
                       row.job_id, row.rank, exc)
         self.announce(f"CALL PATH {row.job_id}: {row.message}")
+        if not caught and not awaited.retry:
+            self.counts.retried += 1
+            self._ask(awaited.job_id, awaited.plan, retry_of=awaited.steps)
 
 
 def tree_times(parts: list[ProfileCallPaths]) -> PathTimes:
@@ -200,10 +222,13 @@ def tree_times(parts: list[ProfileCallPaths]) -> PathTimes:
 
 
 def explain(plan: ProfilePlan, suspect: list[ProfileCallPaths], peer: list[ProfileCallPaths],
-            *, request_id: str = "") -> FindingCallPath:
-    """The finding's call path: the suspect's tree against the peer's."""
+            *, request_id: str = "") -> tuple[FindingCallPath, bool]:
+    """The finding's call path: the suspect's tree against the peer's; and False when the
+    profile caught the suspect waiting for its peer rather than holding it."""
     f = plan.finding
-    chain = hot_chain(diff(tree_times(suspect), [tree_times(peer)]))
+    deltas = diff(tree_times(suspect), [tree_times(peer)])
+    chain = hot_chain(deltas)
+    waited_ns = waiting_excess(deltas)
     first = suspect[0]
     common = dict(
         job_id=f.job_id, window_start_ns=f.window_start_ns, window_end_ns=f.window_end_ns,
@@ -216,9 +241,23 @@ def explain(plan: ProfilePlan, suspect: list[ProfileCallPaths], peer: list[Profi
             **common, per_step=first.steps > 0,  # type: ignore[arg-type]
             message=f"rank {plan.suspect}: no call path takes longer than on rank {plan.peer} "
                     f"over {first.steps} profiled steps",
-        )
+        ), True
     end = chain[-1]
     unit = "/step" if end.per_step else " over the profile"
+    if f.category not in COLLECTIVE_CATEGORIES and waited_ns >= end.delta_ns:
+        # The suspect waited in collectives for its peer at least as much as it spent over
+        # it anywhere: over these steps it was not the rank holding the job (an intermittent
+        # fault between them, or the profiles' own cost evening the ranks out). Its longer
+        # paths then are where it waited, not why its peers wait on it.
+        return FindingCallPath(
+            **common, per_step=end.per_step,  # type: ignore[arg-type]
+            message=f"rank {plan.suspect}: the profile did not catch it holding rank "
+                    f"{plan.peer}: it waited {waited_ns / 1e6:+.3f} ms{unit} longer in "
+                    f"collectives, more than its largest excess ({end.delta_ns / 1e6:+.3f} "
+                    f"ms{unit} under {end.path[-1][1]}) over {first.steps} profiled steps; "
+                    f"the finding ({f.category} [{f.score:.2f}] by {f.detector}) stands on "
+                    "its window's evidence",
+        ), False
     # Where the chain holds a record_function label, name the innermost one: it is the user's
     # own name for the block.
     labels = [d for d in chain if d.path[-1][0] == "user_annotation"]
@@ -239,4 +278,4 @@ def explain(plan: ProfilePlan, suspect: list[ProfileCallPaths], peer: list[Profi
         message=f"rank {plan.suspect} spends {end.delta_ns / 1e6:+.3f} ms{unit} under {where}"
                 f"{label} vs rank {plan.peer} ({first.steps} profiled steps; finding: "
                 f"{f.category} [{f.score:.2f}] by {f.detector})",
-    )
+    ), True
