@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from trace_data import H100_TRACES
 
-from trainscope.traces.cct import path_of
+from trainscope.schemas.callpath import callpath_id
+from trainscope.traces.cct import PathTimes, path_of
 from trainscope.traces.condense import condense
 from trainscope.traces.diff import diff, hot_chain, suspect_score, waiting_excess
 from trainscope.traces.reader import read_trace, trace_files
@@ -82,3 +83,37 @@ def test_a_trace_against_itself_has_no_hot_chain() -> None:
     for cp in kernels:
         layers = [layer for layer, _ in path_of(times.nodes, cp)]
         assert layers[-2:] == ["cuda_api", "cuda_kernel"] and "torch_op" in layers
+
+
+def _times(paths: dict[tuple[tuple[str, str], ...], int], steps: int = 5) -> PathTimes:
+    """A tree from {path of (layer, name): total ns}."""
+    times = PathTimes({}, {}, {}, {}, steps)
+    for path, total in paths.items():
+        parent = 0
+        for layer, name in path:
+            cp = callpath_id(parent, layer, name)
+            times.nodes.setdefault(cp, (parent, layer, name))
+            parent = cp
+        times.count[parent], times.total_ns[parent], times.self_ns[parent] = steps, total, 0
+    return times
+
+
+def test_waiting_in_a_blocking_collective_call_is_not_the_frame_above_it() -> None:
+    """The suspect ran 30 ms/step of extra work and, while its peer's profile stopped, waited
+    45 ms/step in a ``dist.broadcast`` (a Python frame of torch.distributed, its wait a
+    Python built-in): the chain names the work, and the broadcast's wait is not counted in
+    the excess of the frames that called it."""
+    MS = 1_000_000
+    module = ("python", "train.py(60): <module>")
+    fwd = (module, ("python", "train.py(34): forward"))
+    extra = (*fwd, ("user_annotation", "extra_work"))
+    call = (module, ("python", "torch/distributed/c10d_logger.py(80): wrapper"))
+    bcast = (*call, ("python", "torch/distributed/distributed_c10d.py(3085): broadcast"))
+    wait = (*bcast, ("python", "<built-in method wait of PyCapsule>"))
+    suspect = _times({(module,): 105 * MS * 5, fwd: 40 * MS * 5, extra: 30 * MS * 5,
+                      call: 55 * MS * 5, bcast: 55 * MS * 5, wait: 55 * MS * 5})
+    peer = _times({(module,): 30 * MS * 5, fwd: 10 * MS * 5, call: 10 * MS * 5,
+                   bcast: 10 * MS * 5, wait: 10 * MS * 5})
+    chain = hot_chain(diff(suspect, [peer]))
+    assert chain[-1].path == extra, [d.label() for d in chain]
+    assert [round(d.delta_ns / MS) for d in chain] == [30, 30, 30]

@@ -12,12 +12,16 @@ shown with every path above it, e.g.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from trainscope.traces.cct import PathTimes, path_of
 
 DEFAULT_SHARE = 0.8
 WAITING_LAYERS = ("collective",)
+# Python frames of torch.distributed's collective calls: a rank blocked in a synchronous
+# ``dist.broadcast`` or ``all_reduce`` waits there (in ``work.wait()``, a Python-layer
+# built-in), whether or not a collective-layer event sits under the frame.
+WAITING_FRAMES = ("torch/distributed/distributed_c10d.py(",)
 
 
 @dataclass(frozen=True)
@@ -72,11 +76,26 @@ def hot_chain(deltas: dict[int, PathDelta], share: float = DEFAULT_SHARE,
     Roots alone do not decide: a peer that waits in a collective for the suspect has as long
     a step as the suspect, so the excess shows only below the step, where the work is. Paths
     through a collective are waiting, not work, and never end the chain (as in the peer-diff
-    detector): a victim's longer all-reduce is not where its time went.
+    detector): a victim's longer all-reduce is not where its time went; nor does the paths'
+    waiting count in the excess of the paths above them (a frame that ran a blocking
+    ``dist.broadcast`` is not slow for the time it waited there).
     """
-    deltas = {cp: d for cp, d in deltas.items()
-              if not any(layer in waiting_layers for layer, _ in d.path)}
+    waiting = {cp: d for cp, d in deltas.items() if _waits(d.path, waiting_layers)}
+    deltas = {cp: d for cp, d in deltas.items() if cp not in waiting}
     by_path = {d.path: d for d in deltas.values()}
+    # Each outermost waiting path's time taken off every path above it.
+    waited: dict[tuple[tuple[str, str], ...], tuple[float, float]] = {}
+    for d in waiting.values():
+        if _waits(d.path[:-1], waiting_layers):
+            continue
+        for i in range(1, len(d.path)):
+            value, base = waited.get(d.path[:i], (0.0, 0.0))
+            waited[d.path[:i]] = (value + d.value_ns, base + d.baseline_ns)
+    for path, (value, base) in waited.items():
+        if path in by_path:
+            d = by_path[path]
+            by_path[path] = deltas[d.callpath_id] = replace(
+                d, value_ns=d.value_ns - value, baseline_ns=d.baseline_ns - base)
     best_child: dict[tuple[tuple[str, str], ...], float] = {}
     for d in deltas.values():
         parent = d.path[:-1]
@@ -88,6 +107,13 @@ def hot_chain(deltas: dict[int, PathDelta], share: float = DEFAULT_SHARE,
     best = max(terminals, key=lambda d: d.delta_ns)
     return [by_path[best.path[:i]] for i in range(1, len(best.path) + 1)
             if best.path[:i] in by_path]
+
+
+def _waits(path: tuple[tuple[str, str], ...], waiting_layers: tuple[str, ...]) -> bool:
+    """Whether the path passes through a collective (its layer or a torch.distributed
+    frame)."""
+    return any(layer in waiting_layers or (layer == "python" and name.startswith(WAITING_FRAMES))
+               for layer, name in path)
 
 
 def waiting_excess(deltas: dict[int, PathDelta],
