@@ -293,6 +293,26 @@ def test_a_rank_late_for_want_of_a_cpu_is_named_once_for_it() -> None:
     assert late.evidence["own_excess_ns_per_step"] == pytest.approx(30 * MS, rel=0.1)
 
 
+def test_a_rank_that_waited_for_a_cpu_but_held_nobody_up_is_not_alerted() -> None:
+    """Rank 1 waits 4 ms/step more for a CPU than its peers (a busy host: another job's
+    processes on its core), yet reaches every all-reduce in time: no peer waits on it, so
+    peer-diff keeps its cpu-contention as evidence; the same wait that makes it late is an
+    alert."""
+    windows = ddp_windows(4, runqueue_ms=0.5, runqueue_ms_of={1: 4.0})
+    peer = PeerDiffDetector()
+    for window in windows:
+        found = peer.detect(window)
+    (contention,) = [f for f in found if f.category == "cpu-contention"]
+    assert contention.rank == 1 and contention.victims == [], contention
+    assert 0 < contention.score < ALERT_THRESHOLD, contention
+    late = ddp_windows(4, outside_ms={1: 4.0}, runqueue_ms=0.5, runqueue_ms_of={1: 4.0})
+    peer = PeerDiffDetector()
+    for window in late:
+        found = peer.detect(window)
+    alerted = [(f.rank, f.category) for f in found if f.score >= ALERT_THRESHOLD]
+    assert alerted == [(1, "cpu-contention")], found
+
+
 def test_uneven_data_on_a_busy_host_is_still_uneven_data() -> None:
     """Uneven data where every thread also waits ~1 ms per step for a CPU (a busy host, the
     same on every rank): the run-queue wait is far too small to explain the turns."""

@@ -58,6 +58,10 @@ from trainscope.schemas.window import WindowView
 
 # Score cap for a suspect that has not persisted yet: visible in the store, not an alert.
 UNCONFIRMED_SCORE_CAP = 0.45
+# Score cap for a rank's wait for a CPU that no peer waits on: the host's cores were busy
+# (another job, a test suite) and the rank waited more than it used to, but it did not arrive
+# late at its collectives, so it held nobody up. Evidence, not an alert.
+UNFELT_CONTENTION_SCORE_CAP = 0.45
 # Confidence of a suspect exactly at z_min; it grows linearly to 1 at z_full.
 MIN_CONFIDENCE = 0.5
 DETECTOR = "peer-diff"
@@ -429,6 +433,9 @@ class PeerDiffDetector:
                 score = min(score, UNCONFIRMED_SCORE_CAP)
             ranks = list(s.ranks) or [s.rank]
             waiting = victims(groups, ranks, excess, s.category == "network")
+            if (s.category == "cpu-contention" and not waiting and not groups.waits.empty
+                    and len(groups.ranks) > 1):
+                score = min(score, UNFELT_CONTENTION_SCORE_CAP)
             evidence = {
                 "excess_ns_per_step": excess,
                 "value_ns_per_step": s.value_ns,
