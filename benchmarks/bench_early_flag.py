@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_fault_matrix import query_store, start_pipeline, stop_pipeline
 from bench_soak import start_broker
 
 WORLD = 4
@@ -193,32 +194,20 @@ def main() -> None:
     store = work / "store"
     env = {**os.environ, "TRAINSCOPE_BUS": url, "TRAINSCOPE_WINDOW_S": str(WINDOW_S),
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-    pipeline_out = work / "pipeline.out"
-    with pipeline_out.open("wb") as p_out, (work / "pipeline.err").open("wb") as p_err:
-        pipeline = subprocess.Popen(
-            [sys.executable, "-m", "trainscope.cli.main", "pipeline", "--bus", url,
-             "--store", str(store), "--group", "early-flag", "--window-s", str(WINDOW_S),
-             "--lateness-s", "2", "--commit-interval-s", "1", "--close-idle-s", "3",
-             "--source-idle-s", "1", "--drain-on-stop", "--no-auto-profile"],
-            stdout=p_out, stderr=p_err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    pipeline = start_pipeline(url, store, work, "early-flag", WINDOW_S, "--no-auto-profile")
     runs: dict[str, tuple[str, dict]] = {}
     try:
         for case in cases:
             job_id = f"early-{case}-{os.getpid()}"
             print(f"{case}: training ...", file=sys.stderr, flush=True)
-            runs[case] = (job_id, _run_case(case, job_id, args, script, env, pipeline_out,
-                                            work))
-        time.sleep(5)  # the last windows close (--close-idle-s 3) and their findings land
-        pipeline.send_signal(signal.SIGTERM)
-        pipeline.wait(timeout=120)
+            runs[case] = (job_id, _run_case(case, job_id, args, script, env,
+                                            work / "pipeline.out", work))
+        stop_pipeline(pipeline)
     finally:
         if pipeline.poll() is None:
             pipeline.kill()
         broker.kill()
-    done = subprocess.run([sys.executable, "-c", QUERY, str(store),
-                           *(job for job, _ in runs.values())],
-                          capture_output=True, text=True, timeout=300, check=True)
-    found = json.loads(done.stdout)
+    found = query_store(QUERY, store, [job for job, _ in runs.values()])
     results = [_summarise(case, run, found[job]) for case, (job, run) in runs.items()]
     for r in results:
         print(json.dumps(r))

@@ -201,6 +201,33 @@ print(json.dumps(out))
 '''
 
 
+def start_pipeline(url: str, store: Path, work: Path, group: str, window_s: float,
+                   *extra: str) -> subprocess.Popen[bytes]:
+    """``trainscope pipeline`` as its own process, with short idle and commit times so
+    that a job's last windows close soon after it ends; its output in ``work``."""
+    with (work / "pipeline.out").open("wb") as p_out, (work / "pipeline.err").open("wb") as p_err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "trainscope.cli.main", "pipeline", "--bus", url,
+             "--store", str(store), "--group", group, "--window-s", str(window_s),
+             "--lateness-s", "2", "--commit-interval-s", "1", "--close-idle-s", "3",
+             "--source-idle-s", "1", "--drain-on-stop", *extra],
+            stdout=p_out, stderr=p_err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def stop_pipeline(pipeline: subprocess.Popen[bytes]) -> None:
+    time.sleep(5)  # the last windows close (--close-idle-s 3) and their findings land
+    pipeline.send_signal(signal.SIGTERM)
+    pipeline.wait(timeout=120)
+
+
+def query_store(query: str, store: Path, jobs: list[str]) -> dict:
+    """Run ``query`` (a script printing JSON, given the store and the job ids) once the
+    pipeline has let go of the store."""
+    done = subprocess.run([sys.executable, "-c", query, str(store), *jobs],
+                          capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(done.stdout)
+
+
 def _higher_priority() -> None:
     """In the child, before exec: nice -10, for its session's autogroup too (where the kernel
     groups sessions, CPU is shared between groups first: a niceness alone would only rank the
@@ -288,30 +315,19 @@ def main() -> None:
     store = work / "store"
     env = {**os.environ, "TRAINSCOPE_BUS": url, "TRAINSCOPE_WINDOW_S": str(WINDOW_S),
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-    with (work / "pipeline.out").open("wb") as p_out, (work / "pipeline.err").open("wb") as p_err:
-        pipeline = subprocess.Popen(
-            [sys.executable, "-m", "trainscope.cli.main", "pipeline", "--bus", url,
-             "--store", str(store), "--group", "fault-matrix", "--window-s", str(WINDOW_S),
-             "--lateness-s", "2", "--commit-interval-s", "1", "--close-idle-s", "3",
-             "--source-idle-s", "1", "--drain-on-stop"],
-            stdout=p_out, stderr=p_err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    pipeline = start_pipeline(url, store, work, "fault-matrix", WINDOW_S)
     runs: dict[str, tuple[str, dict]] = {}
     try:
         for case in cases:
             job_id = f"matrix-{case}-{os.getpid()}"
             print(f"{case}: training {args.train_s:.0f} s ...", file=sys.stderr, flush=True)
             runs[case] = (job_id, _run_case(case, job_id, script, args.train_s, env, work))
-        time.sleep(5)  # the last windows close (--close-idle-s 3) and their findings land
-        pipeline.send_signal(signal.SIGTERM)
-        pipeline.wait(timeout=120)
+        stop_pipeline(pipeline)
     finally:
         if pipeline.poll() is None:
             pipeline.kill()
         broker.kill()
-    done = subprocess.run([sys.executable, "-c", QUERY, str(store),
-                           *(job for job, _ in runs.values())],
-                          capture_output=True, text=True, timeout=300, check=True)
-    found = json.loads(done.stdout)
+    found = query_store(QUERY, store, [job for job, _ in runs.values()])
     results = [_summarise(case, run, found[job]) for case, (job, run) in runs.items()]
     for r in results:
         print(json.dumps(r))
