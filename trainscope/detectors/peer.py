@@ -423,12 +423,7 @@ class PeerDiffDetector:
                 own += larger.smaller_here(s.rank, excess)
             share = min(1.0, own / max(step_excess - larger_elsewhere,
                                        self._excess_floor(s, step_ns)))
-            # Clipped to [MIN_CONFIDENCE, 1] (np.clip's result, without numpy per finding).
-            confidence = min(max(
-                MIN_CONFIDENCE
-                + (1.0 - MIN_CONFIDENCE) * (s.z - self.z_min) / (self.z_full - self.z_min),
-                MIN_CONFIDENCE), 1.0)
-            score = confidence * share
+            score = self._confidence(s.z) * share
             if self._streaks[key] < self.confirm_windows:
                 score = min(score, UNCONFIRMED_SCORE_CAP)
             ranks = list(s.ranks) or [s.rank]
@@ -463,6 +458,12 @@ class PeerDiffDetector:
             )
         findings.sort(key=lambda f: f.score, reverse=True)
         return findings
+
+    def _confidence(self, z: float) -> float:
+        """MIN_CONFIDENCE at z_min, rising linearly to 1 at z_full, clipped to that range
+        (np.clip's result, without numpy per finding)."""
+        rise = (1.0 - MIN_CONFIDENCE) * (z - self.z_min) / (self.z_full - self.z_min)
+        return min(max(MIN_CONFIDENCE + rise, MIN_CONFIDENCE), 1.0)
 
     def _excess_floor(self, s: Suspect, step_ns: float) -> float:
         """The least step-time excess a suspect's share is taken of. The floor keeps a small
