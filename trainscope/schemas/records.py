@@ -15,6 +15,7 @@ with a handful of events at a time. Function summaries likewise travel as a colu
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import msgspec
@@ -335,6 +336,8 @@ _SUMMARY_WIDTHS = tuple(
     for name, dtype in _SUMMARY_ALL_COLUMNS.items()
     if name != "sketch_offsets"
 )
+# Those columns of a batch at once, in that order (one call, not a getattr per column).
+_SUMMARY_WIDTH_COLUMNS = operator.attrgetter(*(name for name, _, _ in _SUMMARY_WIDTHS))
 
 
 class SummaryBatch(msgspec.Struct, tag="summaries", kw_only=True, frozen=True):
@@ -383,11 +386,12 @@ class SummaryBatch(msgspec.Struct, tag="summaries", kw_only=True, frozen=True):
         # then as few numpy calls as possible.
         n = len(self.rank) // 4
         entries = len(self.sketch_keys) // 4
-        for column, width, per_row in _SUMMARY_WIDTHS:
+        for raw, (column, width, per_row) in zip(_SUMMARY_WIDTH_COLUMNS(self), _SUMMARY_WIDTHS,
+                                                 strict=True):
             expected = (n if per_row else entries) * width
-            if len(getattr(self, column)) != expected:
+            if len(raw) != expected:
                 raise ValueError(
-                    f"column {column} holds {len(getattr(self, column))} bytes, expected "
+                    f"column {column} holds {len(raw)} bytes, expected "
                     f"{expected} ({expected // width} {'rows' if per_row else 'entries'} "
                     f"of {width} bytes)"
                 )
