@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trainscope.loop.policy import MAX_COVER_STEPS, ProfilePlan, ProfilePolicy
+from trainscope.loop.policy import ProfilePlan, ProfilePolicy, retry_steps
 from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.records import (
     ControlMessage,
@@ -47,11 +47,6 @@ DEFAULT_TIMEOUT_S = 300.0
 # Categories whose cause is the time in collectives itself: a suspect's longer collectives
 # are its fault there, not a sign that it waited for its peer.
 COLLECTIVE_CATEGORIES = frozenset({"network", "nvlink", "pcie"})
-# A profile that did not catch its suspect holding the job is asked for once more, this many
-# times as long (at least RETRY_MIN_STEPS, at most the policy's MAX_COVER_STEPS): more steps
-# dilute the profiles' start and hold more of a fault that comes and goes.
-RETRY_STEPS_FACTOR = 4
-RETRY_MIN_STEPS = 20
 
 Publish = Callable[[str, bytes, bytes], None]  # topic, value, key
 
@@ -126,10 +121,7 @@ class AutoProfiler:
         did not catch the suspect, asked again longer."""
         base = uuid.uuid4().hex[:12]
         # An intermittent straggler: enough steps for its slow steps.
-        steps = max(self.steps, plan.cover_steps)
-        if retry_of:
-            steps = max(steps, min(MAX_COVER_STEPS,
-                                   max(RETRY_MIN_STEPS, RETRY_STEPS_FACTOR * retry_of)))
+        steps = retry_steps(retry_of) if retry_of else max(self.steps, plan.cover_steps)
         awaited = _Awaited(plan, job_id, f"auto-{base}-r{plan.suspect}",
                            f"auto-{base}-r{plan.peer}", self.clock(), steps,
                            retry=bool(retry_of))

@@ -11,6 +11,8 @@ The rule, per closed window of one job:
   rank; if every rank is named, the nearest one that is not itself a suspect;
 - at most one request per (job, suspect rank) every ``every_s`` seconds, and at most
   ``max_pending`` sessions waiting for their profiles across all jobs (the fleet's budget);
+- a profile that caught its suspect waiting for its peer rather than holding it is asked for
+  once more, longer (``retry_steps``);
 - a straggler that is slow only now and then (a stall every 20 steps, a periodic checkpoint)
   is profiled for long enough to hold two of its slow steps, read from the window's step
   records of the suspect (a step over twice the rank's median is slow), up to
@@ -51,6 +53,11 @@ MAX_COVER_STEPS = 50
 SLOW_STEP_RATIO = 2.0
 # Slow steps a profile of an intermittent straggler should hold.
 COVERED_SLOW_STEPS = 2
+# A profile that did not catch its suspect holding the job is asked for once more, this many
+# times as long (at least RETRY_MIN_STEPS, at most MAX_COVER_STEPS): more steps dilute the
+# profiles' start and hold more of a fault that comes and goes.
+RETRY_STEPS_FACTOR = 4
+RETRY_MIN_STEPS = 20
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,12 @@ def cover_steps(steps: pd.DataFrame, rank: int) -> int:
     if not slow:
         return 0
     return min(MAX_COVER_STEPS, math.ceil(COVERED_SLOW_STEPS * len(durations) / slow))
+
+
+def retry_steps(steps: int) -> int:
+    """The steps to ask for again after a profile of ``steps`` that did not catch its
+    suspect holding the job."""
+    return max(steps, min(MAX_COVER_STEPS, max(RETRY_MIN_STEPS, RETRY_STEPS_FACTOR * steps)))
 
 
 def _peer(suspect: int, ranks: list[int], named: set[int], suspects: set[int],

@@ -90,15 +90,15 @@ class _Lengths:
 
     def __init__(self, columns: dict[str, str], optional: frozenset[str]) -> None:
         self.names = tuple(columns)
-        self.columns = operator.attrgetter(*self.names)
+        self.read = operator.attrgetter(*self.names)  # the columns' bytes, in that order
         self.widths = tuple(np.dtype(dtype).itemsize for dtype in columns.values())
         self.optional = tuple(name in optional for name in self.names)
 
     def check(self, record: Any) -> int:
         """The record's rows; a ValueError naming the first column of the wrong length."""
         n = len(record.rank) // 4
-        for raw, width, optional, name in zip(self.columns(record), self.widths,
-                                              self.optional, self.names, strict=True):
+        for raw, width, optional, name in zip(self.read(record), self.widths, self.optional,
+                                              self.names, strict=True):
             if len(raw) != n * width and not (optional and not raw):
                 raise ValueError(f"column {name} holds {len(raw)} bytes, expected {n * width} "
                                  f"({n} rows of {width} bytes)")

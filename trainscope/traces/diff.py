@@ -119,7 +119,11 @@ def _waits(path: tuple[tuple[str, str], ...], waiting_layers: tuple[str, ...]) -
 def waiting_excess(deltas: dict[int, PathDelta],
                    waiting_layers: tuple[str, ...] = WAITING_LAYERS) -> float:
     """Excess time in collectives (outermost collective paths only): a victim waits longer
-    than its peers there, the rank they wait for less."""
+    than its peers there, the rank they wait for less. Collective events only, not the
+    Python frames of a blocking call that :func:`hot_chain` also sets aside: every collective
+    of the job has its events in both ranks' profiles, a Python call only where a rank made
+    it (a rank waiting in a periodic ``dist.broadcast`` for its profiled peer is no victim
+    of the job's steps)."""
     return sum(d.delta_ns for d in deltas.values()
                if d.path and d.path[-1][0] in waiting_layers
                and not any(layer in waiting_layers for layer, _ in d.path[:-1]))
