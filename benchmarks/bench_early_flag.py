@@ -27,12 +27,10 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench_fault_matrix import query_store, start_pipeline, stop_pipeline
-from bench_soak import start_broker
+from bench_fault_matrix import chosen_cases, run_cases
 
 WORLD = 4
 SLOW_RANK = 2
@@ -178,42 +176,19 @@ def main() -> None:
                         help="steady training before the fault (the flag needs 12 steps)")
     parser.add_argument("--stall-s", type=float, default=25.0)
     parser.add_argument("--factor", type=float, default=2.0, help="the straggler's slowdown")
-    parser.add_argument("--after-s", type=float, default=14.0,
-                        help="training after the fault's onset (after the stall)")
+    parser.add_argument("--after-s", type=float, default=32.0,
+                        help="training after the fault's onset (after the stall): two whole "
+                             "15-s windows, for the window detectors' confirmed alert")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
-    cases = [c for c in args.cases.split(",") if c]
-    unknown = sorted(set(cases) - set(CASES))
-    if unknown:
-        parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
-
-    broker, url = start_broker()
-    work = Path(tempfile.mkdtemp(prefix="early-flag-"))
-    script = work / "train.py"
-    script.write_text(RANK_SCRIPT)
-    store = work / "store"
-    env = {**os.environ, "TRAINSCOPE_BUS": url, "TRAINSCOPE_WINDOW_S": str(WINDOW_S),
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-    pipeline = start_pipeline(url, store, work, "early-flag", WINDOW_S, "--no-auto-profile")
-    runs: dict[str, tuple[str, dict]] = {}
-    try:
-        for case in cases:
-            job_id = f"early-{case}-{os.getpid()}"
-            print(f"{case}: training ...", file=sys.stderr, flush=True)
-            runs[case] = (job_id, _run_case(case, job_id, args, script, env,
-                                            work / "pipeline.out", work))
-        stop_pipeline(pipeline)
-    finally:
-        if pipeline.poll() is None:
-            pipeline.kill()
-        broker.kill()
-    found = query_store(QUERY, store, [job for job, _ in runs.values()])
-    results = [_summarise(case, run, found[job]) for case, (job, run) in runs.items()]
-    for r in results:
-        print(json.dumps(r))
+    cases = chosen_cases(parser, args.cases, CASES)
+    results = run_cases(
+        cases, "early", RANK_SCRIPT, QUERY, _summarise, WINDOW_S,
+        lambda case, job_id, script, env, work: _run_case(case, job_id, args, script, env,
+                                                          work / "pipeline.out", work),
+        "--no-auto-profile")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
-    print(f"logs: {work}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench_soak import start_broker
 
@@ -220,6 +222,53 @@ def stop_pipeline(pipeline: subprocess.Popen[bytes]) -> None:
     pipeline.wait(timeout=120)
 
 
+def chosen_cases(parser: argparse.ArgumentParser, given: str, known: tuple[str, ...]
+                 ) -> list[str]:
+    """The comma-separated cases asked for; a parser error naming any unknown one."""
+    cases = [c for c in given.split(",") if c]
+    unknown = sorted(set(cases) - set(known))
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return cases
+
+
+def run_cases(cases: list[str], prefix: str, rank_script: str, query: str,
+              summarise: Callable[[str, dict, Any], dict], window_s: float,
+              run_case: Callable[[str, str, Path, dict[str, str], Path], dict],
+              *pipeline_args: str, announce: Callable[[str], str] = "{}: training ...".format
+              ) -> list[dict]:
+    """Each case's job, one after the other, over a broker and one pipeline process of their
+    own (``pipeline_args`` added to its command line); once the pipeline has stopped,
+    ``query`` (a script printing JSON per job, see :func:`query_store`) reads the store and
+    ``summarise(case, run, found)`` makes each case's result, printed as a JSON line.
+    ``run_case(case, job_id, script, env, work)`` runs a job of ``rank_script``."""
+    broker, url = start_broker()
+    work = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
+    script = work / "train.py"
+    script.write_text(rank_script)
+    store = work / "store"
+    env = {**os.environ, "TRAINSCOPE_BUS": url, "TRAINSCOPE_WINDOW_S": str(window_s),
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    pipeline = start_pipeline(url, store, work, prefix, window_s, *pipeline_args)
+    runs: dict[str, tuple[str, dict]] = {}
+    try:
+        for case in cases:
+            job_id = f"{prefix}-{case}-{os.getpid()}"
+            print(announce(case), file=sys.stderr, flush=True)
+            runs[case] = (job_id, run_case(case, job_id, script, env, work))
+        stop_pipeline(pipeline)
+    finally:
+        if pipeline.poll() is None:
+            pipeline.kill()
+        broker.kill()
+    found = query_store(query, store, [job for job, _ in runs.values()])
+    results = [summarise(case, run, found[job]) for case, (job, run) in runs.items()]
+    for r in results:
+        print(json.dumps(r))
+    print(f"logs: {work}", file=sys.stderr)
+    return results
+
+
 def query_store(query: str, store: Path, jobs: list[str]) -> dict:
     """Run ``query`` (a script printing JSON, given the store and the job ids) once the
     pipeline has let go of the store."""
@@ -303,37 +352,14 @@ def main() -> None:
     parser.add_argument("--train-s", type=float, default=16.0, help="seconds each job trains")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
-    cases = [c for c in args.cases.split(",") if c]
-    unknown = sorted(set(cases) - set(CASES))
-    if unknown:
-        parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
-
-    broker, url = start_broker()
-    work = Path(tempfile.mkdtemp(prefix="fault-matrix-"))
-    script = work / "train.py"
-    script.write_text(RANK_SCRIPT)
-    store = work / "store"
-    env = {**os.environ, "TRAINSCOPE_BUS": url, "TRAINSCOPE_WINDOW_S": str(WINDOW_S),
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-    pipeline = start_pipeline(url, store, work, "fault-matrix", WINDOW_S)
-    runs: dict[str, tuple[str, dict]] = {}
-    try:
-        for case in cases:
-            job_id = f"matrix-{case}-{os.getpid()}"
-            print(f"{case}: training {args.train_s:.0f} s ...", file=sys.stderr, flush=True)
-            runs[case] = (job_id, _run_case(case, job_id, script, args.train_s, env, work))
-        stop_pipeline(pipeline)
-    finally:
-        if pipeline.poll() is None:
-            pipeline.kill()
-        broker.kill()
-    found = query_store(QUERY, store, [job for job, _ in runs.values()])
-    results = [_summarise(case, run, found[job]) for case, (job, run) in runs.items()]
-    for r in results:
-        print(json.dumps(r))
+    cases = chosen_cases(parser, args.cases, CASES)
+    results = run_cases(
+        cases, "matrix", RANK_SCRIPT, QUERY, _summarise, WINDOW_S,
+        lambda case, job_id, script, env, work: _run_case(case, job_id, script, args.train_s,
+                                                          env, work),
+        announce=lambda case: f"{case}: training {args.train_s:.0f} s ...")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
-    print(f"logs: {work}", file=sys.stderr)
 
 
 if __name__ == "__main__":
