@@ -2,16 +2,17 @@
 
 Every detector — built-in or plugin — promises that it pickles (the pipeline checkpoints it), is
 deterministic, can be deep-copied (the runner keeps one copy per job), does not mutate its input,
-handles an empty window and gives scores in [0, 1]. :func:`check_contract` checks those
-promises on any windows; :func:`contract_windows` makes a few small ones directly as frames, so
-the registry can check a plugin as it loads it in milliseconds, without the window engine above
-this layer. ``trainscope.testing.check_detector`` runs the same checks on windows of a simulated
-job run through the real pipeline.
+handles an empty window, gives scores in [0, 1] and puts only finite numbers in its evidence.
+:func:`check_contract` checks those promises on any windows; :func:`contract_windows` makes a
+few small ones directly as frames, so the registry can check a plugin as it loads it in
+milliseconds, without the window engine above this layer. ``trainscope.testing.check_detector``
+runs the same checks on windows of a simulated job run through the real pipeline.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,6 +134,13 @@ def check_contract(factory: Callable[[], Detector], windows: list[WindowView]) -
 
     frozen = [(w.summaries.copy(), w.steps.copy(), w.metrics.copy()) for w in windows]
     first = [detector.detect(w) for w in windows]
+    for findings in first:
+        for f in findings:
+            unknown = sorted(k for k, v in f.evidence.items() if not math.isfinite(v))
+            # A NaN reads as "nan ms/step" in a message, breaks JSON readers of the store, and
+            # is not equal to itself (the determinism checks below could not pass).
+            _require(not unknown, f"evidence {', '.join(unknown)} not a finite number: "
+                     "leave out what is not known")
     for w, (s, st, mt) in zip(windows, frozen, strict=True):
         for before, after in ((s, w.summaries), (st, w.steps), (mt, w.metrics)):
             try:

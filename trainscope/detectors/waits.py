@@ -363,31 +363,39 @@ class WaitDetector:
         if s.rank in layout.index:
             row = layout.loc[s.rank]
             where = f" (dp {row['dp_rank']}, stage {row['pp_stage']}, tp {row['tp_rank']})"
-        why = (f"its own measured work grew {own_excess * ms:.0f} ms/step, which explains it"
-               if explained else
-               f"none of its measured functions explains it: {outside * ms:+.0f} ms/step "
-               "outside instrumented code against its peers")
+        if explained:
+            why = f"its own measured work grew {own_excess * ms:.0f} ms/step, which explains it"
+        elif outside is None:
+            why = ("none of its measured functions explains it (its time outside instrumented "
+                   "code is not known: no step record of it or its peers in this window)")
+        else:
+            why = (f"none of its measured functions explains it: {outside * ms:+.0f} ms/step "
+                   "outside instrumented code against its peers")
         message = (
             f"{CATEGORY}: rank {s.rank}{where}: its {s.kind.upper()} group waits on it "
             f"{s.wait_ns * ms:.0f} ms/step in collective/{s.function} ({s.value_ns * ms:.0f} "
             f"ms/step of collectives vs {s.reference_ns * ms:.0f} ms on the waiting peers); "
             f"{why}; {len(s.victims)} rank(s) wait on it"
         )
+        evidence = {
+            "peers_wait_ns_per_step": s.wait_ns,
+            "value_ns_per_step": s.value_ns,
+            "reference_ns_per_step": s.reference_ns,
+            "z": s.z,
+            "own_excess_ns_per_step": own_excess,
+            "consecutive_windows": float(self._streaks.get(s.rank, 0)),
+        }
+        # What is not known is left out: a window without step records (a stall) has neither.
+        if np.isfinite(step_ns):
+            evidence["step_ns"] = step_ns
+        if outside is not None:
+            evidence["outside_instrumented_ns_per_step"] = outside
         return window.finding(
             self.name, rank=s.rank, ranks=[s.rank], victims=s.victims,
             pp_stage=int(layout.loc[s.rank, "pp_stage"]) if s.rank in layout.index else -1,
             layer="collective", function=s.function, category=CATEGORY, score=round(score, 4),
             message=message,
-            evidence={
-                "peers_wait_ns_per_step": s.wait_ns,
-                "value_ns_per_step": s.value_ns,
-                "reference_ns_per_step": s.reference_ns,
-                "z": s.z,
-                "step_ns": step_ns,
-                "own_excess_ns_per_step": own_excess,
-                "outside_instrumented_ns_per_step": outside,
-                "consecutive_windows": float(self._streaks.get(s.rank, 0)),
-            },
+            evidence=evidence,
         )
 
 
@@ -430,9 +438,10 @@ def _kind_of(name: str, layout: pd.DataFrame) -> str | None:
 
 
 def _own_and_outside(window: WindowView, own: pd.DataFrame, rank: int,
-                     group: list[int]) -> tuple[float, float]:
+                     group: list[int]) -> tuple[float, float | None]:
     """(how much the rank's own measured work exceeds its group's median, how much more of its
-    step no hooked function explains than its group's median), both ns per step."""
+    step no hooked function explains than its group's median, or None where the window has no
+    step record of the rank or of its peers), both ns per step."""
     columns = own_work_columns(own.columns)
     members = [r for r in group if r in own.index]
     if rank not in own.index or len(members) < 2:
@@ -441,10 +450,11 @@ def _own_and_outside(window: WindowView, own: pd.DataFrame, rank: int,
     own_excess = float((work.loc[rank] - work.median()).clip(lower=0).sum())
     steps = window.steps
     if steps.empty:
-        return own_excess, float("nan")
+        return own_excess, None
     step_per_rank = steps.groupby("rank")["duration_ns"].mean().reindex(members)
     # A wait for a CPU is not a function of its own: it happened inside hooked code or outside.
     hooked = own.loc[members, [c for c in own.columns if c[0] not in ("step", SCHED_LAYER)]
                      ].sum(axis=1)
     unexplained = step_per_rank - hooked
-    return own_excess, float(unexplained[rank] - unexplained.drop(rank).median())
+    outside = float(unexplained[rank] - unexplained.drop(rank).median())
+    return own_excess, outside if np.isfinite(outside) else None

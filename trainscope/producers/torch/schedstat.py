@@ -92,7 +92,8 @@ class RunQueueClock:
             self.tasks = None  # threads that ran have CPU time: the statistics are not kept
             return 0
         # A thread started since the last read brings all of its wait; one that ended takes
-        # its wait since the last read with it (a few ms at most).
+        # its wait since the last read with it (one round's at most; a thread that starts and
+        # ends between two reads is not seen: the kernel keeps no count of a thread gone).
         waited_ns = sum(max(wait - self._waits.get(tid, 0), 0)
                         for tid, (_, wait) in readings.items())
         self._waits = {tid: wait for tid, (_, wait) in readings.items()}
