@@ -55,9 +55,13 @@ class ControlListener:
         )
         self._thread.start()
 
-    def stop(self, timeout_s: float = 2.0) -> None:
+    def stop(self, timeout_s: float = 0.0) -> None:
+        """Ask the thread to end. It ends at its next poll (at most ``POLL_TIMEOUT_S``) and
+        closes its consumer itself; by default nobody waits for that, since ``detach()`` runs
+        on the training thread, which must not sit out a poll (a daemon thread: it never
+        holds up the interpreter's exit). ``timeout_s`` waits that long for it."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and timeout_s > 0:
             self._thread.join(timeout_s)
         self._thread = None
 
