@@ -142,6 +142,8 @@ class Block:
         # is the least disturbed figure; the other threads' CPU (the sender) is added per step.
         quartile = sorted(steps_ns)[steps // 4]
         self.quiet_step_s = (quartile + (process_ns - thread_ns) / steps) / 1e9
+        self.thread_step_s = thread_ns / steps / 1e9
+        self.other_threads_step_s = (process_ns - thread_ns) / steps / 1e9
 
 
 def measure(run: Callable[[int], list[int]], config: Callable[[], object], warmup: int,
@@ -179,6 +181,7 @@ def bench_size(run: Callable[[int], list[int]], configs: dict[str, Callable[[], 
         steps = max(10, round(args.block_s / (statistics.median(sample) / 1e9)))
         print(f"  {steps} steps per block (about {args.block_s:g} s)")
     costs: dict[str, list[float]] = {name: [] for name in configs}
+    training: dict[str, list[float]] = {name: [] for name in configs}
     quiet: dict[str, list[float]] = {name: [] for name in configs}
     ratios: dict[str, list[float]] = {name: [] for name in configs}
     base_times = []
@@ -197,12 +200,59 @@ def bench_size(run: Callable[[int], list[int]], configs: dict[str, Callable[[], 
             costs[name].append(block.per_step_s - base)
             quiet[name].append(block.quiet_step_s - quiet_base)
             ratios[name].append(block.per_step_s / base)
+        for name, block in results.items():
+            training[name].append(block.thread_step_s
+                                  - (before.thread_step_s + after.thread_step_s) / 2)
     print(f"  baseline CPU time per step {spread(base_times, 1e3, '.3f')} ms")
     print(f"  {'configuration':16s} {'fixed cost µs/step':>24s} {'quiet steps µs/step':>24s} "
           f"{'ratio':>24s}")
     for name in configs:
         print(f"  {name:16s} {spread(costs[name], 1e6, '.1f'):>24s} "
               f"{spread(quiet[name], 1e6, '.1f'):>24s} {spread(ratios[name], 1.0, '.4f'):>24s}")
+    if args.split_s:
+        split_figures(run, configs, args, training)
+
+
+def split_figures(run: Callable[[int], list[int]], configs: dict[str, Callable[[], object]],
+                  args: argparse.Namespace, training: dict[str, list[float]]) -> None:
+    """The fixed cost as its two parts, each measured the way its noise allows.
+
+    The training thread's extra CPU per step: the median over the rounds (short blocks, each
+    paired with the baselines around it: on a shared machine a step's own time drifts by
+    tens of percent within a second, and only close pairs and many of them cancel that). The
+    other threads' (the sender's rounds every 0.5 s, which a short block catches only now and
+    then): their CPU per step over blocks of ``--split-s`` seconds, against the same blocks
+    without trainscope, alternating ``--split-blocks`` times; the median.
+    """
+    steps = max(10, round(args.split_s / (statistics.median(run(50)) / 1e9)))
+    others: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(args.split_blocks):
+        base = measure(run, baseline, args.warmup, steps).other_threads_step_s
+        for name, config in configs.items():
+            others[name].append(measure(run, config, args.warmup, steps).other_threads_step_s
+                                - base)
+    print(f"  split ({len(next(iter(training.values())))} rounds; {args.split_blocks} blocks of "
+          f"{steps} steps for the other threads), µs/step, median (min–max):")
+    for name in configs:
+        thread_us = statistics.median(training[name]) * 1e6
+        others_us = statistics.median(others[name]) * 1e6
+        low, high = median_interval(training[name])
+        print(f"  {name:16s} training thread {spread(training[name], 1e6, '.1f')} "
+              f"[95% interval of the median {low * 1e6:.1f}–{high * 1e6:.1f}], "
+              f"other threads {spread(others[name], 1e6, '.1f')}, "
+              f"fixed cost {thread_us + others_us:.1f} "
+              f"[{(low * 1e6 + others_us):.1f}–{(high * 1e6 + others_us):.1f}]")
+
+
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """A 95% confidence interval of the median from the order statistics (no assumption on
+    the noise's distribution; rounds are taken as independent)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    half_width = 0.98 * n ** 0.5  # 1.96 * sqrt(n) / 2 ranks either side of the middle
+    low = max(0, int(n / 2 - half_width))
+    high = min(n - 1, int(n / 2 + half_width + 1))
+    return ordered[low], ordered[high]
 
 
 def main() -> None:
@@ -215,6 +265,12 @@ def main() -> None:
                         help="steps per block chosen to last about this long (overrides the "
                              "steps of --sizes)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--split-s", type=float, default=0.0,
+                        help="also give the fixed cost as the training thread's part (median "
+                             "of the rounds) plus the other threads' (blocks of this many "
+                             "seconds); for many short rounds on a noisy machine")
+    parser.add_argument("--split-blocks", type=int, default=3,
+                        help="blocks per configuration for the other threads' part")
     parser.add_argument("--cpu", type=int, default=None,
                         help="the core to pin to (default: the last one allowed)")
     parser.add_argument("--profilers", action="store_true",
