@@ -21,7 +21,7 @@ The model is a class of the script's own around a 3-layer MLP (``--sequential``:
 ``nn.Sequential``, one of torch's own classes, whose forward is timed by module hooks instead).
 
 Usage: ``python benchmarks/bench_torch_overhead.py [--rounds 15] [--sizes 256x48:200,1024x128:15]
-[--block-s 4] [--profilers] [--device cuda] [--sequential]``.
+[--block-s 4] [--split-s 2] [--profilers] [--device cuda] [--sequential]``.
 """
 
 from __future__ import annotations
