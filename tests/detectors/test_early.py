@@ -195,6 +195,49 @@ def test_a_rank_slowed_by_its_own_profile_is_not_flagged() -> None:
     assert run(profiled=True) == []
 
 
+def _profiled(ts_s: float, rank: int) -> list[MetricSample]:
+    return [MetricSample(job_id="j", rank=rank, ts_ns=int(ts_s * 1e9), name=m.PROFILER_BUSY_S,
+                         value=0.4)]
+
+
+@pytest.mark.parametrize("profiled", [False, True])
+def test_a_rank_held_by_its_own_profile_is_no_hang(profiled: bool) -> None:
+    """trainscope's profile of a busy Python loop can hold its rank for seconds, its sender
+    starved: a rank that reported its profile just before it went silent is not flagged while
+    its peers wait; the same stall without that report is."""
+    watch = EarlyWatch(window_ns=15 * 10**9)
+    _stepping(watch, range(12))
+    watch.check()
+    if profiled:
+        watch.add_metrics(_profiled(98.5, rank=5))
+    watch.add_metrics(_stall(100.0, [4.0] * 5 + [None] + [4.0] * 2, open_s=4.0))
+    watch.add_metrics(_stall(102.5, [6.5] * 5 + [None] + [6.5] * 2, open_s=6.5))
+    flags = watch.check()
+    assert [(f.rank, f.category) for f in flags] == ([] if profiled else [(5, "hang")]), flags
+
+
+def test_a_stall_that_outlasts_the_profile_is_a_hang() -> None:
+    """The rank speaks again without its profile and stays stalled: flagged once its last
+    profile report is STALL_WAIT_S + SILENT_GRACE_S old; a rank silent for a minute likewise."""
+    watch = EarlyWatch(window_ns=15 * 10**9)
+    _stepping(watch, range(12))
+    watch.check()
+    watch.add_metrics(_profiled(98.5, rank=5))
+    watch.add_metrics(_stall(102.5, [6.5] * 5 + [0.0] + [6.5] * 2, open_s=6.5))
+    assert watch.check() == []  # it reported its profile 4 s ago
+    watch.add_metrics(_stall(104.0, [8.0] * 5 + [0.0] + [8.0] * 2, open_s=8.0))
+    assert [(f.rank, f.category) for f in watch.check()] == [(5, "hang")]
+
+    silent = EarlyWatch(window_ns=15 * 10**9)
+    _stepping(silent, range(12))
+    silent.check()
+    silent.add_metrics(_profiled(98.5, rank=5))
+    silent.add_metrics(_stall(130.0, [30.0] * 5 + [None] + [30.0] * 2, open_s=30.0))
+    assert silent.check() == []
+    silent.add_metrics(_stall(160.0, [60.0] * 5 + [None] + [60.0] * 2, open_s=60.0))
+    assert [(f.rank, f.category) for f in silent.check()] == [(5, "hang")]
+
+
 def test_a_straggler_is_flagged_while_its_peers_take_turns_being_late() -> None:
     """On a busy host a peer is preempted now and then and reaches the collective late too;
     the straggler, late in every step, is still named, judged over the recent steps."""

@@ -94,6 +94,12 @@ STALL_REPORT_FRESH_S = 2.0
 # A rank holding the job that has sent no report is called silent (its process may be frozen)
 # only once its peers have waited this much longer: its report may just be a round late.
 SILENT_GRACE_S = 2.0
+# A stall is trainscope's own profile of the ranks holding it (the profiler recording a busy
+# Python loop, or condensing its events under the GIL: the rank's sender may say nothing for
+# seconds) when each reported its profile during the stall or just before it, and is either
+# silent since or reported it within the last STALL_WAIT_S + SILENT_GRACE_S. Not beyond this
+# long: a profile holds its rank for seconds, a rank silent for a minute is stuck.
+PROFILE_STALL_MAX_S = 60.0
 
 
 @dataclass
@@ -291,6 +297,21 @@ class EarlyWatch:
                 findings.append(finding)
         return findings
 
+    @staticmethod
+    def _own_profile_holds(job: _Job, holding: list[int], fresh: dict[int, object],
+                           newest_ns: int, open_s: float) -> bool:
+        """Whether the ranks holding the job are held by trainscope's own profile of them
+        (see PROFILE_STALL_MAX_S)."""
+        if open_s >= PROFILE_STALL_MAX_S:
+            return False
+        since_ns = newest_ns - (open_s + PROFILE_SLACK_S) * 1e9
+        recent_ns = newest_ns - (STALL_WAIT_S + SILENT_GRACE_S) * 1e9
+        return all(
+            job.profiled_ns.get(r, 0) >= since_ns
+            and (r not in fresh or job.profiled_ns[r] >= recent_ns)
+            for r in holding
+        )
+
     def _check_stall(self, job_id: str, job: _Job, active: np.ndarray) -> Finding | None:
         if job.stall_flagged_at == job.checked_through:
             return None  # this stall was flagged
@@ -309,6 +330,8 @@ class EarlyWatch:
         wait_s = float(np.median([fresh[r][2] for r in waiting]))
         if silent and wait_s < STALL_WAIT_S + SILENT_GRACE_S:
             return None  # its own report may be a round behind its peers'
+        if self._own_profile_holds(job, holding, fresh, newest_ns, open_s):
+            return None  # trainscope's cost (detectors/own_cost.py), not a hang
         job.stall_flagged_at = job.checked_through
         who = (f"rank {holding[0]}" if len(holding) == 1
                else f"ranks {', '.join(map(str, holding))}")
