@@ -117,3 +117,22 @@ def test_waiting_in_a_blocking_collective_call_is_not_the_frame_above_it() -> No
     chain = hot_chain(diff(suspect, [peer]))
     assert chain[-1].path == extra, [d.label() for d in chain]
     assert [round(d.delta_ns / MS) for d in chain] == [30, 30, 30]
+
+
+def test_a_collective_call_only_the_suspect_made_is_waiting_not_its_work() -> None:
+    """In its 5 profiled steps the suspect made a ``dist`` call its peer did not (seen as
+    torch's ``c10d_logger`` decorator under the producer's own timing wrapper, named by its
+    full path, with no frame of ``distributed_c10d`` under it): that is waiting, so the chain
+    names its extra forward work instead (fault matrix (f))."""
+    MS = 1_000_000
+    module = ("python", "train.py(77): <module>")
+    fwd = (module, ("python", "train.py(34): forward"))
+    ours = (module, ("python", "/opt/venv/lib/trainscope/producers/torch/collectives.py(116): "
+                               "wrapper"))
+    logger = (*ours, ("python", "torch/distributed/c10d_logger.py(80): wrapper"))
+    suspect = _times({(module,): 57 * MS * 5, fwd: 44 * MS * 5, ours: 8 * MS * 5,
+                      logger: 8 * MS * 5})
+    peer = _times({(module,): 45 * MS * 5, fwd: 40 * MS * 5})
+    chain = hot_chain(diff(suspect, [peer]))
+    assert chain[-1].path == fwd, [d.label() for d in chain]
+    assert [round(d.delta_ns / MS) for d in chain] == [4, 4]

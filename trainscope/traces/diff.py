@@ -20,8 +20,11 @@ DEFAULT_SHARE = 0.8
 WAITING_LAYERS = ("collective",)
 # Python frames of torch.distributed's collective calls: a rank blocked in a synchronous
 # ``dist.broadcast`` or ``all_reduce`` waits there (in ``work.wait()``, a Python-layer
-# built-in), whether or not a collective-layer event sits under the frame.
-WAITING_FRAMES = ("torch/distributed/distributed_c10d.py(",)
+# built-in), whether or not a collective-layer event sits under the frame. The decorator
+# torch puts on each of them (``c10d_logger``) and the producer's own timing wrapper around
+# them are the same call; a frame's file may be named by its full path.
+WAITING_FRAMES = ("torch/distributed/distributed_c10d.py(", "torch/distributed/c10d_logger.py(",
+                  "trainscope/producers/torch/collectives.py(")
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ def hot_chain(deltas: dict[int, PathDelta], share: float = DEFAULT_SHARE,
 def _waits(path: tuple[tuple[str, str], ...], waiting_layers: tuple[str, ...]) -> bool:
     """Whether the path passes through a collective (its layer or a torch.distributed
     frame)."""
-    return any(layer in waiting_layers or (layer == "python" and name.startswith(WAITING_FRAMES))
+    return any(layer in waiting_layers
+               or (layer == "python" and any(frame in name for frame in WAITING_FRAMES))
                for layer, name in path)
 
 
