@@ -16,8 +16,10 @@ Score: ``confidence × share``, where share is the suspect's excess time per ste
 job's step-time excess (estimated from history, or from all suspects together when the job was
 slow from the start), and confidence grows with the robust z-score. Two guards keep noise from
 alerting: an excess below ``min_excess_ns`` per step is not actionable and never reported, and a
-suspect seen in fewer than ``confirm_windows`` consecutive windows is capped below the alert
-threshold — a straggler persists, a hiccup of a busy host does not.
+suspect seen in fewer than ``confirm_windows`` of the last ``confirm_windows + 1`` windows is
+capped below the alert threshold — a straggler persists, a hiccup of a busy host does not (one
+window in which the straggler's cause showed under another name, or not at all while a profile
+slowed every rank, does not start it over).
 """
 
 from __future__ import annotations
@@ -108,9 +110,9 @@ class PeerDiffDetector:
         ... and at least this much: an excess under 1% of the step, or under 1 ms per step,
         is not worth anyone's time, and is never reported.
     confirm_windows : int, default 2 (windows)
-        Windows in a row a suspect must be seen before it can alert; until then its score is
-        capped at 0.45, below the alert threshold. A straggler persists, a hiccup of a busy
-        host does not.
+        Windows a suspect must be seen in, of the last ``confirm_windows + 1``, before it can
+        alert; until then its score is capped at 0.45, below the alert threshold. A straggler
+        persists, a hiccup of a busy host does not.
     excess_floor_frac : float, default 0.03 (fraction of the step)
         A suspect's score is its share of the job's step-time excess, which is taken as at
         least this share of the step, so a small suspect in a healthy job cannot claim all of
@@ -209,6 +211,8 @@ class PeerDiffDetector:
         self.clock_ratio_max = clock_ratio_max
         self.power_limit_ratio_max = power_limit_ratio_max
         self._streaks: dict[tuple[int, str], int] = {}
+        # The suspects (rank, cause) of the last confirm_windows windows, newest last.
+        self._recent: list[frozenset[tuple[int, str]]] = []
         self._history: list[pd.DataFrame] = []
         self._step_history: list[float] = []
         # Whether this job ever showed GPU evidence (a GPU layer or metric): a window without
@@ -390,6 +394,7 @@ class PeerDiffDetector:
     ) -> list[Finding]:
         if not suspects:
             self._streaks = {}
+            self._recent = [*self._recent, frozenset()][-self.confirm_windows:]
             return []
         merged: dict[tuple[int, str], Suspect] = {}
         totals: dict[tuple[int, str], float] = {}
@@ -405,6 +410,8 @@ class PeerDiffDetector:
         larger = LargerElsewhere(totals, groups)
         coordinates = _Coordinates(layout)
         self._streaks = {key: self._streaks.get(key, 0) + 1 for key in merged}
+        seen_in = {key: 1 + sum(key in keys for keys in self._recent) for key in merged}
+        self._recent = [*self._recent, frozenset(merged)][-self.confirm_windows:]
         findings = []
         for key, s in merged.items():
             excess = totals[key]
@@ -424,7 +431,7 @@ class PeerDiffDetector:
             share = min(1.0, own / max(step_excess - larger_elsewhere,
                                        self._excess_floor(s, step_ns)))
             score = self._confidence(s.z) * share
-            if self._streaks[key] < self.confirm_windows:
+            if seen_in[key] < self.confirm_windows:
                 score = min(score, UNCONFIRMED_SCORE_CAP)
             ranks = list(s.ranks) or [s.rank]
             waiting = victims(groups, ranks, excess, s.category == "network")
