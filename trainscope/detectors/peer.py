@@ -410,8 +410,7 @@ class PeerDiffDetector:
         larger = LargerElsewhere(totals, groups)
         coordinates = _Coordinates(layout)
         self._streaks = {key: self._streaks.get(key, 0) + 1 for key in merged}
-        seen_in = {key: 1 + sum(key in keys for keys in self._recent) for key in merged}
-        self._recent = [*self._recent, frozenset(merged)][-self.confirm_windows:]
+        seen_in = self._seen_in(frozenset(merged))
         findings = []
         for key, s in merged.items():
             excess = totals[key]
@@ -465,6 +464,13 @@ class PeerDiffDetector:
             )
         findings.sort(key=lambda f: f.score, reverse=True)
         return findings
+
+    def _seen_in(self, suspects: frozenset[tuple[int, str]]) -> dict[tuple[int, str], int]:
+        """In how many of the last ``confirm_windows + 1`` windows, this one included, each of
+        this window's suspects (rank, cause) was seen; remembers this window's."""
+        seen = {key: 1 + sum(key in keys for keys in self._recent) for key in suspects}
+        self._recent = [*self._recent, suspects][-self.confirm_windows:]
+        return seen
 
     def _confidence(self, z: float) -> float:
         """MIN_CONFIDENCE at z_min, rising linearly to 1 at z_full, clipped to that range
