@@ -32,18 +32,20 @@ class _PollThatBlocksBus:
         self.closed.set()
 
 
-def _listener(bus: _PollThatBlocksBus) -> ControlListener:
-    return ControlListener(bus_factory=lambda: bus, owns_bus=True, job_id="job", rank=0,
-                           on_request=lambda request: None, guard=Guard(), not_before_ns=0)
+def _polling(bus: _PollThatBlocksBus) -> tuple[ControlListener, threading.Thread]:
+    """A started listener and its thread, once the thread is inside its first poll."""
+    listener = ControlListener(bus_factory=lambda: bus, owns_bus=True, job_id="job", rank=0,
+                               on_request=lambda request: None, guard=Guard(), not_before_ns=0)
+    listener.start()
+    thread = listener._thread
+    assert thread is not None and bus.polling.wait(10)
+    return listener, thread
 
 
 def test_stop_returns_while_a_poll_is_still_out_and_the_thread_ends_after_it() -> None:
     """``detach()`` calls ``stop()`` on the training thread: it must not sit out the poll."""
     bus = _PollThatBlocksBus()
-    listener = _listener(bus)
-    listener.start()
-    thread = listener._thread
-    assert thread is not None and bus.polling.wait(10)
+    listener, thread = _polling(bus)
     releaser = threading.Timer(1.0, bus.release.set)  # the broker answers the poll, later
     releaser.start()
     listener.stop()
@@ -56,10 +58,7 @@ def test_stop_returns_while_a_poll_is_still_out_and_the_thread_ends_after_it() -
 
 def test_stop_with_a_timeout_waits_for_the_thread() -> None:
     bus = _PollThatBlocksBus()
-    listener = _listener(bus)
-    listener.start()
-    thread = listener._thread
-    assert thread is not None and bus.polling.wait(10)
+    listener, thread = _polling(bus)
     threading.Timer(0.2, bus.release.set).start()
     listener.stop(timeout_s=10)
     assert not thread.is_alive() and bus.closed.is_set()
