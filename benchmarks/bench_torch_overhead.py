@@ -200,7 +200,6 @@ def bench_size(run: Callable[[int], list[int]], configs: dict[str, Callable[[], 
             costs[name].append(block.per_step_s - base)
             quiet[name].append(block.quiet_step_s - quiet_base)
             ratios[name].append(block.per_step_s / base)
-        for name, block in results.items():
             training[name].append(block.thread_step_s
                                   - (before.thread_step_s + after.thread_step_s) / 2)
     print(f"  baseline CPU time per step {spread(base_times, 1e3, '.3f')} ms")
