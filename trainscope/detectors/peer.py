@@ -51,6 +51,7 @@ from trainscope.detectors.peer_own import (
     MIN_HISTORY_WINDOWS,
     OwnWorkRule,
     Suspect,
+    contended_compute,
     own_work_suspects,
 )
 from trainscope.detectors.throttle import PeerMedians, ThrottleRule
@@ -81,12 +82,14 @@ class PeerDiffDetector:
     the step and ``min_excess_ns``, is a suspect of the category its layer points to
     (``gpu-compute``, ``dataloader``, ``python-gc`` …), and a compute suspect is
     ``gpu-throttle`` when its GPU is held back more than its peers'
-    (:mod:`trainscope.detectors.throttle`). A pipeline stage whose compute exceeds the other
-    stages' is ``stage-imbalance``; a rank whose pipeline sends or NIC throughput fall behind
-    its peers' is ``network``. Collective time is never a cause: the ranks of a suspect's TP,
-    DP and PP groups whose collective wait grew are its victims. One finding per rank and
-    cause names its costliest function; its score is confidence (from the z) times the
-    suspect's share of the job's step-time excess.
+    (:mod:`trainscope.detectors.throttle`), and ``cpu-contention`` when the rank's run-queue
+    wait grew by at least half as much (a thread runnable but not running is still inside
+    ``forward`` by the wall clock: a busy neighbour on its core). A pipeline stage whose compute
+    exceeds the other stages' is ``stage-imbalance``; a rank whose pipeline sends or NIC
+    throughput fall behind its peers' is ``network``. Collective time is never a cause: the
+    ranks of a suspect's TP, DP and PP groups whose collective wait grew are its victims. One
+    finding per rank and cause names its costliest function; its score is confidence (from the
+    z) times the suspect's share of the job's step-time excess.
 
     State, kept across windows and pickled with checkpoints: the per-step time tables and step
     times of the last ``history_windows`` windows (each rank's own reference, and the job's
@@ -251,6 +254,7 @@ class PeerDiffDetector:
         self._gpu_seen = self._gpu_seen or gpu_evidence(window)
         for x in suspects:
             x.category = honest_category(x.category, self._gpu_seen)
+        suspects = contended_compute(suspects, table, stage)
         findings = self._findings(window, table, layout, suspects, step_ns)
         self._remember(table, step_ns)
         return findings

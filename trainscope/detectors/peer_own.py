@@ -24,6 +24,7 @@ from trainscope.detectors.features import (
     quiet_nan,
     robust_z_matrix,
 )
+from trainscope.schemas import metrics as m
 
 # The smallest spread a per-step time is judged against, as a share of the step: a function of
 # a few microseconds whose peers agree to the nanosecond must not become a 50-sigma outlier.
@@ -41,6 +42,13 @@ CROWD_FRAC = 0.5
 # A function on which the reference spends at most this share of the suspect's time is work
 # the peers hardly do (see PeerDiffDetector._excess_floor).
 ABSENT_ON_PEERS_FRAC = 0.1
+# A rank's compute growth is its wait for a CPU when its run-queue wait per step grew (over its
+# stage's median) by at least this share of it: a thread that is runnable but not running is
+# still inside forward by the wall clock, so a busy neighbour on its core shows as slower
+# compute too. Half: the wait is the larger part of the growth.
+CONTENTION_EXPLAINS_COMPUTE_FRAC = 0.5
+COMPUTE_CATEGORIES = frozenset({"gpu-compute", "compute"})
+CONTENTION_CATEGORY = "cpu-contention"
 
 
 @dataclass
@@ -195,3 +203,36 @@ def _suspects(
             evidence={"per_token": 1.0} if per_token[j] else None,
         ))
     return out
+
+
+def contended_compute(suspects: list[Suspect], table: pd.DataFrame,
+                      stage: pd.Series) -> list[Suspect]:
+    """The suspects, with each compute suspect whose rank's run-queue wait explains its growth
+    (``CONTENTION_EXPLAINS_COMPUTE_FRAC``) folded into that rank's ``cpu-contention``: kept as
+    its evidence where the rank is a contention suspect already (the same time, counted once),
+    else re-categorised (a contended rank's forward names where the wait was felt)."""
+    # The agent's figure first, as features.runqueue_wait_per_step reads it.
+    wait_cols = [(m.SCHED_LAYER, name) for name in m.RUNQUEUE_WAIT_FUNCTIONS
+                 if (m.SCHED_LAYER, name) in table.columns]
+    if not wait_cols or not any(s.category in COMPUTE_CATEGORIES for s in suspects):
+        return suspects
+    wait = table[wait_cols[0]]
+    wait_excess = (wait - wait.groupby(stage).transform("median")).clip(lower=0).fillna(0.0)
+    contention = {s.rank: s for s in suspects if s.category == CONTENTION_CATEGORY}
+    kept = []
+    for s in suspects:
+        waited = float(wait_excess.get(s.rank, 0.0))
+        if (s.category not in COMPUTE_CATEGORIES or s.excess_ns <= 0
+                or waited < CONTENTION_EXPLAINS_COMPUTE_FRAC * s.excess_ns):
+            kept.append(s)
+            continue
+        explained = {"compute_growth_ns_per_step": s.excess_ns,
+                     "runqueue_wait_excess_ns_per_step": waited}
+        if s.rank in contention:
+            c = contention[s.rank]
+            c.evidence = {**(c.evidence or {}), **explained}
+            continue
+        s.category = CONTENTION_CATEGORY
+        s.evidence = {**(s.evidence or {}), **explained}
+        kept.append(s)
+    return kept
