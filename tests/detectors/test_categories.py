@@ -47,57 +47,71 @@ def test_a_cuda_layer_is_gpu_evidence() -> None:
 
 
 
-def with_runqueue_wait(view: WindowView, rank: int, share_of_growth: float) -> WindowView:
-    """The window with every rank's run-queue wait (the producer's schedstat figure): 1 ms per
-    step on each, plus ``share_of_growth`` of ``rank``'s backward growth on ``rank``."""
+def with_runqueue_wait(view: WindowView, rank: int, share_of_growth: float,
+                       base_ns: int = 1_000_000) -> WindowView:
+    """The window with every rank's run-queue wait (the producer's schedstat figure):
+    ``base_ns`` per step on each, plus ``share_of_growth`` of ``rank``'s backward growth on
+    ``rank``."""
     s = view.summaries
     backward = s[s["name"] == "backward"].set_index("rank")["total_ns"]
     growth_ns = float(backward[rank] - backward.drop(rank).median())
     rows = s[s["name"] == "backward"].copy()
     rows["layer"], rows["name"] = m.SCHED_LAYER, m.PROCESS_RUNQUEUE_WAIT
-    rows["total_ns"] = rows["count"] * 1_000_000
+    rows["total_ns"] = rows["count"] * base_ns
     rows.loc[rows["rank"] == rank, "total_ns"] += int(share_of_growth * growth_ns)
     return dataclasses.replace(view, summaries=pd.concat([s, rows], ignore_index=True))
 
 
 def test_compute_growth_that_the_ranks_cpu_wait_explains_is_cpu_contention() -> None:
     # A busy neighbour on the rank's core: its thread is runnable but not running inside
-    # backward, which grows by the wall clock; its run-queue wait grew by most of that growth.
-    views = [with_runqueue_wait(cpu_only(v), 5, 0.8) for v in example_windows(3, slow_rank=5)]
+    # backward, which grows by the wall clock; its run-queue wait grew by more than that.
+    views = [with_runqueue_wait(cpu_only(v), 5, 1.2) for v in example_windows(3, slow_rank=5)]
     detector = PeerDiffDetector()
     found = [f for v in views for f in detector.detect(v)]
     assert {(f.rank, f.category) for f in found} == {(5, "cpu-contention")}, found
     last = found[-1]
-    assert last.score >= 0.5
+    assert last.score >= 0.5 and last.function == m.PROCESS_RUNQUEUE_WAIT
+    growth = last.evidence["compute_growth_ns_per_step"]
+    assert last.evidence["runqueue_wait_excess_ns_per_step"] >= growth > 0
     # One finding: the wait and the compute growth it explains are the same time, once.
-    assert len(detector.detect(views[-1])) == 1
-    assert last.evidence["runqueue_wait_excess_ns_per_step"] >= (
-        0.5 * last.evidence["compute_growth_ns_per_step"])
-    share = last.evidence["excess_ns_per_step"] / last.evidence["compute_growth_ns_per_step"]
-    assert share <= 1.0, "the compute growth must not be added to the wait it explains"
+    assert last.evidence["excess_ns_per_step"] < 1.5 * growth
 
 
-def test_compute_growth_with_little_cpu_wait_stays_compute() -> None:
-    views = [with_runqueue_wait(cpu_only(v), 5, 0.2) for v in example_windows(3, slow_rank=5)]
+def test_compute_growth_with_less_cpu_wait_than_growth_stays_compute() -> None:
+    views = [with_runqueue_wait(cpu_only(v), 5, 0.6) for v in example_windows(3, slow_rank=5)]
     detector = PeerDiffDetector()
-    found = [f for v in views for f in detector.detect(v) if f.score >= 0.5]
-    assert {(f.rank, f.category) for f in found} >= {(5, "compute")}, found
-    assert (5, "cpu-contention") not in {(f.rank, f.category) for f in found if f.score >= 0.5}
+    alerts = {(f.rank, f.category) for v in views for f in detector.detect(v) if f.score >= 0.5}
+    assert (5, "compute") in alerts, alerts
 
 
-def test_a_compute_suspect_whose_rank_waited_for_a_cpu_becomes_cpu_contention() -> None:
-    # The rank's wait was not itself a suspect (its peers' waits are noisy), but it grew by
-    # more than half the compute growth: the growth is the wait, named where it was felt.
+def test_a_bigger_share_of_a_shared_cpu_is_not_contention() -> None:
+    # Every rank waits 150 ms per step for a CPU (more busy ranks than cores); the rank with
+    # more work of its own is runnable longer and waits longer too, but not twice as long.
+    views = [with_runqueue_wait(cpu_only(v), 5, 1.2, base_ns=150_000_000)
+             for v in example_windows(3, slow_rank=5)]
+    detector = PeerDiffDetector()
+    found = [f for v in views for f in detector.detect(v)]
+    # Both are reported (here the wait stands out too), the compute growth as its own cause.
+    assert (5, "compute") in {(f.rank, f.category) for f in found}, found
+    assert not any("compute_growth_ns_per_step" in f.evidence for f in found), found
+
+
+def test_a_compute_suspect_on_a_rank_not_waiting_for_a_cpu_is_kept() -> None:
     table = pd.DataFrame(
-        {("torch_op", "forward"): [20e6, 20e6, 32e6, 20e6],
-         (m.SCHED_LAYER, m.PROCESS_RUNQUEUE_WAIT): [1e6, 4e6, 10e6, 2e6]},
+        {("torch_op", "forward"): [20e6, 20e6, 32e6, 32e6],
+         (m.SCHED_LAYER, m.PROCESS_RUNQUEUE_WAIT): [1e6, 2e6, 30e6, 2e6]},
         index=pd.Index([0, 1, 2, 3], name="rank"))
-    forward = Suspect(rank=2, layer="torch_op", name="forward", category="compute",
-                      excess_ns=12e6, z=8.0, value_ns=32e6, reference_ns=20e6, source="peers")
-    other = Suspect(rank=1, layer="torch_op", name="forward", category="compute",
-                    excess_ns=12e6, z=8.0, value_ns=32e6, reference_ns=20e6, source="peers")
-    kept = contended_compute([forward, other], table, pd.Series(0, index=table.index))
-    assert [(s.rank, s.category, s.name) for s in kept] == [
-        (2, "cpu-contention", "forward"), (1, "compute", "forward")]
-    assert kept[0].evidence == {"compute_growth_ns_per_step": 12e6,
-                                "runqueue_wait_excess_ns_per_step": 7e6}
+
+    def suspect(rank: int, category: str, name: str, excess_ns: float) -> Suspect:
+        return Suspect(rank=rank, layer="torch_op", name=name, category=category,
+                       excess_ns=excess_ns, z=8.0, value_ns=0.0, reference_ns=0.0,
+                       source="peers")
+
+    contended = suspect(2, "cpu-contention", m.PROCESS_RUNQUEUE_WAIT, 28e6)
+    kept = contended_compute(
+        [suspect(2, "compute", "forward", 12e6), suspect(3, "compute", "forward", 12e6),
+         contended], table, pd.Series(0, index=table.index))
+    # Rank 3's compute is its own (no wait); rank 2's is its contention's, kept as evidence.
+    assert [(s.rank, s.category) for s in kept] == [(3, "compute"), (2, "cpu-contention")]
+    assert contended.evidence == {"compute_growth_ns_per_step": 12e6,
+                                  "runqueue_wait_excess_ns_per_step": 28e6}

@@ -82,14 +82,14 @@ class PeerDiffDetector:
     the step and ``min_excess_ns``, is a suspect of the category its layer points to
     (``gpu-compute``, ``dataloader``, ``python-gc`` …), and a compute suspect is
     ``gpu-throttle`` when its GPU is held back more than its peers'
-    (:mod:`trainscope.detectors.throttle`), and ``cpu-contention`` when the rank's run-queue
-    wait grew by at least half as much (a thread runnable but not running is still inside
-    ``forward`` by the wall clock: a busy neighbour on its core). A pipeline stage whose compute
-    exceeds the other stages' is ``stage-imbalance``; a rank whose pipeline sends or NIC
-    throughput fall behind its peers' is ``network``. Collective time is never a cause: the
-    ranks of a suspect's TP, DP and PP groups whose collective wait grew are its victims. One
-    finding per rank and cause names its costliest function; its score is confidence (from the
-    z) times the suspect's share of the job's step-time excess.
+    (:mod:`trainscope.detectors.throttle`), and part of the rank's ``cpu-contention`` when its
+    run-queue wait grew at least as much and is twice its peers' (a thread runnable but not
+    running is still inside ``forward`` by the wall clock: a busy neighbour on its core). A
+    pipeline stage whose compute exceeds the other stages' is ``stage-imbalance``; a rank whose
+    pipeline sends or NIC throughput fall behind its peers' is ``network``. Collective time is
+    never a cause: the ranks of a suspect's TP, DP and PP groups whose collective wait grew are
+    its victims. One finding per rank and cause names its costliest function; its score is
+    confidence (from the z) times the suspect's share of the job's step-time excess.
 
     State, kept across windows and pickled with checkpoints: the per-step time tables and step
     times of the last ``history_windows`` windows (each rank's own reference, and the job's

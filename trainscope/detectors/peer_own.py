@@ -42,11 +42,16 @@ CROWD_FRAC = 0.5
 # A function on which the reference spends at most this share of the suspect's time is work
 # the peers hardly do (see PeerDiffDetector._excess_floor).
 ABSENT_ON_PEERS_FRAC = 0.1
-# A rank's compute growth is its wait for a CPU when its run-queue wait per step grew (over its
-# stage's median) by at least this share of it: a thread that is runnable but not running is
-# still inside forward by the wall clock, so a busy neighbour on its core shows as slower
-# compute too. Half: the wait is the larger part of the growth.
-CONTENTION_EXPLAINS_COMPUTE_FRAC = 0.5
+# A rank's compute growth is its wait for a CPU when the rank is a cpu-contention suspect too,
+# and its run-queue wait per step grew (over its stage's median) by at least as much as its
+# compute and is at least twice that median: a thread runnable but not running is still inside
+# forward by the wall clock, so a busy neighbour on its core shows as slower compute, by at
+# most the wait. Twice: on a host where every rank shares the cores, a rank with more work of
+# its own (a bigger shard) is runnable longer and waits more too, in proportion (1.4x its
+# peers' wait for 4x the forward, fault matrix case (h)); a neighbour that takes the core
+# doubles it at least (3.5x in case (c)).
+CONTENTION_EXPLAINS_COMPUTE_FRAC = 1.0
+CONTENTION_WAIT_RATIO = 2.0
 COMPUTE_CATEGORIES = frozenset({"gpu-compute", "compute"})
 CONTENTION_CATEGORY = "cpu-contention"
 
@@ -207,32 +212,27 @@ def _suspects(
 
 def contended_compute(suspects: list[Suspect], table: pd.DataFrame,
                       stage: pd.Series) -> list[Suspect]:
-    """The suspects, with each compute suspect whose rank's run-queue wait explains its growth
-    (``CONTENTION_EXPLAINS_COMPUTE_FRAC``) folded into that rank's ``cpu-contention``: kept as
-    its evidence where the rank is a contention suspect already (the same time, counted once),
-    else re-categorised (a contended rank's forward names where the wait was felt)."""
+    """The suspects, with each compute suspect whose growth its rank's wait for a CPU explains
+    (``CONTENTION_EXPLAINS_COMPUTE_FRAC``, ``CONTENTION_WAIT_RATIO``) kept as evidence of that
+    rank's ``cpu-contention`` suspect: the same time, counted once."""
+    contention = {s.rank: s for s in suspects if s.category == CONTENTION_CATEGORY}
     # The agent's figure first, as features.runqueue_wait_per_step reads it.
     wait_cols = [(m.SCHED_LAYER, name) for name in m.RUNQUEUE_WAIT_FUNCTIONS
                  if (m.SCHED_LAYER, name) in table.columns]
-    if not wait_cols or not any(s.category in COMPUTE_CATEGORIES for s in suspects):
+    if not wait_cols or not any(s.category in COMPUTE_CATEGORIES and s.rank in contention
+                                for s in suspects):
         return suspects
     wait = table[wait_cols[0]]
-    wait_excess = (wait - wait.groupby(stage).transform("median")).clip(lower=0).fillna(0.0)
-    contention = {s.rank: s for s in suspects if s.category == CONTENTION_CATEGORY}
+    usual = wait.groupby(stage).transform("median")
     kept = []
     for s in suspects:
-        waited = float(wait_excess.get(s.rank, 0.0))
-        if (s.category not in COMPUTE_CATEGORIES or s.excess_ns <= 0
-                or waited < CONTENTION_EXPLAINS_COMPUTE_FRAC * s.excess_ns):
+        c = contention.get(s.rank)
+        waited = float(wait.get(s.rank, np.nan) - usual.get(s.rank, np.nan))
+        if (c is None or s.category not in COMPUTE_CATEGORIES or not s.excess_ns > 0
+                or not waited >= CONTENTION_EXPLAINS_COMPUTE_FRAC * s.excess_ns
+                or not wait[s.rank] >= CONTENTION_WAIT_RATIO * usual[s.rank]):
             kept.append(s)
             continue
-        explained = {"compute_growth_ns_per_step": s.excess_ns,
-                     "runqueue_wait_excess_ns_per_step": waited}
-        if s.rank in contention:
-            c = contention[s.rank]
-            c.evidence = {**(c.evidence or {}), **explained}
-            continue
-        s.category = CONTENTION_CATEGORY
-        s.evidence = {**(s.evidence or {}), **explained}
-        kept.append(s)
+        c.evidence = {**(c.evidence or {}), "compute_growth_ns_per_step": s.excess_ns,
+                      "runqueue_wait_excess_ns_per_step": waited}
     return kept
