@@ -81,3 +81,19 @@ def test_the_runner_explains_a_profiles_cost_from_the_windows_own_reports() -> N
                       {(2, "host"), (-1, "slowdown")}]
     # Another job's windows know nothing of this job's profile.
     assert _alerted(runner.run(_window("k", {}))) == {(2, "host")}
+
+
+def test_a_fault_alerted_before_a_long_profile_stays_an_alert_through_it() -> None:
+    # Fault matrix case (c): the profile of a rank that shares its core with a busy neighbour
+    # is condensed for five windows; the contention it was asked for, missing from the
+    # detectors' answer meanwhile, is no cost of the profile when it shows again.
+    runner = DetectorRunner([Scripted([
+        [(2, "cpu-contention")],
+        [], [(2, "compute")], [], [],  # the profile runs; the contention not seen
+        [(2, "cpu-contention"), (0, "network")],  # still profiling: the fault is back
+        [(2, "cpu-contention"), (0, "network")],  # the profile done
+    ])])
+    busy = [{}, {2: 1.0}, {2: 2.0}, {2: 2.0}, {2: 2.0}, {2: 1.5}, {}]
+    alerts = [_alerted(runner.run(_window("j", b))) for b in busy]
+    assert alerts == [{(2, "cpu-contention")}, set(), set(), set(), set(),
+                      {(2, "cpu-contention")}, {(2, "cpu-contention"), (0, "network")}]

@@ -12,9 +12,10 @@ The PyTorch producer reports, as ``profiler_busy_s`` samples, the time a session
 spent recording or being condensed. In a window where some ranks of a job did, an alert
 is kept as evidence below the alert threshold, with the profile named in its message, when
 
-- it is new: its rank and category were not alerted in the job's last three windows (a
-  fault alerted before the profile, which the profile was most likely asked for, stays an
-  alert through it, even where a detector held it below the threshold for a window; the runner
+- it is new: its rank and category were not alerted in the job's last three windows, not
+  counting those a profile ran in (a fault alerted before the profile, which the profile was
+  most likely asked for, stays an alert through it, however long the profile takes and even
+  where a detector held it below the threshold for a window; the runner
   remembers each window's alerts after this fold and before ``explain.fold_explained``, so a
   fault another alert explained is not new either), and
 - it looks like what a profile costs: on a profiled rank, its step time, compute, host time,

@@ -158,6 +158,8 @@ def _missing_package(entry_point: EntryPoint, factory: object) -> str | None:
 DEFAULT_MAX_JOBS = 256
 # Windows of alerts a job's runner remembers: a fault alerted in any of them before a profile
 # is no cost of the profile (a detector may hold it below the alert threshold for a window).
+# Windows in which a profile ran do not count: a profile condensed on a contended core can
+# last five windows (fault matrix case (c)), and the fault it was asked for must outlast it.
 REMEMBERED_WINDOWS = 3
 
 
@@ -256,8 +258,12 @@ class DetectorRunner:
         # Our own profile's cost first: what it explains must not explain other findings away
         # (rank 2's host time folded into a compute alert that the profile itself caused).
         before = self._alerted.get(window.job_id, ())
-        findings = fold_own_cost(findings, profile_busy_s(window), frozenset().union(*before))
-        self._alerted[window.job_id] = (*before, alerted(findings))[-REMEMBERED_WINDOWS:]
+        busy_s = profile_busy_s(window)
+        findings = fold_own_cost(findings, busy_s, frozenset().union(*before))
+        if busy_s and before:  # a profile's window joins the last one remembered
+            self._alerted[window.job_id] = (*before[:-1], before[-1] | alerted(findings))
+        else:
+            self._alerted[window.job_id] = (*before, alerted(findings))[-REMEMBERED_WINDOWS:]
         findings = fold_explained(findings)
         self.findings_emitted += len(findings)
         return findings
