@@ -34,12 +34,20 @@ OWN_WORK_CATEGORY = {
     "dataloader": "dataloader",
     "gc": "python-gc",
     "sched": "cpu-contention",
+    # Device (CUDA event) time of the host phases: the GPU's own work, where it has it.
+    "gpu_phase": "gpu-compute",
 }
+# (``gpu_collective``, a blocking collective's device time, is stored and not read yet: the
+# host time already holds the wait, and who arrived last on the GPU needs more than it.)
 WAIT_LAYERS = frozenset({"collective"})
+# A phase timed on the device as well as on the host: its host time measures launch.
+DEVICE_PHASE_LAYER = "gpu_phase"
+HOST_PHASE_LAYER = "torch_op"
 # What shows a job runs on GPUs: a GPU layer in its summaries, or a GPU reading from the NVML
 # sampler (the agent). Without either, own-work compute is called ``compute``, not
 # ``gpu-compute``: a CPU-only job (gloo on CPU) has no GPU to blame.
-GPU_LAYERS = frozenset({"cuda_kernel", "cuda_api", "memcpy", "gpu_user_annotation"})
+GPU_LAYERS = frozenset({"cuda_kernel", "cuda_api", "memcpy", "gpu_user_annotation",
+                        "gpu_phase", "gpu_collective"})
 GPU_METRICS = frozenset({
     m.SM_CLOCK_MHZ, m.SM_CLOCK_MAX_MHZ, m.MEM_CLOCK_MHZ, m.SM_UTIL_PCT, m.MEM_UTIL_PCT,
     m.POWER_W, m.POWER_LIMIT_W, m.THROTTLE_REASONS, m.THROTTLED_FRAC,
@@ -122,6 +130,12 @@ def own_work_columns(columns: pd.Index | list) -> list:
     own = [c for c in columns if c[0] in OWN_WORK_CATEGORY]
     if (m.SCHED_LAYER, m.RUNQUEUE_WAIT) in own:
         own = [c for c in own if c != (m.SCHED_LAYER, m.PROCESS_RUNQUEUE_WAIT)]
+    # A phase with its device time is compared on it, not on its host (launch) time: with
+    # CUDA's asynchronous execution a slow GPU shows in the device time of the phase that
+    # ran the work, and on the host in whatever next synchronises.
+    on_device = {name for layer, name in own if layer == DEVICE_PHASE_LAYER}
+    if on_device:
+        own = [c for c in own if not (c[0] == HOST_PHASE_LAYER and c[1] in on_device)]
     return own
 
 

@@ -44,6 +44,10 @@ LAYERS = (
     "dataloader",
     "gc",
     "sched",
+    # device (CUDA event) time of the host phases and blocking collectives: see
+    # trainscope/producers/torch/device_timing.py
+    "gpu_phase",
+    "gpu_collective",
 )
 
 CATEGORIES = (

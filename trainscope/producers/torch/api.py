@@ -28,8 +28,11 @@ def attach(**options: Any) -> Attachment | None:
     Options (each also settable by its environment variable, see :mod:`trainscope.config.env`):
     ``bus`` (URL or a Bus object), ``job_id``, ``rank``, ``world_size``, ``local_rank``,
     ``host``, ``window_s``, ``queue_size``, ``profile_budget_s``, ``profile_max_steps``,
-    ``optrace``, ``pp_size``, ``tp_size``. Bad option values raise ``ValueError`` here, at
-    attach time; after that nothing trainscope does raises into training.
+    ``optrace``, ``pp_size``, ``tp_size``; ``device_events``, a function returning a new
+    timing event (default: ``torch.cuda.Event`` once a top model's input is on a CUDA
+    device; see :mod:`trainscope.producers.torch.device_timing`). Bad option values raise
+    ``ValueError`` here, at attach time; after that nothing trainscope does raises into
+    training.
     Returns None when disabled by ``TRAINSCOPE_DISABLE``.
     """
     global _current, _fork_handler_installed
@@ -42,8 +45,9 @@ def attach(**options: Any) -> Attachment | None:
         if _current is not None and _current.active and _current._pid == os.getpid():
             return _current
         bus = options.pop("bus", None)
+        device_events = options.pop("device_events", None)
         resolved = resolve(**options)
-        attachment = Attachment(resolved, bus)
+        attachment = Attachment(resolved, bus, device_events)
         attachment.on_detach = forget
         _current = attachment
         if not _fork_handler_installed:

@@ -66,6 +66,7 @@ class BackwardTimer:
         self._started = False
         self._start_ns = 0
         self._missed = False
+        self._device_start: Any = None  # the settled pass's start event, with device timing
         self._exact_start = att.guard.wrap("backward hook", self._exact_start_impl)
 
     # -- life cycle (training thread, at step boundaries) -----------------------------------
@@ -132,6 +133,9 @@ class BackwardTimer:
         if not self._started:
             self._start_ns = time.time_ns()
             self._started = True
+            device = self.att.device
+            if device is not None:
+                self._device_start = device.begin()
 
     def _last_hook(self, _param: torch.Tensor) -> None:
         end = time.time_ns()
@@ -142,6 +146,10 @@ class BackwardTimer:
             self._started = False
             start = self._start_ns
             att = self.att
+            device = att.device
+            if device is not None:
+                device.end(device.backward, start, self._device_start)
+                self._device_start = None
             if att.active:
                 pairs = att.backward_log.values
                 pairs.append(start)
@@ -177,10 +185,14 @@ class BackwardTimer:
         start = time.time_ns()
         att = self.att
         self._order = []
+        device = att.device
+        device_start = device.begin() if device is not None else None
 
         def on_backward_end() -> None:
             try:
                 end = time.time_ns()
+                if device is not None:
+                    device.end(device.backward, start, device_start)
                 att.record("torch_op", "backward", start, end - start)
                 att.on_backward_end(start, end)
                 if self.mode == CALIBRATING:

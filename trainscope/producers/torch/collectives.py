@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainscope.producers.torch.device_timing import DEVICE_COLLECTIVE_LAYER, DeviceTimer
 from trainscope.producers.torch.threadstate import keep_thread_state
 
 if TYPE_CHECKING:
@@ -109,8 +110,13 @@ def install_collective_hooks(att: Attachment) -> Uninstall:
     return uninstall
 
 
+def _device_end(device: DeviceTimer, name: str, start_ns: int, start: Any) -> None:
+    device.end(device.log(DEVICE_COLLECTIVE_LAYER, name), start_ns, start)
+
+
 def _wrap(att: Attachment, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     measure = att.guard.wrap("collective hook", _describe)
+    device_measure = att.guard.wrap("collective hook", _device_end)
     compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -119,6 +125,8 @@ def _wrap(att: Attachment, op: str, fn: Callable[..., Any]) -> Callable[..., Any
         pending = att.steps.pending
         token = next(_tokens)
         start = pending[token] = time.time_ns()
+        device = att.device
+        device_start = device.begin() if device is not None else None
         try:
             result = fn(*args, **kwargs)
         except BaseException:
@@ -127,11 +135,21 @@ def _wrap(att: Attachment, op: str, fn: Callable[..., Any]) -> Callable[..., Any
         end = time.time_ns()
         described = measure(op, args, kwargs)
         if described is not None and result is not None and hasattr(result, "get_future"):
+            # Asynchronous: the current stream waits for it only at the caller's wait(), so an
+            # end event here would time the launch. Its device time is not taken.
             _record_on_completion(att, described[0], start, described[1], result, token)
+            if device_start is not None:
+                device.abandon(device_start)  # type: ignore[union-attr]
             return result
         pending.pop(token, None)
         if described is not None:
             att.record_collective(described[0], start, end - start, described[1])
+            if device is not None:
+                # A blocking call returns once the current stream waits for its completion:
+                # from the stream reaching it to its end, on the device.
+                device_measure(device, described[0], start, device_start)
+        elif device_start is not None:
+            device.abandon(device_start)  # type: ignore[union-attr]
         return result
 
     wrapper.__name__ = op

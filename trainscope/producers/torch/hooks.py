@@ -125,6 +125,7 @@ class ModelHooks:
         self._depth = 0
         self._current: torch.nn.Module | None = None
         self._forward_start_ns = 0
+        self._device_start: Any = None  # the forward's start event, with device timing
         self._forwards_in_step = 0
         self.backward = BackwardTimer(att)
         # DDP wrappers are looked through: "forward" is the wrapped model's own compute, and
@@ -293,6 +294,11 @@ class ModelHooks:
                 att.recorder.step_started(now)
             # The common case inline, without a call or building a tuple.
             first = args[0] if args and type(args[0]) is _Tensor else _first_tensor(args, kwargs)
+            if not att._device_checked:
+                att.check_device(first)
+            device = att.device
+            if device is not None:
+                self._device_start = device.begin()
             if first is not None:
                 shape = first.shape
                 if shape:
@@ -314,6 +320,10 @@ class ModelHooks:
             if self.backward.mode != PARAMETERS:
                 self.backward.arm(output)  # first: a failure to record the forward must not skip it
             att = self.att
+            device = att.device
+            if device is not None:
+                device.end(device.forward, start, self._device_start)
+                self._device_start = None
             if att.active:
                 pairs = att.forward_log.values
                 pairs.append(start)
@@ -341,11 +351,15 @@ def install_optimizer_hooks(att: Attachment) -> Uninstall:
     )
 
     starts: dict[int, int] = {}
+    device_starts: dict[int, Any] = {}
     report = att.guard.report
 
     def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
             starts[id(optimizer)] = time.time_ns()
+            device = att.device
+            if device is not None:
+                device_starts[id(optimizer)] = device.begin()
         except Exception as exc:
             report("optimizer hook", exc)
 
@@ -354,6 +368,9 @@ def install_optimizer_hooks(att: Attachment) -> Uninstall:
         start = now
         try:
             start = starts.pop(id(optimizer), now)
+            device = att.device
+            if device is not None:
+                device.end(device.optimizer, start, device_starts.pop(id(optimizer), None))
             if att.active:
                 pairs = att.optimizer_log.values
                 pairs.append(start)

@@ -16,14 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 from trainscope.config.secrets import redact_url
+from trainscope.producers.torch.device_timing import DeviceTimer, EventFactory, cuda_events
 from trainscope.producers.torch.options import Options
 from trainscope.producers.torch.safety import Guard, log
 from trainscope.producers.torch.schedstat import RunQueueClock
 from trainscope.producers.torch.sender import Sender
 from trainscope.producers.torch.spanlog import PhaseLog
 from trainscope.producers.torch.steps import StepTracker
+from trainscope.schemas.metrics import PHASE_CLOCK_DEVICE
 from trainscope.schemas.recorder import WindowRecorder
-from trainscope.schemas.records import ControlMessage, Topology, WorkerInfo
+from trainscope.schemas.records import ControlMessage, MetricSample, Topology, WorkerInfo
 from trainscope.transport.bus import Bus, open_bus, rank_key
 from trainscope.transport.security import parse_kafka_url
 
@@ -41,7 +43,8 @@ class Attachment:
     and ``detach()`` are the user's handle.
     """
 
-    def __init__(self, options: Options, bus: Bus | str | None = None) -> None:
+    def __init__(self, options: Options, bus: Bus | str | None = None,
+                 device_events: EventFactory | None = None) -> None:
         self.options = options
         self.guard = Guard()
         self.active = True
@@ -59,6 +62,13 @@ class Attachment:
             self.forward_log, self.backward_log, self.optimizer_log, self.dataloader_log,
             self.gc_log,
         )
+        # Device time of the phases (producers/torch/device_timing.py): from the start with
+        # the event type given, else from the first forward whose input is on a CUDA device.
+        self._device_events = device_events
+        self.device: DeviceTimer | None = (
+            DeviceTimer(device_events) if device_events is not None else None)
+        self._device_checked = device_events is not None
+        self._clock_flagged_ns = -1  # the last window whose clock was said (PHASE_CLOCK_DEVICE)
         # This process's wait for a CPU, read by the sender thread (producers/torch/schedstat.py).
         self.runqueue = RunQueueClock()
         self.bus_url, factory, owns = _bus_factory(bus if bus is not None else options.bus_url)
@@ -167,6 +177,7 @@ class Attachment:
             phase.clear()
         self.steps.log.clear()
         self.runqueue.disable()
+        self.device, self._device_checked = None, True  # CUDA does not survive a fork
         self.sender.reset_after_fork()
         self.control = None
 
@@ -261,6 +272,9 @@ class Attachment:
         out: list[Any] = self.steps.drain()
         for phase in self.phase_logs:
             phase.drain_into(recorder)
+        device = self.device
+        if device is not None:
+            device.drain_into(recorder)
         if self.active:
             self.runqueue.sample_into(recorder, self.steps.step)
             now_ns = time.time_ns()
@@ -268,11 +282,25 @@ class Attachment:
             out += self.profiler.busy_report(now_ns, self.options.job_id, self.options.rank,
                                              self.options.host)
         taken = recorder.take_all() if final else recorder.take_closed(time.time_ns())
+        o = self.options
+        clock = 0.0 if device is None else 1.0
         for window_start, functions in taken:
-            out.extend(
-                recorder.summaries(self.options.job_id, self.options.rank, window_start, functions)
-            )
+            out.extend(recorder.summaries(o.job_id, o.rank, window_start, functions))
+            if window_start > self._clock_flagged_ns:  # once per window (late spans come again)
+                self._clock_flagged_ns = window_start
+                out.append(MetricSample(job_id=o.job_id, host=o.host, rank=o.rank,
+                                        ts_ns=window_start, name=PHASE_CLOCK_DEVICE, value=clock))
         return out
+
+    def check_device(self, tensor: Any) -> None:
+        """At a top model's forward: device timing starts with the first input on a CUDA
+        device (training thread, until it has looked once)."""
+        self._device_checked = True
+        if getattr(getattr(tensor, "device", None), "type", None) != "cuda":
+            return
+        factory = cuda_events()
+        if factory is not None:
+            self.device = DeviceTimer(factory)
 
     # -- control thread -----------------------------------------------------------------------
     def _on_control(self, message: ControlMessage) -> None:
@@ -334,6 +362,10 @@ class Attachment:
             "spans_recorded": self.recorder.recorded
             + sum(phase.pending() for phase in self.phase_logs),
             "spans_dropped": sum(phase.dropped for phase in self.phase_logs),
+            "device_timing": self.device is not None,
+            "device_spans_resolved": self.device.resolved if self.device is not None else 0,
+            # Phases left without their device time: the event pool was dry (sender behind).
+            "device_spans_dropped": self.device.dropped if self.device is not None else 0,
             "records_submitted": sender["submitted"],
             "records_acked": sender["acked"],
             "records_dropped": sender["dropped"],

@@ -1,0 +1,206 @@
+"""Device time of the phases (issue: GPU truth in the always-on layer), on CPU machines.
+
+The build machines have no GPU: the device and its timing events are a **stand-in**
+(``device_standin.py``), passed to ``attach(device_events=...)`` in place of
+``torch.cuda.Event``. Its device runs work queued by the host on a clock of its own, as a GPU
+runs launched kernels after the host has moved on; what these tests show is what the producer
+does with such events: which phase each device duration lands in, which thread asks the events
+anything, and how much it holds while nobody reads them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from device_standin import StandInGpu
+from torch_producer_helpers import by_type, read_records, steps_of, summaries_of
+
+from trainscope.producers.torch.device_timing import (
+    DEFAULT_POOL_PAIRS,
+    DEVICE_PHASE_LAYER,
+    DeviceTimer,
+)
+from trainscope.producers.torch.spanlog import PhaseLog
+from trainscope.schemas.metrics import PHASE_CLOCK_DEVICE
+from trainscope.schemas.records import MetricSample
+
+FORWARD_NS = 20_000_000  # the kernels each forward queues on the stand-in device
+BACKWARD_NS = 5_000_000
+OPTIMIZER_NS = 1_000_000
+
+
+class _LaunchOnBackward(torch.autograd.Function):
+    """Identity whose backward queues device work (the backward pass's kernels)."""
+
+    @staticmethod
+    def forward(ctx, x, gpu, duration_ns):  # type: ignore[override]
+        ctx.gpu, ctx.duration_ns = gpu, duration_ns
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.gpu.launch(ctx.duration_ns)
+        return grad, None, None
+
+
+class StandInGpuModel(torch.nn.Module):
+    """A model whose work is queued on the stand-in device; its forward returns at once."""
+
+    def __init__(self, gpu: StandInGpu, forward_ns: int = FORWARD_NS) -> None:
+        super().__init__()
+        self.gpu, self.forward_ns = gpu, forward_ns
+        self.first, self.second = torch.nn.Linear(16, 32), torch.nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.gpu.launch(self.forward_ns)
+        # In the middle: its backward runs between the first and the last gradient.
+        h = _LaunchOnBackward.apply(self.first(x), self.gpu, BACKWARD_NS)
+        return self.second(torch.relu(h))
+
+
+def train_on_stand_in(gpu: StandInGpu, steps: int, device_runs: bool = True) -> None:
+    model = StandInGpuModel(gpu)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer.register_step_pre_hook(lambda *_: gpu.launch(OPTIMIZER_NS))
+    for _ in range(steps):
+        x, y = torch.randn(8, 16), torch.randn(8, 1)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if device_runs:
+            gpu.run_queued()  # the device catches up while the host goes on
+
+
+def per_call_ns(summaries: list, layer: str, name: str) -> list[float]:
+    return [s.total_ns / s.count for s in summaries if (s.layer, s.name) == (layer, name)]
+
+
+def test_phases_carry_their_device_time_beside_the_host_time(attach, memory_bus) -> None:
+    gpu = StandInGpu()
+    att = attach(window_s=0.5, device_events=gpu.event)
+    train_on_stand_in(gpu, steps=30)
+    time.sleep(0.6)  # a window closes while attached: its flag is sent with it
+    att.detach()
+    records = read_records(memory_bus)
+    summaries = summaries_of(records)
+    # Each phase's device time is the work it queued, exactly: not launch time, and the
+    # forward's kernels are not charged to the optimizer (nor to whatever synchronised).
+    assert set(per_call_ns(summaries, DEVICE_PHASE_LAYER, "forward")) == {FORWARD_NS}
+    assert set(per_call_ns(summaries, DEVICE_PHASE_LAYER, "backward")) == {BACKWARD_NS}
+    assert set(per_call_ns(summaries, DEVICE_PHASE_LAYER, "optimizer.step")) == {OPTIMIZER_NS}
+    device_calls = sum(s.count for s in summaries if s.layer == DEVICE_PHASE_LAYER)
+    assert device_calls == 3 * 30
+    # The host times are still there, and measure what the host spent: far less.
+    host_forward = per_call_ns(summaries, "torch_op", "forward")
+    assert host_forward and max(host_forward) < FORWARD_NS / 2
+    flags = [r for r in by_type(records, MetricSample) if r.name == PHASE_CLOCK_DEVICE]
+    assert flags and {f.value for f in flags} == {1.0}
+    stats = att.stats()
+    assert stats["device_timing"] and stats["device_spans_resolved"] == 90
+    assert stats["device_spans_dropped"] == 0 and stats["errors"] == 0
+
+
+def test_events_are_never_synchronised_nor_read_on_the_training_thread(attach) -> None:
+    gpu = StandInGpu()
+    att = attach(window_s=0.5, device_events=gpu.event)
+    training_thread = threading.get_ident()
+    train_on_stand_in(gpu, steps=20)
+    att.detach()
+    counts = gpu.counts()
+    assert counts["synchronize"] == 0 and counts["wait"] == 0, counts
+    assert gpu.threads_of("record") == {training_thread}
+    assert counts["query"] > 0 and training_thread not in gpu.threads_of("query")
+    assert training_thread not in gpu.threads_of("elapsed_time")
+
+
+def test_the_event_pool_is_bounded_while_no_event_completes(attach, memory_bus) -> None:
+    # The device never runs (or the reader never sees it): the events stay in flight.
+    gpu = StandInGpu()
+    att = attach(window_s=0.5, device_events=gpu.event)
+    steps = 200  # 600 phases, more than the pool's pairs
+    train_on_stand_in(gpu, steps=steps, device_runs=False)
+    assert gpu.created == 2 * DEFAULT_POOL_PAIRS  # no event made after the pool
+    device = att.device
+    assert device is not None and device.in_flight() == DEFAULT_POOL_PAIRS
+    assert att.stats()["device_spans_dropped"] == 3 * steps - DEFAULT_POOL_PAIRS
+    gpu.run_queued()  # the device catches up: what was in flight is filed
+    att.detach()
+    records = read_records(memory_bus)
+    assert len(steps_of(records)) == steps  # the host's records are all there
+    device_calls = sum(s.count for s in summaries_of(records) if s.layer == DEVICE_PHASE_LAYER)
+    assert device_calls == DEFAULT_POOL_PAIRS
+
+
+def test_nested_phases_past_the_pool_go_untimed_and_give_their_events_back() -> None:
+    gpu = StandInGpu()
+    timer = DeviceTimer(gpu.event, pool_pairs=1)
+    log = PhaseLog(DEVICE_PHASE_LAYER, "forward")
+    outer = timer.begin()
+    inner = timer.begin()  # the pool's last event
+    assert timer.begin() is None and timer.dropped == 1
+    timer.end(log, 0, inner)  # no event left to end it: untimed, its start given back
+    assert timer.dropped == 2
+    timer.end(log, 0, outer)
+    gpu.run_queued()
+    assert timer.resolve() == 1 and timer.in_flight() == 0
+    assert gpu.created == 2  # reused, never more
+    with pytest.raises(ValueError, match="pool_pairs must be >= 1"):
+        DeviceTimer(gpu.event, pool_pairs=0)
+
+
+def test_a_cpu_job_sends_host_times_and_says_so(attach, memory_bus) -> None:
+    from torch_producer_helpers import TinyModel, train
+
+    att = attach(window_s=0.5)
+    train(TinyModel(), steps=10)
+    time.sleep(0.6)
+    att.detach()
+    records = read_records(memory_bus)
+    assert att.stats()["device_timing"] is False
+    assert not [s for s in summaries_of(records) if s.layer == DEVICE_PHASE_LAYER]
+    flags = [r for r in by_type(records, MetricSample) if r.name == PHASE_CLOCK_DEVICE]
+    assert flags and {f.value for f in flags} == {0.0}
+
+
+@pytest.mark.kafka
+def test_both_clocks_reach_the_store_through_the_real_broker_and_pipeline(
+        attach, fresh_kafka_broker, tmp_path) -> None:
+    from trainscope.engine.bus_job import BusStreamJob
+    from trainscope.sinks.clickhouse import ClickHouseSink, run_query
+    from trainscope.transport.bus import open_bus
+
+    gpu = StandInGpu()
+    steps = 25
+    att = attach(bus=fresh_kafka_broker.url, job_id="device-clock", window_s=0.5,
+                 device_events=gpu.event)
+    train_on_stand_in(gpu, steps=steps)
+    att.detach()
+    assert att.stats()["records_acked"] == att.stats()["records_submitted"]
+    bus = open_bus(fresh_kafka_broker.url)
+    sink = ClickHouseSink.open(tmp_path / "store")
+    try:
+        pipeline = BusStreamJob(bus, group="device-clock", detectors=[], window_s=0.5,
+                                sink=sink)
+        pipeline.run(idle_timeout_s=2.0, max_seconds=30)
+        pipeline.finish()
+        _, rows = run_query(sink.client, (
+            "SELECT layer, name, sum(count), sum(total_ns) FROM function_summaries "
+            "WHERE job_id = 'device-clock' AND name IN ('forward', 'backward', "
+            "'optimizer.step') GROUP BY layer, name ORDER BY layer, name"))
+        _, flags = run_query(sink.client, (
+            "SELECT DISTINCT value FROM metric_samples WHERE job_id = 'device-clock' "
+            f"AND name = '{PHASE_CLOCK_DEVICE}'"))
+    finally:
+        sink.close()
+        bus.close()
+    stored = {(layer, name): (int(count), int(total)) for layer, name, count, total in rows}
+    assert stored[(DEVICE_PHASE_LAYER, "forward")] == (steps, steps * FORWARD_NS)
+    assert stored[(DEVICE_PHASE_LAYER, "backward")] == (steps, steps * BACKWARD_NS)
+    assert stored[(DEVICE_PHASE_LAYER, "optimizer.step")] == (steps, steps * OPTIMIZER_NS)
+    host_count, host_total = stored[("torch_op", "forward")]
+    assert host_count == steps and host_total < steps * FORWARD_NS / 2
+    assert [float(v) for (v,) in flags] == [1.0]

@@ -1,0 +1,164 @@
+"""Device time of the per-step phases: CUDA events on the training stream, resolved elsewhere.
+
+With CUDA's asynchronous execution the host returns from ``forward`` and ``backward`` once
+their kernels are queued: host times measure launch, and the GPU time surfaces wherever the host
+next waits (an ``.item()``, the optimizer, the next collective), so a slow GPU would be charged
+to whichever function synchronises. Each phase is therefore also bracketed by two events
+recorded on the current stream (``Event.record()``: queued with the kernels, nothing waited
+for); the sender thread resolves them in order once they completed (``Event.query()``, which
+never blocks) and files ``start_ns, device_duration_ns`` pairs under the ``gpu_phase`` layer
+(and blocking collectives under ``gpu_collective``), beside the host pairs of ``torch_op``. The
+store keeps both clocks; the detectors compare device time for the phases that have it.
+
+Nothing here synchronises: the training thread only records events and moves them between
+two queues (``deque`` appends and pops, atomic under the GIL, so the sender thread needs no
+lock). The events come from a pool of ``pool_size`` pairs, reused step after step: when the
+sender thread falls behind (stalled, or gone) the pool runs dry and a phase is left without its
+device time, counted in ``dropped``, rather than allocating without bound.
+
+The event type is a parameter (``torch.cuda.Event`` for CUDA jobs): tests on machines without a
+GPU pass a stand-in with the same four methods.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from trainscope.producers.torch.spanlog import PhaseLog
+from trainscope.schemas.recorder import WindowRecorder
+
+# Layers of the device-clock pairs: own work on the GPU, and collectives (possibly waiting).
+DEVICE_PHASE_LAYER = "gpu_phase"
+DEVICE_COLLECTIVE_LAYER = "gpu_collective"
+# Event pairs in the pool: a few steps' phases and collectives in flight at once (the GPU runs
+# behind the host by a step or two), and a bound on what a stalled reader can hold.
+DEFAULT_POOL_PAIRS = 256
+
+
+class DeviceEvent(Protocol):
+    """What the timer needs of an event: ``torch.cuda.Event(enable_timing=True)``'s methods."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end: Any) -> float: ...  # milliseconds
+
+
+EventFactory = Callable[[], DeviceEvent]
+
+
+def cuda_events() -> EventFactory | None:
+    """``torch.cuda.Event`` with timing on, or None where CUDA is not usable here."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return lambda: torch.cuda.Event(enable_timing=True)
+
+
+class Pending:
+    """A phase whose events were recorded and may not have completed yet."""
+
+    __slots__ = ("end", "host_start_ns", "log", "start")
+
+    def __init__(self, log: PhaseLog, host_start_ns: int, start: DeviceEvent,
+                 end: DeviceEvent) -> None:
+        self.log = log
+        self.host_start_ns = host_start_ns
+        self.start = start
+        self.end = end
+
+
+class DeviceTimer:
+    """Brackets phases with pooled events (training thread) and resolves them (sender thread).
+
+    ``begin()`` records a start event and returns it (None when the pool is dry); ``end(...)``
+    records the end event and queues the pair. ``resolve()`` files every completed pair, in
+    the order they were queued, into its phase's log of device durations.
+    """
+
+    def __init__(self, new_event: EventFactory, pool_pairs: int = DEFAULT_POOL_PAIRS) -> None:
+        if pool_pairs < 1:
+            raise ValueError(f"pool_pairs must be >= 1, got {pool_pairs}")
+        # Created now, not per step: creating an event costs a driver call.
+        self._free: deque[DeviceEvent] = deque(new_event() for _ in range(2 * pool_pairs))
+        self._pending: deque[Pending] = deque()
+        self._logs: dict[tuple[str, str], PhaseLog] = {}
+        self.pool_events = 2 * pool_pairs
+        self.dropped = 0
+        self.resolved = 0
+        # The fixed phases' logs, at hand for the hooks (no look-up per step).
+        self.forward = self.log(DEVICE_PHASE_LAYER, "forward")
+        self.backward = self.log(DEVICE_PHASE_LAYER, "backward")
+        self.optimizer = self.log(DEVICE_PHASE_LAYER, "optimizer.step")
+
+    def log(self, layer: str, name: str) -> PhaseLog:
+        """The log of device durations of ``layer``/``name`` (created on first use)."""
+        key = (layer, name)
+        log = self._logs.get(key)
+        if log is None:
+            log = self._logs[key] = PhaseLog(layer, name)
+        return log
+
+    def logs(self) -> list[PhaseLog]:
+        return list(self._logs.values())
+
+    # -- training thread --------------------------------------------------------------------
+    def begin(self) -> DeviceEvent | None:
+        """A start event recorded on the current stream; None (counted) when the pool is dry."""
+        try:
+            event = self._free.popleft()
+        except IndexError:
+            self.dropped += 1
+            return None
+        event.record()
+        return event
+
+    def end(self, log: PhaseLog, host_start_ns: int, start: DeviceEvent | None) -> None:
+        """Record the end of the phase ``start`` began, to be resolved later."""
+        if start is None:
+            return
+        try:
+            event = self._free.popleft()
+        except IndexError:  # nested phases took the last events: this one goes untimed
+            self._free.append(start)
+            self.dropped += 1
+            return
+        event.record()
+        self._pending.append(Pending(log, host_start_ns, start, event))
+
+    def abandon(self, start: DeviceEvent) -> None:
+        """Give back the start event of a phase that will not be timed on the device."""
+        self._free.append(start)
+
+    # -- sender thread ----------------------------------------------------------------------
+    def resolve(self) -> int:
+        """File the pairs that completed, oldest first, stopping at the first still running
+        (a stream runs its work in order); returns how many were filed."""
+        pending, free = self._pending, self._free
+        filed = 0
+        while pending:
+            head = pending[0]
+            if not head.end.query():
+                break
+            pending.popleft()
+            duration_ns = int(head.start.elapsed_time(head.end) * 1e6)
+            values = head.log.values
+            values.append(head.host_start_ns)
+            values.append(max(duration_ns, 0))
+            free.append(head.start)
+            free.append(head.end)
+            filed += 1
+        self.resolved += filed
+        return filed
+
+    def drain_into(self, recorder: WindowRecorder) -> int:
+        """Resolve what completed, then move every phase's pairs to ``recorder``."""
+        self.resolve()
+        return sum(log.drain_into(recorder) for log in list(self._logs.values()))
+
+    def in_flight(self) -> int:
+        return len(self._pending)
