@@ -135,6 +135,8 @@ class BackwardTimer:
             self._started = True
             device = self.att.device
             if device is not None:
+                if self._device_start is not None:  # a pass that missed its last hook
+                    device.abandon(self._device_start)
                 self._device_start = device.begin()
 
     def _last_hook(self, _param: torch.Tensor) -> None:

@@ -162,3 +162,7 @@ class DeviceTimer:
 
     def in_flight(self) -> int:
         return len(self._pending)
+
+    def free_events(self) -> int:
+        """Events in the pool, ready for a phase (``pool_events`` when none is lost)."""
+        return len(self._free)

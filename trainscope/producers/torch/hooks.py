@@ -298,6 +298,8 @@ class ModelHooks:
                 att.check_device(first)
             device = att.device
             if device is not None:
+                if self._device_start is not None:  # a forward that never reached its end
+                    device.abandon(self._device_start)
                 self._device_start = device.begin()
             if first is not None:
                 shape = first.shape
@@ -359,6 +361,9 @@ def install_optimizer_hooks(att: Attachment) -> Uninstall:
             starts[id(optimizer)] = time.time_ns()
             device = att.device
             if device is not None:
+                unfinished = device_starts.pop(id(optimizer), None)  # a step that raised
+                if unfinished is not None:
+                    device.abandon(unfinished)
                 device_starts[id(optimizer)] = device.begin()
         except Exception as exc:
             report("optimizer hook", exc)
