@@ -10,11 +10,12 @@ never blocks) and files ``start_ns, device_duration_ns`` pairs under the ``gpu_p
 (and blocking collectives under ``gpu_collective``), beside the host pairs of ``torch_op``. The
 store keeps both clocks; the detectors compare device time for the phases that have it.
 
-Nothing here synchronises: the training thread only records events and moves them between
-two queues (``deque`` appends and pops, atomic under the GIL, so the sender thread needs no
-lock). The events come from a pool of ``pool_size`` pairs, reused step after step: when the
-sender thread falls behind (stalled, or gone) the pool runs dry and a phase is left without its
-device time, counted in ``dropped``, rather than allocating without bound.
+Nothing here synchronises: the training thread only records events and moves them between two
+queues (``deque`` appends and pops, atomic under the GIL, so the sender thread needs no lock).
+The events come from a pool of at most ``pool_pairs`` pairs, made as the job first needs them
+and reused step after step: when the sender thread falls behind (stalled, or gone) the pool runs
+dry and a phase is left without its device time, counted in ``dropped``, rather than allocating
+without bound.
 
 The event type is a parameter (``torch.cuda.Event`` for CUDA jobs): tests on machines without a
 GPU pass a stand-in with the same four methods.
@@ -32,9 +33,11 @@ from trainscope.schemas.recorder import WindowRecorder
 # Layers of the device-clock pairs: own work on the GPU, and collectives (possibly waiting).
 DEVICE_PHASE_LAYER = "gpu_phase"
 DEVICE_COLLECTIVE_LAYER = "gpu_collective"
-# Event pairs in the pool: a few steps' phases and collectives in flight at once (the GPU runs
-# behind the host by a step or two), and a bound on what a stalled reader can hold.
-DEFAULT_POOL_PAIRS = 256
+# Event pairs in the pool at most: the phases of one sender round (0.5 s) and of the GPU's lag
+# behind the host, at 1-ms steps with three phases each and a few collectives (about 2,000),
+# twice over; and a bound on what a stalled reader can hold (events are small host objects,
+# each a driver event once recorded).
+DEFAULT_POOL_PAIRS = 4096
 
 
 class DeviceEvent(Protocol):
@@ -83,8 +86,10 @@ class DeviceTimer:
     def __init__(self, new_event: EventFactory, pool_pairs: int = DEFAULT_POOL_PAIRS) -> None:
         if pool_pairs < 1:
             raise ValueError(f"pool_pairs must be >= 1, got {pool_pairs}")
-        # Created now, not per step: creating an event costs a driver call.
-        self._free: deque[DeviceEvent] = deque(new_event() for _ in range(2 * pool_pairs))
+        # Made as the pool grows to what the job keeps in flight, then reused, never more.
+        self._new_event = new_event
+        self._free: deque[DeviceEvent] = deque()
+        self._made = 0
         self._pending: deque[Pending] = deque()
         self._logs: dict[tuple[str, str], PhaseLog] = {}
         self.pool_events = 2 * pool_pairs
@@ -112,10 +117,20 @@ class DeviceTimer:
         try:
             event = self._free.popleft()
         except IndexError:
-            self.dropped += 1
-            return None
+            event = self._grow()
+            if event is None:
+                self.dropped += 1
+                return None
         event.record()
         return event
+
+    def _grow(self) -> DeviceEvent | None:
+        """A new event while the pool is below its bound (two at a time: the pair's end)."""
+        if self._made + 2 > self.pool_events:
+            return None
+        self._made += 2
+        self._free.append(self._new_event())
+        return self._new_event()
 
     def end(self, log: PhaseLog, host_start_ns: int, start: DeviceEvent | None) -> None:
         """Record the end of the phase ``start`` began, to be resolved later."""
@@ -164,5 +179,8 @@ class DeviceTimer:
         return len(self._pending)
 
     def free_events(self) -> int:
-        """Events in the pool, ready for a phase (``pool_events`` when none is lost)."""
+        """Events made and ready for a phase (``made_events()`` when none is lost)."""
         return len(self._free)
+
+    def made_events(self) -> int:
+        return self._made
