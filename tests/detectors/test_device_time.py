@@ -16,8 +16,9 @@ import dataclasses
 import pandas as pd
 
 from trainscope.detectors.contract import example_windows
-from trainscope.detectors.features import own_work_columns
+from trainscope.detectors.features import device_clock_view
 from trainscope.detectors.peer import PeerDiffDetector
+from trainscope.detectors.registry import DetectorRunner
 from trainscope.schemas.window import WindowView
 
 SLOW = 5
@@ -42,9 +43,8 @@ def device_timed(view: WindowView) -> WindowView:
 
 
 def test_a_slow_gpu_is_named_in_the_phase_that_ran_the_work() -> None:
-    detector = PeerDiffDetector()
-    found = [f for v in example_windows(3, slow_rank=SLOW)
-             for f in detector.detect(device_timed(v))]
+    runner = DetectorRunner([PeerDiffDetector()])  # the pipeline's path: it reads the view
+    found = [f for v in example_windows(3, slow_rank=SLOW) for f in runner.run(device_timed(v))]
     alerts = [f for f in found if f.score >= 0.5]
     assert {(f.rank, f.category, f.layer, f.function) for f in alerts} == {
         (SLOW, "gpu-compute", "gpu_phase", "backward")}, found
@@ -55,8 +55,17 @@ def test_a_slow_gpu_is_named_in_the_phase_that_ran_the_work() -> None:
     assert 70 < excess_ms < 100, excess_ms  # the backward's +40% of ~200 ms, once
 
 
-def test_host_times_count_where_no_device_time_came() -> None:
-    columns = [("torch_op", "forward"), ("torch_op", "backward"), ("gpu_phase", "backward"),
-               ("dataloader", "next_batch"), ("collective", "all_reduce")]
-    assert own_work_columns(columns) == [("torch_op", "forward"), ("gpu_phase", "backward"),
-                                         ("dataloader", "next_batch")]
+def test_the_device_clock_view_leaves_out_the_host_rows_of_device_timed_phases() -> None:
+    view = device_timed(example_windows(1)[0])
+    s = view.summaries
+    # A rank without device times (another producer, a CPU process) keeps its host rows.
+    s = s[~((s["rank"] == 0) & s["layer"].isin(["gpu_phase"]))]
+    read = device_clock_view(dataclasses.replace(view, summaries=s)).summaries
+    pairs = set(zip(read["rank"], read["layer"], read["name"], strict=True))
+    assert (1, "gpu_phase", "backward") in pairs and (1, "torch_op", "backward") not in pairs
+    assert (1, "torch_op", "optimizer.step") not in pairs
+    assert (1, "torch_op", "forward") in pairs  # no device time came for it
+    assert (0, "torch_op", "backward") in pairs and (0, "torch_op", "optimizer.step") in pairs
+    assert len(read) == len(s) - 2 * 7  # two host rows of each of the 7 device-timed ranks
+    untouched = example_windows(1)[0]
+    assert device_clock_view(untouched) is untouched

@@ -9,6 +9,8 @@ ends together. Summaries and step records are what the producer would send for t
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -18,6 +20,7 @@ from trainscope.detectors.contract import check_contract, contract_windows
 from trainscope.detectors.diagnosis import diagnose
 from trainscope.detectors.params import DetectorConfigError
 from trainscope.detectors.peer import PeerDiffDetector
+from trainscope.detectors.registry import DetectorRunner
 from trainscope.detectors.waits import WaitDetector
 from trainscope.loop.policy import ProfilePolicy
 from trainscope.schemas.records import Topology, WorkerInfo
@@ -389,3 +392,28 @@ def test_a_measured_straggler_on_a_loaded_host_is_no_imbalance_that_moves() -> N
     assert [[(f.rank, f.category) for f in found if f.score >= ALERT_THRESHOLD]
             for found in per_window[1:]] == [[(2, "host")]] * 4
     assert all(f.category != "seq-imbalance" for found in per_window for f in found)
+
+
+def test_device_collective_times_say_who_arrived_last_on_the_gpu() -> None:
+    # NCCL: the host's call returns once the collective is queued (the same launch time on
+    # every rank); on the device, the ranks wait in it for the last to arrive, rank 2.
+    def nccl(view: WindowView) -> WindowView:
+        s = view.summaries
+        wait = s["layer"] == "collective"
+        device = s[wait].assign(layer="gpu_collective")
+        host = s.copy()
+        host.loc[wait, "total_ns"] = host.loc[wait, "count"] * MS // 10
+        host.loc[wait, "min_ns"] = MS // 10
+        host.loc[wait, "m2_ns2"] = 0.0
+        return dataclasses.replace(view, summaries=pd.concat([host, device], ignore_index=True))
+
+    windows = [nccl(v) for v in ddp_windows(3, outside_ms={2: 30.0})]
+    runner = DetectorRunner([WaitDetector()])
+    alerts = [f for v in windows for f in runner.run(v) if f.score >= 0.5]
+    assert alerts and {(f.rank, f.category) for f in alerts} == {(2, "host")}, alerts
+    assert alerts[-1].evidence["peers_wait_ns_per_step"] > 20 * MS
+    # On the host clock alone nobody waits: the device times are what names rank 2.
+    host_only = [dataclasses.replace(v, summaries=v.summaries[
+        v.summaries["layer"] != "gpu_collective"]) for v in windows]
+    runner = DetectorRunner([WaitDetector()])
+    assert not [f for v in host_only for f in runner.run(v) if f.score >= 0.5]

@@ -37,12 +37,12 @@ OWN_WORK_CATEGORY = {
     # Device (CUDA event) time of the host phases: the GPU's own work, where it has it.
     "gpu_phase": "gpu-compute",
 }
-# (``gpu_collective``, a blocking collective's device time, is stored and not read yet: the
-# host time already holds the wait, and who arrived last on the GPU needs more than it.)
-WAIT_LAYERS = frozenset({"collective"})
-# A phase timed on the device as well as on the host: its host time measures launch.
-DEVICE_PHASE_LAYER = "gpu_phase"
-HOST_PHASE_LAYER = "torch_op"
+# A blocking collective's device time (``gpu_collective``) is waiting as its host time is: on
+# the GPU too, the rank that reaches the collective last waits least in it.
+WAIT_LAYERS = frozenset({"collective", "gpu_collective"})
+# Layers of a phase's device time (CUDA events), and of the host time it replaces: with CUDA's
+# asynchronous execution the host time of forward or of an NCCL call measures launch.
+DEVICE_CLOCK_LAYERS = {"gpu_phase": "torch_op", "gpu_collective": "collective"}
 # What shows a job runs on GPUs: a GPU layer in its summaries, or a GPU reading from the NVML
 # sampler (the agent). Without either, own-work compute is called ``compute``, not
 # ``gpu-compute``: a CPU-only job (gloo on CPU) has no GPU to blame.
@@ -82,6 +82,37 @@ def always_on_view(view: WindowView) -> WindowView:
     if set(summaries.loc[profiled, "rank"].unique()) >= ranks:
         return view
     return dataclasses.replace(view, summaries=summaries[~profiled].reset_index(drop=True))
+
+
+def device_clock_view(view: WindowView) -> WindowView:
+    """The window with each phase a rank also timed on the device read on that clock only.
+
+    The PyTorch producer of a CUDA job sends forward, backward, the optimizer step and blocking
+    collectives twice: their host times (``torch_op``, ``collective``), which measure launch,
+    and their device times (``gpu_phase``, ``gpu_collective``). Where both came for a rank, the
+    host row is left out, so that every detector compares the GPU's work where it ran (a slow
+    GPU's backward, not the next call that waited for it) without counting it twice; the store
+    keeps both."""
+    s = view.summaries
+    if s.empty:
+        return view
+    layers = s["layer"].to_numpy()
+    device = np.isin(layers, list(DEVICE_CLOCK_LAYERS))
+    if not device.any():
+        return view
+    timed = set(zip(s["rank"].to_numpy()[device].tolist(),
+                    [DEVICE_CLOCK_LAYERS[x] for x in layers[device].tolist()],
+                    s["name"].to_numpy()[device].tolist(), strict=True))
+    host = np.isin(layers, list(DEVICE_CLOCK_LAYERS.values()))
+    rows = np.flatnonzero(host)
+    keys = zip(s["rank"].to_numpy()[rows].tolist(), layers[rows].tolist(),
+               s["name"].to_numpy()[rows].tolist(), strict=True)
+    drop = rows[[key in timed for key in keys]]
+    if not len(drop):
+        return view
+    keep = np.ones(len(s), dtype=bool)
+    keep[drop] = False
+    return dataclasses.replace(view, summaries=s[keep].reset_index(drop=True))
 
 
 def gpu_evidence(view: WindowView) -> bool:
@@ -130,12 +161,6 @@ def own_work_columns(columns: pd.Index | list) -> list:
     own = [c for c in columns if c[0] in OWN_WORK_CATEGORY]
     if (m.SCHED_LAYER, m.RUNQUEUE_WAIT) in own:
         own = [c for c in own if c != (m.SCHED_LAYER, m.PROCESS_RUNQUEUE_WAIT)]
-    # A phase with its device time is compared on it, not on its host (launch) time: with
-    # CUDA's asynchronous execution a slow GPU shows in the device time of the phase that
-    # ran the work, and on the host in whatever next synchronises.
-    on_device = {name for layer, name in own if layer == DEVICE_PHASE_LAYER}
-    if on_device:
-        own = [c for c in own if not (c[0] == HOST_PHASE_LAYER and c[1] in on_device)]
     return own
 
 

@@ -32,6 +32,7 @@ import pandas as pd
 
 from trainscope.detectors.features import (
     MAD_TO_SIGMA,
+    WAIT_LAYERS,
     group_medians,
     metric_means,
     per_step_times,
@@ -106,7 +107,7 @@ FEATURES_NAMED = 3
 # Relative deviations divide by the peers' median, never by less than this (a zero median).
 MEDIAN_FLOOR = 1e-9
 SHARE_LAYERS = {
-    "collective_share": ("collective", None),
+    "collective_share": (tuple(WAIT_LAYERS), None),
     "off_cpu_share": ("sched", "off_cpu"),
     "dataloader_share": ("dataloader", None),
     "gc_share": ("gc", None),
@@ -236,7 +237,7 @@ class MixtureDetector:
             total = table.drop(columns="step", level=0, errors="ignore").sum(axis=1)
             total = total.replace(0, np.nan)
             for feature, (layer, name) in SHARE_LAYERS.items():
-                mask = (layers == layer) & ((names == name) if name else True)
+                mask = np.isin(layers, layer) & ((names == name) if name else True)
                 if mask.any():
                     share = table.loc[:, mask].sum(axis=1) / total
                     frame = frame.reindex(frame.index.union(share.index))

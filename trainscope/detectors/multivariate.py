@@ -23,7 +23,6 @@ from trainscope.detectors.features import (
     gpu_evidence,
     honest_category,
     metric_means,
-    own_work_columns,
     per_step_times,
     robust_z,
     step_time_ns,
@@ -165,8 +164,7 @@ class RankAnomalyDetector:
             return pd.DataFrame()
         total = table.sum(axis=1).replace(0, np.nan)
         layer = table.columns.get_level_values(0)
-        counted = set(own_work_columns(table.columns))  # a phase's device time, not its launch
-        own = [OWN_WORK_CATEGORY.get(c[0]) if c in counted else None for c in table.columns]
+        own = [OWN_WORK_CATEGORY.get(x) for x in layer]
         frame = pd.DataFrame(index=table.index)
         frame["step_ns"] = step_time_ns(window)
         def share(mask: list[bool]) -> pd.Series:

@@ -26,7 +26,7 @@ from trainscope.detectors.base import Detector
 from trainscope.detectors.budget import OverBudget, time_budget
 from trainscope.detectors.contract import ContractViolation, check_contract, contract_windows
 from trainscope.detectors.explain import fold_explained
-from trainscope.detectors.features import always_on_view
+from trainscope.detectors.features import always_on_view, device_clock_view
 from trainscope.detectors.own_cost import Alerted, alerted, fold_own_cost, profile_busy_s
 from trainscope.schemas.errors import TrainscopeError
 from trainscope.schemas.records import Finding
@@ -233,7 +233,7 @@ class DetectorRunner:
         to roll it back, would cost as much as the state (a history of windows) on every
         window of every job, for a rare event. The job's detector starts over (warm-up)."""
         findings: list[Finding] = []
-        window = always_on_view(window)
+        window = device_clock_view(always_on_view(window))
         instances = self.for_job(window.job_id)
         for i, detector in enumerate(instances):
             started = time.perf_counter()
