@@ -294,8 +294,8 @@ class ModelHooks:
                 att.recorder.step_started(now)
             # The common case inline, without a call or building a tuple.
             first = args[0] if args and type(args[0]) is _Tensor else _first_tensor(args, kwargs)
-            if not att._device_checked:
-                att.check_device(first)
+            if not att._device_checked and first is not None and first.is_cuda:
+                att.check_device(first)  # once: device timing starts
             device = att.device
             if device is not None:
                 if self._device_start is not None:  # a forward that never reached its end

@@ -64,7 +64,6 @@ class Attachment:
         )
         # Device time of the phases (producers/torch/device_timing.py): from the start with
         # the event type given, else from the first forward whose input is on a CUDA device.
-        self._device_events = device_events
         self.device: DeviceTimer | None = (
             DeviceTimer(device_events) if device_events is not None else None)
         self._device_checked = device_events is not None
@@ -293,11 +292,9 @@ class Attachment:
         return out
 
     def check_device(self, tensor: Any) -> None:
-        """At a top model's forward: device timing starts with the first input on a CUDA
-        device (training thread, until it has looked once)."""
+        """At the first forward of a top model whose input is on a CUDA device (training
+        thread): device timing starts."""
         self._device_checked = True
-        if getattr(getattr(tensor, "device", None), "type", None) != "cuda":
-            return
         factory = cuda_events()
         if factory is not None:
             self.device = DeviceTimer(factory)
