@@ -35,19 +35,19 @@ OWN_WORK_CATEGORY = {
     "gc": "python-gc",
     "sched": "cpu-contention",
     # Device (CUDA event) time of the host phases: the GPU's own work, where it has it.
-    "gpu_phase": "gpu-compute",
+    m.DEVICE_PHASE_LAYER: "gpu-compute",
 }
 # A blocking collective's device time (``gpu_collective``) is waiting as its host time is: on
 # the GPU too, the rank that reaches the collective last waits least in it.
-WAIT_LAYERS = frozenset({"collective", "gpu_collective"})
+WAIT_LAYERS = frozenset({"collective", m.DEVICE_COLLECTIVE_LAYER})
 # Layers of a phase's device time (CUDA events), and of the host time it replaces: with CUDA's
 # asynchronous execution the host time of forward or of an NCCL call measures launch.
-DEVICE_CLOCK_LAYERS = {"gpu_phase": "torch_op", "gpu_collective": "collective"}
+DEVICE_CLOCK_LAYERS = {m.DEVICE_PHASE_LAYER: "torch_op", m.DEVICE_COLLECTIVE_LAYER: "collective"}
 # What shows a job runs on GPUs: a GPU layer in its summaries, or a GPU reading from the NVML
 # sampler (the agent). Without either, own-work compute is called ``compute``, not
 # ``gpu-compute``: a CPU-only job (gloo on CPU) has no GPU to blame.
 GPU_LAYERS = frozenset({"cuda_kernel", "cuda_api", "memcpy", "gpu_user_annotation",
-                        "gpu_phase", "gpu_collective"})
+                        *DEVICE_CLOCK_LAYERS})
 GPU_METRICS = frozenset({
     m.SM_CLOCK_MHZ, m.SM_CLOCK_MAX_MHZ, m.MEM_CLOCK_MHZ, m.SM_UTIL_PCT, m.MEM_UTIL_PCT,
     m.POWER_W, m.POWER_LIMIT_W, m.THROTTLE_REASONS, m.THROTTLED_FRAC,

@@ -33,7 +33,6 @@ from trainscope.detectors.features import (
     gpu_evidence,
     honest_category,
     metric_means,
-    own_work_columns,
     per_call_bandwidth,
     per_step_times,
     robust_z,
@@ -282,8 +281,7 @@ class PeerDiffDetector:
     def _stage_suspects(
         self, table: pd.DataFrame, stage: pd.Series, step_ns: float
     ) -> list[Suspect]:
-        compute_cols = [c for c in own_work_columns(table.columns)
-                        if OWN_WORK_CATEGORY[c[0]] == "gpu-compute"]
+        compute_cols = [c for c in table.columns if OWN_WORK_CATEGORY.get(c[0]) == "gpu-compute"]
         if stage.nunique() < 2 or not compute_cols:
             return []
         compute = table[compute_cols].sum(axis=1)

@@ -77,6 +77,11 @@ THROTTLING_REASONS_MASK = 0x004 | 0x008 | 0x020 | 0x040 | 0x080
 # the scheduler's tracepoints, the PyTorch producer from the kernel's schedstat; the names
 # differ so that neither is added to the other.
 SCHED_LAYER = "sched"
+# Device (CUDA event) time of a host phase (forward, backward, optimizer.step) and of a blocking
+# collective, sent beside their host times by the PyTorch producer of a CUDA job
+# (``producers/torch/device_timing.py``).
+DEVICE_PHASE_LAYER = "gpu_phase"
+DEVICE_COLLECTIVE_LAYER = "gpu_collective"
 RUNQUEUE_WAIT = "runqueue_wait"
 PROCESS_RUNQUEUE_WAIT = "process_runqueue_wait"
 RUNQUEUE_WAIT_FUNCTIONS = (RUNQUEUE_WAIT, PROCESS_RUNQUEUE_WAIT)

@@ -134,10 +134,8 @@ class BackwardTimer:
             self._start_ns = time.time_ns()
             self._started = True
             device = self.att.device
-            if device is not None:
-                if self._device_start is not None:  # a pass that missed its last hook
-                    device.abandon(self._device_start)
-                self._device_start = device.begin()
+            if device is not None:  # a start still there is a pass that missed its last hook
+                self._device_start = device.begin(self._device_start)
 
     def _last_hook(self, _param: torch.Tensor) -> None:
         end = time.time_ns()

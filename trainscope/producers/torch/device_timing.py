@@ -28,11 +28,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from trainscope.producers.torch.spanlog import PhaseLog
+from trainscope.schemas.metrics import DEVICE_COLLECTIVE_LAYER, DEVICE_PHASE_LAYER
 from trainscope.schemas.recorder import WindowRecorder
 
-# Layers of the device-clock pairs: own work on the GPU, and collectives (possibly waiting).
-DEVICE_PHASE_LAYER = "gpu_phase"
-DEVICE_COLLECTIVE_LAYER = "gpu_collective"
+__all__ = ["DEVICE_COLLECTIVE_LAYER", "DEVICE_PHASE_LAYER", "DeviceTimer", "cuda_events"]
 # Event pairs in the pool at most: the phases of one sender round (0.5 s) and of the GPU's lag
 # behind the host, at 1-ms steps with three phases each and a few collectives (about 2,000),
 # twice over; and a bound on what a stalled reader can hold (events are small host objects,
@@ -108,12 +107,13 @@ class DeviceTimer:
             log = self._logs[key] = PhaseLog(layer, name)
         return log
 
-    def logs(self) -> list[PhaseLog]:
-        return list(self._logs.values())
-
     # -- training thread --------------------------------------------------------------------
-    def begin(self) -> DeviceEvent | None:
-        """A start event recorded on the current stream; None (counted) when the pool is dry."""
+    def begin(self, unfinished: DeviceEvent | None = None) -> DeviceEvent | None:
+        """A start event recorded on the current stream; None (counted) when the pool is dry.
+        ``unfinished``, the start of this phase's previous run if that never reached its end
+        (a step that raised, a pass that missed its last hook), goes back to the pool first."""
+        if unfinished is not None:
+            self._free.append(unfinished)
         try:
             event = self._free.popleft()
         except IndexError:

@@ -298,9 +298,7 @@ class ModelHooks:
                 att.check_device(first)  # once: device timing starts
             device = att.device
             if device is not None:
-                if self._device_start is not None:  # a forward that never reached its end
-                    device.abandon(self._device_start)
-                self._device_start = device.begin()
+                self._device_start = device.begin(self._device_start)
             if first is not None:
                 shape = first.shape
                 if shape:
@@ -360,11 +358,8 @@ def install_optimizer_hooks(att: Attachment) -> Uninstall:
         try:
             starts[id(optimizer)] = time.time_ns()
             device = att.device
-            if device is not None:
-                unfinished = device_starts.pop(id(optimizer), None)  # a step that raised
-                if unfinished is not None:
-                    device.abandon(unfinished)
-                device_starts[id(optimizer)] = device.begin()
+            if device is not None:  # a start still there is a step that raised
+                device_starts[id(optimizer)] = device.begin(device_starts.get(id(optimizer)))
         except Exception as exc:
             report("optimizer hook", exc)
 
