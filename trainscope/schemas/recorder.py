@@ -16,7 +16,6 @@ first step the recorder was told of belongs to the window it started in.
 from __future__ import annotations
 
 import threading
-from array import array
 from bisect import bisect_right
 
 from trainscope.schemas.records import SummaryBatch
@@ -70,8 +69,9 @@ class WindowRecorder:
         self._open: dict[int, dict[FunctionKey, _Durations]] = {}
         self._lock = threading.Lock()
         # Starts of the steps so far, ascending: appended by the training thread (one C call,
-        # no lock), read and trimmed by whoever files spans.
-        self._step_starts = array("q")
+        # no lock; a list, whose append costs a quarter of an array's), read and trimmed by
+        # whoever files spans.
+        self.step_starts: list[int] = []
 
     @classmethod
     def for_window(cls, window_s: float) -> WindowRecorder:
@@ -80,14 +80,14 @@ class WindowRecorder:
 
     def step_started(self, start_ns: int) -> None:
         """A step began at ``start_ns``: spans from then on belong to its window."""
-        starts = self._step_starts
+        starts = self.step_starts
         if not starts or start_ns >= starts[-1]:
             starts.append(start_ns)
 
     def window_of(self, ts_ns: int) -> int:
         """The window of the step that was running at ``ts_ns`` (of ``ts_ns`` itself before the
         first step)."""
-        starts = self._step_starts
+        starts = self.step_starts
         if starts and ts_ns >= starts[-1]:  # the step in progress: the usual case
             anchor = starts[-1]
         else:
@@ -137,7 +137,7 @@ class WindowRecorder:
 
     def take_closed(self, now_ns: int) -> list[tuple[int, dict[FunctionKey, _Durations]]]:
         """Remove and return windows that ended at least ``grace_ns`` ago."""
-        starts = self._step_starts
+        starts = self.step_starts
         if len(starts) > 2 * KEPT_STEP_STARTS:
             del starts[: len(starts) - KEPT_STEP_STARTS]
         with self._lock:
@@ -153,7 +153,7 @@ class WindowRecorder:
     def reset_after_fork(self) -> None:
         self._lock = threading.Lock()
         self._open = {}
-        self._step_starts = array("q")
+        self.step_starts = []
 
     def summaries(
         self,

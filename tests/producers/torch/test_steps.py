@@ -10,7 +10,8 @@ from trainscope.schemas.records import StepRecord
 def test_steps_are_drained_as_records_in_order_with_their_figures() -> None:
     tracker = StepTracker("job", 3)
     tracker.activity(1_000)
-    tracker.add_samples(8, 512)
+    tracker.samples += 8  # as the forward's start adds them
+    tracker.tokens += 512
     assert tracker.end(1_500) == 0
     assert tracker.end(2_700, samples=4, tokens=0) == 1  # an explicit step's own counts
     assert tracker.end(2_600) == 2  # a clock that stepped back: no negative duration

@@ -182,3 +182,46 @@ def test_a_pass_that_misses_the_last_parameter_recalibrates(attach, memory_bus) 
     att.detach()
     assert att.stats()["steps"] == 8 and att.stats()["errors"] == 0
     assert totals(read_records(memory_bus))[("torch_op", "backward")][0] >= 7
+
+
+def test_the_step_boundary_skips_the_model_hooks_exactly_when_they_have_nothing_to_do(
+        attach, monkeypatch) -> None:
+    """The step boundary inlines ``ModelHooks.quiet_at_step_end`` to save a call per step: it
+    calls ``on_step_end`` at every boundary the reference says has work (discovery,
+    calibration, a pass that missed a hook, a step without a forward), and at no other."""
+    att = attach()
+    hooks = att.model_hooks
+    original_end_step, original_on_step_end = att.end_step, hooks.on_step_end
+    calls: list[bool] = []
+    seen: list[tuple[bool, bool]] = []  # per boundary: (reference says quiet, called)
+
+    def on_step_end() -> None:
+        calls.append(True)
+        original_on_step_end()
+
+    def end_step(now_ns: int, *args: Any) -> None:
+        quiet, before = hooks.quiet_at_step_end(), len(calls)
+        original_end_step(now_ns, *args)
+        seen.append((quiet, len(calls) > before))
+
+    monkeypatch.setattr(hooks, "on_step_end", on_step_end)
+    monkeypatch.setattr(att, "end_step", end_step)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(forward: bool = True) -> None:
+        optimizer.zero_grad()
+        if forward:
+            model(torch.randn(4, 64)).square().mean().backward()
+        optimizer.step()
+
+    for _ in range(6):
+        step()
+    step(forward=False)  # a step without the model's forward: discovery starts over
+    for _ in range(6):
+        step()
+    att.detach()
+    assert len(seen) == 13
+    assert all(quiet != called for quiet, called in seen), seen
+    assert sum(quiet for quiet, _ in seen) >= 6  # the settled steps, on both sides
+    assert not seen[6][0]  # the step without a forward was not skipped

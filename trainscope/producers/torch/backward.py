@@ -60,20 +60,28 @@ class BackwardTimer:
     def __init__(self, att: Attachment) -> None:
         self.att = att
         self.mode = CALIBRATING
+        # mode == PARAMETERS, as an attribute for the per-step tests (runtime imports no torch).
+        self.settled = False
         self._handles: list[Any] = []
         self._order: list[int] = []  # calibration: parameters (id) in accumulation order
         self._passes: list[tuple[int, int] | None] = []  # calibration: (first, last) per pass
-        self._started = False
+        # Settled mode: a pass has reached its first hook and not yet its last; a last hook was
+        # reached without a first. Both read at every step boundary (``Attachment.end_step``).
+        self.pass_open = False
         self._start_ns = 0
-        self._missed = False
+        self.missed = False
         self._device_start: Any = None  # the settled pass's start event, with device timing
         self._exact_start = att.guard.wrap("backward hook", self._exact_start_impl)
 
     # -- life cycle (training thread, at step boundaries) -----------------------------------
+    def _set_mode(self, mode: str) -> None:
+        self.mode = mode
+        self.settled = mode == PARAMETERS
+
     def settle(self, tops: list[torch.nn.Module]) -> None:
         """Forward discovery found ``tops``: calibrate on their parameters during the next step."""
         self.remove_hooks()
-        self.mode = CALIBRATING
+        self._set_mode(CALIBRATING)
         self._order, self._passes = [], []
         seen: set[int] = set()
         for module in tops:
@@ -86,12 +94,12 @@ class BackwardTimer:
 
     def unsettled(self) -> bool:
         """Whether the last step's passes missed a parameter hook (the settled mode's check)."""
-        return self._started or self._missed
+        return self.pass_open or self.missed
 
     def on_step_end(self, tops: list[torch.nn.Module]) -> None:
         if self.mode == PARAMETERS:
-            if self._started or self._missed:  # a pass that did not reach both hooks
-                self._started = self._missed = False
+            if self.pass_open or self.missed:  # a pass that did not reach both hooks
+                self.pass_open = self.missed = False
                 self.settle(tops)
         elif self.mode == CALIBRATING and self._passes:
             self._decide(tops)
@@ -103,19 +111,19 @@ class BackwardTimer:
         if first_last is None or first_last[0] == first_last[1] or any(
             p != first_last for p in passes
         ):
-            self.mode = EXACT
+            self._set_mode(EXACT)
             return
         params = {id(p): p for module in tops for p in module.parameters()}
         first, last = params.get(first_last[0]), params.get(first_last[1])
         if first is None or last is None:
-            self.mode = EXACT
+            self._set_mode(EXACT)
             return
-        self._started = self._missed = False
+        self.pass_open = self.missed = False
         self._handles = [
             first.register_post_accumulate_grad_hook(self._first_hook),
             last.register_post_accumulate_grad_hook(self._last_hook),
         ]
-        self.mode = PARAMETERS
+        self._set_mode(PARAMETERS)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -125,14 +133,14 @@ class BackwardTimer:
     def reset(self) -> None:
         """Discovery starts over (the script switched models)."""
         self.remove_hooks()
-        self.mode = CALIBRATING
+        self._set_mode(CALIBRATING)
         self._order, self._passes = [], []
 
     # -- settled: two persistent parameter hooks (the engine's thread) -------------------------
     def _first_hook(self, _param: torch.Tensor) -> None:
-        if not self._started:
+        if not self.pass_open:
             self._start_ns = time.time_ns()
-            self._started = True
+            self.pass_open = True
             device = self.att.device
             if device is not None:  # a start still there is a pass that missed its last hook
                 self._device_start = device.begin(self._device_start)
@@ -140,10 +148,10 @@ class BackwardTimer:
     def _last_hook(self, _param: torch.Tensor) -> None:
         end = time.time_ns()
         try:
-            if not self._started:
-                self._missed = True
+            if not self.pass_open:
+                self.missed = True
                 return
-            self._started = False
+            self.pass_open = False
             start = self._start_ns
             att = self.att
             device = att.device

@@ -113,6 +113,8 @@ class ModelHooks:
     def __init__(self, att: Attachment) -> None:
         self.att = att
         self._global_handles: list[Any] = []
+        # Global hooks installed: the top modules are being looked for.
+        self.discovering = False
         self._module_handles: list[Any] = []
         # Classes whose forward is wrapped: (class, its own forward attribute or None).
         self._wrapped_classes: list[tuple[type, Any]] = []
@@ -126,7 +128,9 @@ class ModelHooks:
         self._current: torch.nn.Module | None = None
         self._forward_start_ns = 0
         self._device_start: Any = None  # the forward's start event, with device timing
-        self._forwards_in_step = 0
+        # Forwards of a top model since the last step boundary (which reads it: none in a step
+        # means the script switched models).
+        self.forwards_in_step = 0
         self.backward = BackwardTimer(att)
         # DDP wrappers are looked through: "forward" is the wrapped model's own compute, and
         # the wrapper's work before it (buffer broadcast, bucket rebuilds: waiting on peers)
@@ -152,11 +156,13 @@ class ModelHooks:
             nn_module.register_module_forward_pre_hook(self._global_pre),
             nn_module.register_module_forward_hook(self._global_post, always_call=True),
         ]
+        self.discovering = True
 
     def uninstall(self) -> None:
         for handle in self._global_handles + self._module_handles:
             handle.remove()
         self._global_handles = []
+        self.discovering = False
         self._module_handles = []
         self._unwrap_forwards()
         self.backward.remove_hooks()
@@ -173,13 +179,21 @@ class ModelHooks:
                 cls.forward = own
         self._wrapped_classes = []
 
+    def quiet_at_step_end(self) -> bool:
+        """Whether :meth:`on_step_end` would only reset the step's forward count: settled, a
+        forward this step, backward timed by the two parameter hooks and both reached. The step
+        boundary inlines this test (the usual case then costs no call); this is its reference."""
+        backward = self.backward
+        return bool(self.forwards_in_step and not self.discovering and backward.settled
+                    and not backward.pass_open and not backward.missed)
+
     def on_step_end(self) -> None:
         """At a step boundary: settle on the models found, or look again if they stopped running.
 
         A step without any top-level forward after settling means the script now trains
         another model (or re-created it), so discovery starts over.
         """
-        forwards, self._forwards_in_step = self._forwards_in_step, 0
+        forwards, self.forwards_in_step = self.forwards_in_step, 0
         if self._global_handles:
             if self._tops:
                 self._settle()
@@ -200,6 +214,7 @@ class ModelHooks:
         for handle in self._global_handles:
             handle.remove()
         self._global_handles = []
+        self.discovering = False
         for wrapper in list(self._wrappers):
             self._module_handles.append(wrapper.register_forward_pre_hook(self._wrapper_pre))
         for module in list(self._tops):
@@ -301,10 +316,10 @@ class ModelHooks:
                 self._device_start = device.begin(self._device_start)
             if first is not None:
                 shape = first.shape
-                if shape:
-                    tokens = (first.numel() if len(shape) >= 2 and not first.is_floating_point()
-                              else 0)
-                    steps.add_samples(int(shape[0]), int(tokens))
+                if shape:  # the step's samples and tokens (inline: one call fewer per step)
+                    steps.samples += shape[0]
+                    if len(shape) >= 2 and not first.is_floating_point():
+                        steps.tokens += first.numel()
             if id(module) not in att._ddp_seen:
                 att.on_forward_begin(module)
         except Exception as exc:
@@ -316,7 +331,7 @@ class ModelHooks:
             start = self._forward_start_ns
             self._current = None
             self._depth = 0
-            self._forwards_in_step += 1
+            self.forwards_in_step += 1
             if self.backward.mode != PARAMETERS:
                 self.backward.arm(output)  # first: a failure to record the forward must not skip it
             att = self.att
@@ -378,7 +393,19 @@ def install_optimizer_hooks(att: Attachment) -> Uninstall:
         except Exception as exc:
             report("optimizer hook", exc)
         try:  # apart: a failure to record the span must not skip the step boundary
-            att.on_optimizer_step(optimizer, start, now)
+            if att.optrace is not None:
+                att.optrace.add("optimizer", start, now)
+            steps = att.steps
+            if steps.explicit:
+                return
+            # The step ends with the pacing optimizer's step: the first to step, or the next
+            # one to step once it has been garbage-collected (steps.py).
+            pacer = steps.pacer() if steps.pacer is not None else None
+            if pacer is None:
+                steps.pacer = weakref.ref(optimizer)
+                pacer = optimizer
+            if pacer is optimizer:
+                att.end_step(now)
         except Exception as exc:
             report("optimizer hook", exc)
 

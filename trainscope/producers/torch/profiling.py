@@ -99,8 +99,10 @@ class ProfileController:
         self.budget_ns = int(budget_s * 1e9)
         self.max_steps = max_steps
         self._lock = threading.Lock()
-        self._pending: ControlMessage | None = None
-        self._active: ProfileReport | None = None
+        # A request not yet started, and the session running: while both are None the step
+        # boundary (``Attachment.end_step``) does not call :meth:`on_step_end` at all.
+        self.pending: ControlMessage | None = None
+        self.session: ProfileReport | None = None
         # The last session, until the task thread has summarised it: the next one waits, or
         # torch's Python tracer would record the summarising itself (on every thread alive at
         # start), the next summary would take longer, and so on: in a stress run, back-to-back
@@ -121,7 +123,7 @@ class ProfileController:
     def request(self, message: ControlMessage) -> None:
         with self._lock:
             self.counts["requested"] += 1
-            if self._pending is not None or self._active is not None or message.steps < 1:
+            if self.pending is not None or self.session is not None or message.steps < 1:
                 self.counts["rejected"] += 1
                 self.att.guard.warn_once(
                     "profile busy",
@@ -130,11 +132,11 @@ class ProfileController:
                     message.request_id,
                 )
                 return
-            self._pending = message
+            self.pending = message
 
     @property
     def active(self) -> bool:
-        return self._active is not None
+        return self.session is not None
 
     # -- sender thread ------------------------------------------------------------------------
     def busy_report(self, now_ns: int, job_id: str, rank: int, host: str) -> list[MetricSample]:
@@ -157,20 +159,20 @@ class ProfileController:
     # -- training thread ----------------------------------------------------------------------
     def on_step_end(self, now_ns: int) -> None:
         """Called at every step boundary; cheap unless a session starts or ends."""
-        if self._active is not None:
+        if self.session is not None:
             self._steps_left -= 1
-            self._active.steps_profiled += 1
+            self.session.steps_profiled += 1
             if self._steps_left <= 0:
                 self._stop("steps done")
-            elif now_ns - self._active.started_ns > self.budget_ns:
+            elif now_ns - self.session.started_ns > self.budget_ns:
                 self._stop("time budget spent")
-        elif self._pending is not None and (
+        elif self.pending is not None and (
                 self._summarising is None or self._summarising.done.is_set()):
             self._start()
 
     def _start(self) -> None:
         with self._lock:
-            message, self._pending = self._pending, None
+            message, self.pending = self.pending, None
         if message is None:
             return
         from torch.autograd import _profiler_enabled
@@ -189,11 +191,11 @@ class ProfileController:
         with self._lock:
             self._busy_from_ns, self._busy_to_ns = report.started_ns, 0
         self._steps_left = steps
-        self._active = report
+        self.session = report
         self.counts["started"] += 1
 
     def _stop(self, reason: str) -> None:
-        report, self._active = self._active, None
+        report, self.session = self.session, None
         if report is None:
             return
         result = _disable()
@@ -219,8 +221,8 @@ class ProfileController:
 
     def abort(self) -> None:
         """At detach: a running session is stopped and its result discarded."""
-        if self._active is not None:
-            self._active = None
+        if self.session is not None:
+            self.session = None
             with self._lock:
                 self._busy_to_ns = time.time_ns()
             try:

@@ -31,7 +31,7 @@ from trainscope.schemas.records import MetricSample, StepBatch
 _FIELDS = 6
 # Past this many steps waiting (the sender thread stuck, or gone) the log is cleared and the
 # steps counted as dropped, so memory stays bounded.
-MAX_PENDING_STEPS = 1 << 18
+MAX_PENDING_STEPS = 1 << 16
 # A step open this long, and STALL_STEPS times the recent median step, is reported as it goes
 # (the stream job's early flag names the rank its peers wait for, detectors/early.py).
 STALL_MIN_S = 3.0
@@ -48,8 +48,9 @@ class StepTracker:
         self.explicit = False
         self.pacer: weakref.ref[Any] | None = None
         self.start_ns = 0
-        self._samples = 0
-        self._tokens = 0
+        # The step's samples and tokens so far, added to by the forward's start.
+        self.samples = 0
+        self.tokens = 0
         # Added to by the collective hooks, some on a backend's thread (an asynchronous
         # collective's completion): a completion racing the step's end may land in the next
         # step, which moves time between neighbouring steps, never loses it.
@@ -64,10 +65,6 @@ class StepTracker:
         if not self.start_ns:
             self.start_ns = now_ns
 
-    def add_samples(self, samples: int, tokens: int) -> None:
-        self._samples += samples
-        self._tokens += tokens
-
     def end(self, now_ns: int, samples: int | None = None, tokens: int | None = None) -> int:
         """End the step in progress at ``now_ns`` (training thread); returns its number."""
         start = self.start_ns or now_ns
@@ -76,21 +73,21 @@ class StepTracker:
             step,
             start,
             now_ns - start if now_ns > start else 0,
-            self._samples if samples is None else samples,
-            self._tokens if tokens is None else tokens,
+            self.samples if samples is None else samples,
+            self.tokens if tokens is None else tokens,
             self.collective_ns,
         ))
         self.step = step + 1
         self.start_ns = now_ns
-        self._samples = 0
-        self._tokens = 0
+        self.samples = 0
+        self.tokens = 0
         self.collective_ns = 0
         return step
 
     def drain(self) -> list[StepBatch]:
         """The steps ended since the last drain, as one batch (none if no step ended; sender
         thread)."""
-        values = np.frombuffer(self.log.take(), dtype=np.int64).reshape(-1, _FIELDS)
+        values = np.array(self.log.take(), dtype=np.int64).reshape(-1, _FIELDS)
         if not len(values):
             return []
         self._recent_ns.extend(values[:, 2].tolist())
