@@ -49,6 +49,7 @@ def summary_frame(functions: FunctionTable, parts: list[Partials]) -> pd.DataFra
     # Python object per row (a row still reads as a list). Lists of Python ints cost about
     # 3 µs per summary at typical sketch sizes, more than the rest of the window together.
     offsets = [np.searchsorted(p.sketch_row, np.arange(len(p.group) + 1)) for p in parts]
+    sketch_offsets, entries = _list_layout(offsets, order)
     return pd.DataFrame(
         {
             "rank": rank,
@@ -56,8 +57,10 @@ def summary_frame(functions: FunctionTable, parts: list[Partials]) -> pd.DataFra
             "name": _string_column(functions.name, fid),
             "callpath_id": np.asarray(functions.callpath, dtype=np.uint64)[fid],
             **columns,
-            "sketch_keys": _list_column(offsets, [p.sketch_key for p in parts], order),
-            "sketch_counts": _list_column(offsets, [p.sketch_count for p in parts], order),
+            "sketch_keys": _list_column(sketch_offsets, entries,
+                                        [p.sketch_key for p in parts]),
+            "sketch_counts": _list_column(sketch_offsets, entries,
+                                          [p.sketch_count for p in parts]),
         }
     )
 
@@ -120,17 +123,34 @@ def _string_column(values: list[str], index: np.ndarray) -> pd.api.extensions.Ex
     return pd.array(pa.array(values, type=pa.string()).take(pa.array(index)), dtype=_STR)
 
 
-def _list_column(
-    offsets: list[np.ndarray], values: list[np.ndarray], order: np.ndarray | None
-) -> pd.arrays.ArrowExtensionArray:
-    """Row ``i`` of chunk ``c`` holds ``values[c][offsets[c][i]:offsets[c][i + 1]]``; the rows
-    of all chunks, in ``order`` when given."""
-    lists = pa.chunked_array([
-        pa.LargeListArray.from_arrays(
-            pa.array(o, type=pa.int64()), pa.array(v.astype(np.int64, copy=False))
-        )
-        for o, v in zip(offsets, values, strict=True)
-    ])
-    if order is not None:
-        lists = lists.take(pa.array(order))
-    return pd.arrays.ArrowExtensionArray(lists)
+def _list_layout(offsets: list[np.ndarray], order: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
+    """The list offsets of the rows of all chunks (row ``i`` of chunk ``c`` spans entries
+    ``offsets[c][i]:offsets[c][i + 1]`` of that chunk), in ``order`` when given, and which
+    entries of the chunks joined they take (None: all, as they are)."""
+    if len(offsets) == 1:
+        starts = offsets[0]
+    else:  # each chunk's offsets shifted past the entries of the chunks before it
+        shift = np.cumsum([0] + [int(o[-1]) for o in offsets[:-1]])
+        starts = np.concatenate([offsets[0]] + [o[1:] + s for o, s in
+                                                zip(offsets[1:], shift[1:], strict=True)])
+    if order is None:
+        return starts.astype(np.int64, copy=False), None
+    lengths = np.diff(starts)[order]
+    new = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=new[1:])
+    # Entry j of new row r is old entry starts[order[r]] + (j - new[r]): one repeat, no loop.
+    entries = np.repeat(starts[:-1][order] - new[:-1], lengths) + np.arange(new[-1])
+    return new, entries
+
+
+def _list_column(offsets: np.ndarray, entries: np.ndarray | None, values: list[np.ndarray]
+                 ) -> pd.arrays.ArrowExtensionArray:
+    """An Arrow list column over the chunks' values joined (``entries`` of them, when given),
+    cut at ``offsets``: gathered in numpy once for both sketch columns' layout; Arrow's
+    ``take`` of a list column cost about as much as the rest of closing the window."""
+    flat = np.concatenate(values) if len(values) > 1 else values[0]
+    if entries is not None:
+        flat = flat[entries]
+    return pd.arrays.ArrowExtensionArray(pa.LargeListArray.from_arrays(
+        pa.array(offsets, type=pa.int64()), pa.array(flat.astype(np.int64, copy=False))))
