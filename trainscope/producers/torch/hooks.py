@@ -332,7 +332,7 @@ class ModelHooks:
             self._current = None
             self._depth = 0
             self.forwards_in_step += 1
-            if self.backward.mode != PARAMETERS:
+            if not self.backward.settled:
                 self.backward.arm(output)  # first: a failure to record the forward must not skip it
             att = self.att
             device = att.device
