@@ -47,3 +47,21 @@ def test_a_chunk_whose_clock_stepped_back_is_filed_as_span_by_span() -> None:
 def test_a_chunk_in_one_window_is_one_run() -> None:
     drained, added, _ = drained_and_added([(1_320, 5), (1_400, 7), (1_900, 9)])
     assert drained == added == {1_000: [5, 7, 9]}
+
+
+class AppendedWhileMeasured(list):
+    """A log's values to which the training thread appends one value (a pair's first half)
+    every time the sender thread reads their length."""
+
+    def __len__(self) -> int:
+        size = super().__len__()
+        self.append(7)
+        return size
+
+
+def test_a_take_racing_an_append_takes_whole_pairs_only() -> None:
+    log = PhaseLog("torch_op", "forward")
+    log.values = AppendedWhileMeasured([1, 10, 2, 20, 3, 30, 4, 40, 5, 50])
+    chunk = log.take()
+    assert chunk == [1, 10, 2, 20, 3, 30, 4, 40, 5, 50]
+    assert list.__len__(log.values) % 2 == 1  # the half pair waits for its other half

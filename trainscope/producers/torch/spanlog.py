@@ -56,8 +56,9 @@ class IntLog:
     def bound(self) -> None:
         """Clear the log when it holds more than ``max_pending`` records (training thread)."""
         values = self.values
-        if len(values) > self.width * self.max_pending:
-            n = len(values) - len(values) % self.width
+        size = len(values)
+        if size > self.width * self.max_pending:
+            n = size - size % self.width
             del values[:n]
             self.dropped += n // self.width
 
@@ -65,7 +66,11 @@ class IntLog:
         """The complete records waiting, removed from the log (sender thread); a record whose
         last values are not appended yet stays for next time."""
         values = self.values
-        n = len(values) - len(values) % self.width
+        # The length read once: the training thread may append the first value of a record
+        # between two reads, and a chunk cut from two would end mid-record, pairing every
+        # later start with the previous duration.
+        size = len(values)
+        n = size - size % self.width
         chunk = values[:n]
         del values[:n]
         return chunk
