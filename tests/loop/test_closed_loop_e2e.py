@@ -173,7 +173,12 @@ def test_a_slow_rank_gets_profiled_and_its_finding_carries_the_call_path(
     measured_ns = sum(blocks) / STEPS
     stored_ns = row["path_delta_ns"][at]
     print(f"extra_work: stored {stored_ns / 1e6:.3f} ms/step, measured {measured_ns / 1e6:.3f}")
-    assert stored_ns == pytest.approx(measured_ns, rel=0.02)
+    # The stored figure is the record_function's span, which ends after the block's own clock
+    # stopped: a hand-off of the GIL in between (another thread of the rank runs; at most a
+    # switch interval, 5 ms, each time) lands in it alone. On a busy 2-core host one did in
+    # a CI run (+3.3 ms over the 5 steps), so two are allowed above, none below.
+    handoffs_ns = 2 * sys.getswitchinterval() * 1e9 / STEPS
+    assert 0.98 * measured_ns <= stored_ns <= 1.02 * measured_ns + handoffs_ns
     assert row["delta_ns"] > 0.9 * measured_ns
     assert f"CALL PATH {job_id}: rank {EXTRA_RANK}" in out and "extra_work" in out
     # Both profiles' trees are in call_paths; only the suspect's has the block.
