@@ -23,7 +23,7 @@ not wall-clock, because the machines we measure on are shared: the pipeline thre
 time for the window engine and the detectors, and the whole process's for the sink, whose
 embedded store works in threads of its own.
 
-Run:  python benchmarks/bench_pipeline.py [--quick] [--only spans|summaries]
+Run:  python benchmarks/bench_pipeline.py [--quick] [--only spans|summaries] [--ranks 1024,10240]
 """
 
 from __future__ import annotations
@@ -73,7 +73,14 @@ from trainscope.transport.bus import EVENTS_TOPIC, METRICS_TOPIC  # noqa: E402
 from trainscope.transport.memory import MemoryBus  # noqa: E402
 
 SIZES = {64: (8, 4, 2), 1024: (64, 8, 2)}
-SUMMARY_SIZES = {1024: (64, 8, 2), 10240: (640, 8, 2)}
+# The summaries workload's job sizes (--ranks): dp × 8 stages × 2-way tensor parallelism.
+SUMMARY_SIZES = (1024, 10240)
+
+
+def summary_layout(ranks: int) -> tuple[int, int, int]:
+    if ranks % 16:
+        raise SystemExit(f"--ranks: {ranks} is not a multiple of 16 (dp x 8 stages x 2 tp)")
+    return ranks // 16, 8, 2
 SOURCE = (8, 8, 2)  # dp, pp, tp of the simulated job the summaries workload is tiled from
 # Each simulated function's time split over parts (kernels of an op): 10 functions become 60.
 PARTS = (0.35, 0.25, 0.15, 0.10, 0.10, 0.05)
@@ -215,7 +222,7 @@ def tiled_messages(sent: dict[tuple[int, int], _Sent], windows: list[int], ranks
     batch and step batch), one per host of 8 GPUs (their condensed metrics, one metric batch),
     the topology first. ``rows``: step records and metric samples one record each, as
     producers sent them before they sent batches (the same-run baseline)."""
-    target = Layout(*SUMMARY_SIZES[ranks])
+    target = Layout(*summary_layout(ranks))
     source = Layout(*SOURCE)
     origin = []
     for r in range(ranks):
@@ -364,7 +371,8 @@ def span_rows(quick: bool, sink: ClickHouseSink) -> None:
 Workload = tuple[dict[tuple[int, int], _Sent], list[int], float]
 
 
-def summary_baselines(workload: Workload) -> dict[int, tuple[float, float, float]]:
+def summary_baselines(workload: Workload, sizes: list[int]
+                      ) -> dict[int, tuple[float, float, float]]:
     """Per job size, on its first full window, records/s (best of 3 passes each): its summary
     batches alone; the whole production message as producers send it (step records and metric
     samples as batches); the same with them as rows, as producers sent them before (the
@@ -372,7 +380,7 @@ def summary_baselines(workload: Workload) -> dict[int, tuple[float, float, float
     background work runs."""
     sent, windows, _ = workload
     rates = {}
-    for ranks in SUMMARY_SIZES:
+    for ranks in sizes:
         (window,) = itertools.islice(tiled_messages(sent, windows, ranks, "baseline"), 1, 2)
         (as_rows,) = itertools.islice(
             tiled_messages(sent, windows, ranks, "baseline-rows", rows=True), 1, 2)
@@ -382,13 +390,13 @@ def summary_baselines(workload: Workload) -> dict[int, tuple[float, float, float
 
 
 def summary_rows(workload: Workload, baselines: dict[int, tuple[float, float, float]],
-                 sink: ClickHouseSink) -> None:
+                 sink: ClickHouseSink, sizes: list[int]) -> None:
     sent, windows, job_s = workload
     print(f"{'ranks':>6} {'windows':>7} {'records':>10} {'engine rec/s':>13} "
           f"{'summaries alone rec/s':>21} {'window rec/s':>12} {'rows rec/s':>11} "
           f"{'batches/rows':>12} {'detect s':>9} {'sink s':>7} {'job s':>6} {'proc s':>7} "
           f"{'x real time':>11} {'peak RSS MiB':>12}")
-    for ranks in SUMMARY_SIZES:
+    for ranks in sizes:
         alone, batches, rows = baselines[ranks]
         run = summaries_pass(tiled_messages(sent, windows, ranks, f"bench-{ranks}"), sink)
         processing_s = run.engine_s + run.detect_s + run.sink_s
@@ -403,21 +411,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
     parser.add_argument("--only", choices=("spans", "summaries"), help="one workload only")
+    parser.add_argument("--ranks", default=",".join(str(r) for r in SUMMARY_SIZES),
+                        help="job sizes of the summaries workload, comma-separated "
+                             "(multiples of 16: dp x 8 stages x 2 tp)")
     args = parser.parse_args()
+    sizes = [int(r) for r in args.ranks.split(",")]
+    for ranks in sizes:
+        summary_layout(ranks)
     if hasattr(os, "sched_setaffinity"):  # the whole process, embedded store included
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
     if args.only != "spans":
         workload = simulate_sources(steps=20 if args.quick else 60)
-        baselines = summary_baselines(workload)
+        baselines = summary_baselines(workload, sizes)
     with tempfile.TemporaryDirectory() as tmp:
         # chDB: one store per process, shared by every row (each job has its own id).
         sink = ClickHouseSink.open(Path(tmp) / "store")
         if args.only != "summaries":
             span_rows(args.quick, sink)
         if args.only != "spans":
-            summary_rows(workload, baselines, sink)
+            summary_rows(workload, baselines, sink, sizes)
 
 
 if __name__ == "__main__":
