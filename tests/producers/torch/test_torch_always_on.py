@@ -79,7 +79,7 @@ def test_the_forward_of_submodules_is_not_counted_as_a_model_forward(attach, mem
     att = attach()
     model = TinyModel()
     train(model, steps=5)
-    assert att.model_hooks._top_ids == {id(model)} and not att.model_hooks._global_handles
+    assert att.model_hooks._top_ids == {id(model)} and not att.model_hooks.global_handles
     att.detach()
     forward = [
         s for s in summaries_of(read_records(memory_bus)) if s.name == "forward"

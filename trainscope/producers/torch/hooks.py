@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainscope.producers.torch.backward import PARAMETERS, BackwardTimer
+from trainscope.producers.torch.backward import BackwardTimer
 
 if TYPE_CHECKING:
     from trainscope.producers.torch.runtime import Attachment
@@ -112,9 +112,9 @@ class ModelHooks:
 
     def __init__(self, att: Attachment) -> None:
         self.att = att
-        self._global_handles: list[Any] = []
-        # Global hooks installed: the top modules are being looked for.
-        self.discovering = False
+        # Global hooks, installed while the top modules are being looked for (the step
+        # boundary reads it: non-empty means discovery).
+        self.global_handles: list[Any] = []
         self._module_handles: list[Any] = []
         # Classes whose forward is wrapped: (class, its own forward attribute or None).
         self._wrapped_classes: list[tuple[type, Any]] = []
@@ -152,17 +152,15 @@ class ModelHooks:
     def _install_global(self) -> None:
         from torch.nn.modules import module as nn_module
 
-        self._global_handles = [
+        self.global_handles = [
             nn_module.register_module_forward_pre_hook(self._global_pre),
             nn_module.register_module_forward_hook(self._global_post, always_call=True),
         ]
-        self.discovering = True
 
     def uninstall(self) -> None:
-        for handle in self._global_handles + self._module_handles:
+        for handle in self.global_handles + self._module_handles:
             handle.remove()
-        self._global_handles = []
-        self.discovering = False
+        self.global_handles = []
         self._module_handles = []
         self._unwrap_forwards()
         self.backward.remove_hooks()
@@ -184,7 +182,7 @@ class ModelHooks:
         forward this step, backward timed by the two parameter hooks and both reached. The step
         boundary inlines this test (the usual case then costs no call); this is its reference."""
         backward = self.backward
-        return bool(self.forwards_in_step and not self.discovering and backward.settled
+        return bool(self.forwards_in_step and not self.global_handles and backward.settled
                     and not backward.pass_open and not backward.missed)
 
     def on_step_end(self) -> None:
@@ -194,7 +192,7 @@ class ModelHooks:
         another model (or re-created it), so discovery starts over.
         """
         forwards, self.forwards_in_step = self.forwards_in_step, 0
-        if self._global_handles:
+        if self.global_handles:
             if self._tops:
                 self._settle()
         elif forwards == 0:
@@ -206,15 +204,14 @@ class ModelHooks:
             self._wrappers = weakref.WeakSet()
             self.backward.reset()
             self._install_global()
-        elif self.backward.mode != PARAMETERS or self.backward.unsettled():
+        elif not self.backward.settled or self.backward.unsettled():
             # Not in the settled fast path: iterating a WeakSet costs more than the rest here.
             self.backward.on_step_end(list(self._tops))
 
     def _settle(self) -> None:
-        for handle in self._global_handles:
+        for handle in self.global_handles:
             handle.remove()
-        self._global_handles = []
-        self.discovering = False
+        self.global_handles = []
         for wrapper in list(self._wrappers):
             self._module_handles.append(wrapper.register_forward_pre_hook(self._wrapper_pre))
         for module in list(self._tops):

@@ -261,7 +261,7 @@ class Attachment:
                 self.guard.report("op trace", exc)
         hooks = self.model_hooks
         backward = hooks.backward
-        if (hooks.forwards_in_step and not hooks.discovering and backward.settled
+        if (hooks.forwards_in_step and not hooks.global_handles and backward.settled
                 and not backward.pass_open and not backward.missed):
             hooks.forwards_in_step = 0
         else:
