@@ -96,6 +96,11 @@ def test_valid_records_pass() -> None:
         (summaries(m2_ns2=[math.nan, 1.0]), "m2_ns2[0]=nan is not a finite number"),
         (summaries(total_ns=[-1, 1]), "total_ns[0]=-1 not in"),
         (summaries(sketch_counts=[2, -2]), "sketch_counts[1]=-2 not in"),
+        # The store keeps sketches as Int16 keys and UInt32 counts (trainscope.schemas.ddl).
+        (summaries(sketch_counts=[2, 2**32]), "sketch_counts[1]=4294967296 not in [0, 4294967295]"),
+        (summaries(sketch_keys=[40_000, 8]), "sketch_keys[0]=40000 not in [-32768, 32767]"),
+        (summary(sketch_keys=[7], sketch_counts=[2**32]),
+         "sketch_counts[0]=4294967296 not in [0, 4294967295]"),
         (SummaryBatch.from_arrays(job_id="j", window_start_ns=0, window_end_ns=10,
                                   layers=["gc"], names=["gc.collect"], rank=[0], fn=[0],
                                   count=[1], total_ns=[1], min_ns=[1], max_ns=[1]),
@@ -231,6 +236,7 @@ def test_a_poll_is_checked_together_and_each_message_gets_its_own_verdict() -> N
         (summaries(m2_ns2=[math.nan, 1.0]), "m2_ns2[0]=nan is not a finite number"),
         (summaries(total_ns=[-1, 1]), "total_ns[0]=-1 not in"),
         (summaries(sketch_counts=[2, -2]), "sketch_counts[1]=-2 not in"),
+        (summaries(sketch_keys=[7, -40_000]), "sketch_keys[1]=-40000 not in [-32768, 32767]"),
     ],
 )
 def test_summary_columns_checked_together_still_name_the_bad_message(bad: SummaryBatch,

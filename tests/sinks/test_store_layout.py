@@ -1,7 +1,8 @@
-"""Table layout 2 on the real engine: an older store is refused, then migrated; retention TTL.
+"""Table layouts on the real engine: an older store is refused, then migrated; retention TTL.
 
 The fixture of "a store written by trainscope before this change" is that trainscope's DDL,
-copied here as it was (layout 1: times only as Int64 ns, plain String columns, no partitions).
+copied here as it was (layout 1: times only as Int64 ns, plain String columns, no partitions;
+layout 2: the quantile sketches as Array(Int64) keys and Array(UInt64) counts).
 chDB lets one process own a store, so engine work runs in child processes.
 """
 
@@ -134,7 +135,7 @@ def test_an_older_store_is_refused_with_one_line_naming_it_and_the_way_out(tmp_p
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     assert errors == [
         f"Error: store {store.resolve()} has table layout 1 (times as Int64 ns only), this "
-        f"trainscope writes layout 2: run `trainscope store migrate {store.resolve()}` first "
+        f"trainscope writes layout 3: run `trainscope store migrate {store.resolve()}` first "
         "(it rewrites the tables in place; stop writers to the store before)"
     ], done.stderr
     after = read(store)
@@ -155,7 +156,7 @@ def test_migrate_keeps_every_row_and_gives_the_new_layout(tmp_path) -> None:
     assert "dead_letters: 150 row(s) rewritten" in done.stdout
 
     after = read(store)
-    assert after["layout"] == 2
+    assert after["layout"] == 3
     assert after["findings"] == before["findings"]
     # Dead letters gained two columns since (payload_bytes, payload_sha256: 0 and '' in old
     # rows, added at the end), step records one (collective_ns, 0 in old rows); the rest of
@@ -279,3 +280,122 @@ def test_a_store_from_before_the_collective_times_takes_them_and_keeps_its_rows(
     assert done.returncode == 0, done.stderr
     # The older row holds the new column's default; the new one its value.
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [[0, 0], [1, 5]]
+
+
+# Layout 2's function_summaries, as trainscope wrote it (sketches as 64-bit arrays).
+LAYOUT2_DDL = [
+    """CREATE TABLE IF NOT EXISTS function_summaries (
+    `v` Int64,
+    `job_id` LowCardinality(String),
+    `rank` Int64,
+    `layer` LowCardinality(String),
+    `name` LowCardinality(String),
+    `callpath_id` UInt64,
+    `window_start_ns` Int64 CODEC(Delta, ZSTD(1)),
+    `window_end_ns` Int64 CODEC(Delta, ZSTD(1)),
+    `count` Int64 CODEC(T64, ZSTD(1)),
+    `total_ns` Int64 CODEC(T64, ZSTD(1)),
+    `m2_ns2` Float64 CODEC(Gorilla, ZSTD(1)),
+    `min_ns` Int64 CODEC(T64, ZSTD(1)),
+    `max_ns` Int64 CODEC(T64, ZSTD(1)),
+    `bytes_total` Int64 CODEC(T64, ZSTD(1)),
+    `sketch_keys` Array(Int64) CODEC(ZSTD(1)),
+    `sketch_counts` Array(UInt64) CODEC(ZSTD(1)),
+    `mean_ns` Float64 MATERIALIZED if(count = 0, 0, total_ns / count),
+    `window_start` DateTime64(9, 'UTC') ALIAS fromUnixTimestamp64Nano(window_start_ns, 'UTC'),
+    `window_end` DateTime64(9, 'UTC') ALIAS fromUnixTimestamp64Nano(window_end_ns, 'UTC')
+)
+ENGINE = ReplacingMergeTree
+PARTITION BY toDate(fromUnixTimestamp64Nano(window_start_ns, 'UTC'))
+ORDER BY (job_id, window_start_ns, rank, layer, name, callpath_id)
+SETTINGS non_replicated_deduplication_window = 10000, ttl_only_drop_parts = 1""",
+    """CREATE TABLE IF NOT EXISTS store_layout (
+    `component` String,
+    `version` UInt32,
+    `written_ns` Int64
+)
+ENGINE = ReplacingMergeTree(written_ns)
+ORDER BY (component)""",
+]
+
+WRITE_LAYOUT2 = r"""
+import json, sys
+import clickhouse_connect
+client = clickhouse_connect.get_client(dsn="chdb://" + sys.argv[1])
+ddl, t0 = json.loads(sys.stdin.read()), int(sys.argv[2])
+for statement in ddl:
+    client.command(statement)
+client.insert("store_layout", [["pipeline", 2, 1]],
+              column_names=["component", "version", "written_ns"])
+# The longest key a duration has (2,184, an Int64's); a count past UInt32 (never written by
+# trainscope, which validates them; here to show the copy saturates it).
+client.insert("function_summaries",
+              [[1, "old-job", rank, "torch_op", "aten::mm", 0, t0, t0 + 15 * 10**9, 3, 30, 2.0,
+                9, 11, 0, [0, 1500, 2184], [1, 1, 5_000_000_000 if rank else 1]]
+               for rank in range(2)],
+              column_names=["v", "job_id", "rank", "layer", "name", "callpath_id",
+                            "window_start_ns", "window_end_ns", "count", "total_ns", "m2_ns2",
+                            "min_ns", "max_ns", "bytes_total", "sketch_keys", "sketch_counts"])
+"""
+
+READ_SUMMARIES = r"""
+import json, sys
+from trainscope.store.client import connect
+client = connect(sys.argv[1], readonly=True, create=False)
+print(json.dumps({
+    "rows": [[row[1], row[2], row[14], row[15]] for row in client.query(
+        "SELECT * FROM function_summaries ORDER BY job_id, rank").result_rows],
+    "types": {row[0]: row[1] for row in client.query(
+        "DESCRIBE TABLE function_summaries").result_rows if row[0].startswith("sketch")},
+    "layout": client.query("SELECT max(version) FROM store_layout").result_rows[0][0]}))
+"""
+
+WRITE_SKETCHES = r"""
+import json, sys
+import pandas as pd, pyarrow as pa
+from trainscope.sinks.clickhouse import ClickHouseSink
+sink = ClickHouseSink.open(sys.argv[1])
+t0 = int(sys.argv[2]) + 60 * 10**9
+lists = pd.ArrowDtype(pa.large_list(pa.int64()))
+sink._insert("function_summaries", pd.DataFrame({
+    "v": 1, "job_id": "new-job", "rank": [0, 1], "layer": "torch_op", "name": "aten::mm",
+    "callpath_id": 0, "window_start_ns": t0, "window_end_ns": t0 + 15 * 10**9, "count": 3,
+    "total_ns": 30, "m2_ns2": 2.0, "min_ns": 9, "max_ns": 11, "bytes_total": 0,
+    "sketch_keys": pd.Series([[0, 2184], [7]], dtype=lists),
+    "sketch_counts": pd.Series([[2, 1], [2**32 + 1]], dtype=lists)}))
+print(json.dumps({"clamped": sink.stats.sketch_values_clamped}))
+"""
+
+
+def test_a_layout_2_store_is_refused_then_migrated_into_the_narrow_sketches(tmp_path) -> None:
+    store = tmp_path / "store"
+    done = run("-c", WRITE_LAYOUT2, str(store), str(T0_NS), stdin=json.dumps(LAYOUT2_DDL))
+    assert done.returncode == 0, done.stderr
+    done = run("-m", "trainscope.cli.main", "demo", "--steps", "5", "--store", str(store))
+    assert done.returncode != 0
+    assert [line for line in done.stderr.splitlines() if line.startswith("Error:")] == [
+        f"Error: store {store.resolve()} has table layout 2 (sketches as 64-bit arrays), this "
+        f"trainscope writes layout 3: run `trainscope store migrate {store.resolve()}` first "
+        "(it rewrites the tables in place; stop writers to the store before)"
+    ], done.stderr
+
+    done = run("-m", "trainscope.cli.main", "store", "migrate", str(store))
+    assert done.returncode == 0, done.stderr
+    assert "function_summaries: 2 row(s) rewritten" in done.stdout
+    done = run("-c", READ_SUMMARIES, str(store))
+    assert done.returncode == 0, done.stderr
+    after = json.loads(done.stdout.strip().splitlines()[-1])
+    assert after["layout"] == 3
+    assert after["types"] == {"sketch_keys": "Array(Int16)", "sketch_counts": "Array(UInt32)"}
+    assert after["rows"] == [["old-job", 0, [0, 1500, 2184], [1, 1, 1]],
+                             ["old-job", 1, [0, 1500, 2184], [1, 1, 2**32 - 1]]]
+
+    # The sink writes into it; a count past UInt32 is stored saturated and counted, not
+    # wrapped round (ClickHouse's own conversion would store 1).
+    done = run("-c", WRITE_SKETCHES, str(store), str(T0_NS))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"clamped": 1}
+    done = run("-c", READ_SUMMARIES, str(store))
+    rows = json.loads(done.stdout.strip().splitlines()[-1])["rows"]
+    assert rows == [["new-job", 0, [0, 2184], [2, 1]], ["new-job", 1, [7], [2**32 - 1]],
+                    *after["rows"]]

@@ -5,7 +5,7 @@ or stored differently, and its engine keys. Every table is a ReplacingMergeTree 
 deduplication on, so a batch delivered twice (at-least-once delivery) neither doubles rows at
 insert time nor after a merge.
 
-Layout (``LAYOUT_VERSION`` 2): every ``*_ns`` time keeps its ``Int64`` of nanoseconds, which
+Layout (``LAYOUT_VERSION`` 3): every ``*_ns`` time keeps its ``Int64`` of nanoseconds, which
 the code and the wire format use, and gets a ``DateTime64(9, 'UTC')`` twin without the suffix
 (``window_start``, ``start``, ``ts``, ``received``) for Grafana's time macros and
 ``toStartOfMinute``. The twins are ``ALIAS`` columns: computed when read, so they cost no bytes
@@ -13,7 +13,10 @@ the code and the wire format use, and gets a ``DateTime64(9, 'UTC')`` twin witho
 still map onto the structs), and a filter on them still prunes the day partitions, whose key
 is the same expression. Repeated strings are ``LowCardinality``; time series tables are
 partitioned by day (a retention TTL drops whole days, see :func:`ttl_clause`); time and value
-columns carry codecs for their shape.
+columns carry codecs for their shape. A quantile sketch's keys are ``Int16`` and its counts
+``UInt32`` (the wire's are 32 and 64 bits): every key a duration can have fits, and the sink
+saturates a count above ``UInt32``'s range and counts it (:class:`~trainscope.sinks.clickhouse.
+SinkStats`).
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ from trainscope.schemas.records import (
 _SCALARS: dict[type, str] = {int: "Int64", float: "Float64", str: "String", bool: "Bool"}
 
 # The table layout of this module; stores record theirs in ``store_layout`` (see
-# :mod:`trainscope.sinks.store_layout`). 1: every time an Int64 of ns, no partitions, no codecs.
-LAYOUT_VERSION = 2
+# :mod:`trainscope.sinks.store_layout`). 1: every time an Int64 of ns, no partitions, no codecs;
+# 2: the sketches' keys and counts as 64-bit arrays.
+LAYOUT_VERSION = 3
 LOW_CARDINALITY = "LowCardinality(String)"
 # Sorted timestamps: small differences (Delta measured smaller than DoubleDelta on demo jobs).
 TIME_CODEC = "CODEC(Delta, ZSTD(1))"
@@ -139,8 +143,11 @@ TABLES: dict[str, Table] = {
             name="function_summaries",
             struct=FunctionSummary,
             order_by=("job_id", "window_start_ns", "rank", "layer", "name", "callpath_id"),
+            # A sketch's keys are ceil(log_gamma(ns)): every Int64 duration's fits in Int16
+            # (at most 2,184); a bucket's count in one window, in UInt32. Narrower than the wire's
+            # types, they halve the table and its insert (benchmarks/README.md, store size).
             types={"job_id": LC, "layer": LC, "name": LC, "callpath_id": "UInt64",
-                   "sketch_counts": "Array(UInt64)"},
+                   "sketch_keys": "Array(Int16)", "sketch_counts": "Array(UInt32)"},
             extra={"mean_ns": "Float64 MATERIALIZED if(count = 0, 0, total_ns / count)",
                    **WINDOW_TIMES},
             codecs={"window_start_ns": TIME_CODEC, "window_end_ns": TIME_CODEC,

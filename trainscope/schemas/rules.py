@@ -31,7 +31,9 @@ from typing import Any
 
 import numpy as np
 
+I16_MIN, I16_MAX = -(2**15), 2**15 - 1
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+U32_MAX = 2**32 - 1
 I64_MAX = 2**63 - 1
 U64_MAX = 2**64 - 1
 

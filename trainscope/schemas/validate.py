@@ -50,11 +50,13 @@ from trainscope.schemas.records import (
     Topology,
 )
 from trainscope.schemas.rules import (
+    I16_MAX,
+    I16_MIN,
     I32_MAX,
-    I32_MIN,
     I64_MAX,
     LAST_RANK,
     LATEST_NS,
+    U32_MAX,
     U64_MAX,
     Checks,
     Diff,
@@ -144,7 +146,9 @@ _STEP = (_RANK, Int("step", 0, I32_MAX), _time("start_ns"), _duration("duration_
 # MetricBatch.
 _METRIC = (Int("rank", -1, LAST_RANK), Int("device", -1, Limit("max_devices", 1)), _time("ts_ns"),
            Number("value"))
-_SKETCH = (Int("sketch_keys", I32_MIN, I32_MAX), Int("sketch_counts", 0, I64_MAX))
+# The store's types (trainscope.schemas.ddl): every key ceil(log_gamma(ns)) of an Int64
+# duration lies within Int16, and a bucket's count in one window within UInt32.
+_SKETCH = (Int("sketch_keys", I16_MIN, I16_MAX), Int("sketch_counts", 0, U32_MAX))
 _BUCKETS = Limit("max_sketch_buckets")
 _WORKER = (
     Int("rank", 0, Ref("world_size", 1)),

@@ -30,6 +30,7 @@ from trainscope.schemas.records import (
 )
 from trainscope.schemas.untrusted import bounded_payload
 from trainscope.schemas.window import WindowView
+from trainscope.sinks.narrow import SKETCH_TYPES, narrow_lists
 from trainscope.sinks.store_layout import (
     add_columns,
     check_layout,
@@ -72,6 +73,9 @@ class SinkStats:
     rows_written: int = 0
     dead_letters: int = 0
     errors: int = 0
+    # Sketch keys or bucket counts outside the store's Int16 / UInt32, stored clamped
+    # (trainscope.sinks.narrow); validation keeps the wire's within range, so this stays 0.
+    sketch_values_clamped: int = 0
 
 
 class ClickHouseSink:
@@ -161,7 +165,14 @@ class ClickHouseSink:
                 # column's dictionary in Python), 3x slower at a window of 600k summaries
                 # (its sketches are Arrow lists), and for the step records and metric samples
                 # of a 10,240-rank window about a seventh of the store's time.
-                self.client.insert_arrow(table, pa.Table.from_pandas(rows, preserve_index=False))
+                arrow = pa.Table.from_pandas(rows, preserve_index=False)
+                if table == "function_summaries":
+                    arrow, clamped = narrow_lists(arrow, SKETCH_TYPES)
+                    if clamped:
+                        self.stats.sketch_values_clamped += clamped
+                        log.warning("%d sketch value(s) outside the store's Int16 keys / UInt32 "
+                                    "counts, stored clamped", clamped)
+                self.client.insert_arrow(table, arrow)
             else:
                 self.client.insert_df(table, rows)
         except Exception as exc:

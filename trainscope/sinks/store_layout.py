@@ -2,7 +2,8 @@
 
 A store records the layout of the pipeline's tables in ``store_layout``. A store without that
 table but with pipeline tables was written before layouts were recorded: layout 1 (every time
-an ``Int64`` of nanoseconds, plain ``String`` columns, no partitions). The writer refuses a
+an ``Int64`` of nanoseconds, plain ``String`` columns, no partitions); layout 2 kept the
+quantile sketches as 64-bit arrays (:data:`OLDER_LAYOUTS`). The writer refuses a
 store whose layout differs from :data:`~trainscope.schemas.ddl.LAYOUT_VERSION` with one line
 that says what to do; :func:`migrate` rewrites each table into the current layout (create the
 new table beside it, ``INSERT … SELECT`` the shared columns, swap the names, drop the old one).
@@ -24,6 +25,8 @@ from trainscope.schemas.ddl import (
 from trainscope.store.client import StoreError, _first_line
 
 COMPONENT = "pipeline"
+# What each older layout lacks, for the line that refuses such a store.
+OLDER_LAYOUTS = {1: "times as Int64 ns only", 2: "sketches as 64-bit arrays"}
 LAYOUT_DDL = """CREATE TABLE IF NOT EXISTS store_layout (
     `component` String,
     `version` UInt32,
@@ -48,6 +51,16 @@ ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
     "dead_letters": ("`payload_bytes` UInt64", "`payload_sha256` String"),
     # Each step's time in collectives (what the early flag reads, detectors/early.py).
     "step_records": ("`collective_ns` Int64 CODEC(T64, ZSTD(1))",),
+}
+
+
+# Columns a newer layout keeps in a narrower type: copied saturated, not wrapped around (which
+# is what ClickHouse's conversion does). No sketch written by trainscope holds a value outside.
+NARROWED: dict[tuple[str, str], str] = {
+    ("function_summaries", "sketch_keys"):
+        "arrayMap(k -> toInt16(greatest(least(k, 32767), -32768)), `sketch_keys`)",
+    ("function_summaries", "sketch_counts"):
+        "arrayMap(c -> toUInt32(least(c, 4294967295)), `sketch_counts`)",
 }
 
 
@@ -101,7 +114,7 @@ def check_layout(client: Any, where: str) -> int | None:
             f"{LAYOUT_VERSION}: upgrade trainscope to write to it"
         )
     raise StoreError(
-        f"store {where} has table layout {version} (times as Int64 ns only), this trainscope "
+        f"store {where} has table layout {version} ({OLDER_LAYOUTS[version]}), this trainscope "
         f"writes layout {LAYOUT_VERSION}: run `trainscope store migrate {where}` first "
         f"(it rewrites the tables in place; stop writers to the store before)"
     )
@@ -146,11 +159,13 @@ def migrate(client: Any) -> dict[str, int]:
         _command(client, ddl.replace(f"EXISTS {table} (", f"EXISTS `{staging}` (", 1))
         wanted = _stored_columns(client, staging)
         have = set(_stored_columns(client, table))
-        columns = ", ".join(f"`{c}`" for c in wanted if c in have)
+        shared = [c for c in wanted if c in have]
+        columns = ", ".join(f"`{c}`" for c in shared)
+        values = ", ".join(NARROWED.get((table, c), f"`{c}`") for c in shared)
         # Whole old table in one statement; the engine streams it block by block. Without
         # deduplication (two equal blocks of the copy are both rows of the old table) and
         # without the limit of 100 day partitions per block (the old table has no days).
-        _command(client, f"INSERT INTO `{staging}` ({columns}) SELECT {columns} FROM `{table}`",
+        _command(client, f"INSERT INTO `{staging}` ({columns}) SELECT {values} FROM `{table}`",
                  settings={"insert_deduplicate": 0, "max_partitions_per_insert_block": 0})
         moved[table] = int(_query(client, f"SELECT count() FROM `{staging}`")[0][0])
         _command(client, f"EXCHANGE TABLES `{staging}` AND `{table}`")
