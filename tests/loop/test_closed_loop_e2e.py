@@ -145,17 +145,22 @@ def test_a_slow_rank_gets_profiled_and_its_finding_carries_the_call_path(
     # The stream job asked rank 1 (suspect) and one peer, once: the rate limit holds.
     asked = _control_messages(url, job_id)
     assert len(asked) == 2, asked
-    assert {m.rank for m in asked} >= {EXTRA_RANK} and all(m.steps == STEPS for m in asked)
+    assert {m.rank for m in asked} >= {EXTRA_RANK}
     (peer,) = {m.rank for m in asked} - {EXTRA_RANK}
     assert f"PROFILE {job_id}: asked rank {EXTRA_RANK}" in out
+    # Both for the same K steps: --auto-profile-steps, or more when the suspect's window held
+    # a few steps over twice its median, which is how an intermittent straggler looks (and
+    # how this rank looks when the loaded test host stalls it now and then; CI saw 50).
+    (steps,) = {m.steps for m in asked}
+    assert steps == STEPS or (STEPS < steps <= 50 and "slow steps come now and then" in out)
     # Both ranks profiled themselves for exactly K steps; nobody else did.
     profiled = {r["rank"]: r["reports"] for r in results if r["reports"]}
     assert set(profiled) == {EXTRA_RANK, peer}
-    assert all(rep[0][3] == STEPS for rep in profiled.values())
+    assert all(rep[0][3] == steps for rep in profiled.values())
 
     tables = _store(tmp_path / "store", job_id)
     (row,) = tables["loop"]
-    assert row["rank"] == EXTRA_RANK and row["peer_rank"] == peer and row["steps"] == STEPS
+    assert row["rank"] == EXTRA_RANK and row["peer_rank"] == peer and row["steps"] == steps
     # The finding it belongs to is in the store.
     assert any(f["window_start_ns"] == row["window_start_ns"] and f["rank"] == EXTRA_RANK
                and f["detector"] == row["detector"] and f["score"] >= 0.5
@@ -169,15 +174,15 @@ def test_a_slow_rank_gets_profiled_and_its_finding_carries_the_call_path(
     assert any("forward" in name for name in path[:at]), path
     _, started_ns, stopped_ns, _ = profiled[EXTRA_RANK][0]
     blocks = [ns for t, ns in results[EXTRA_RANK]["extra_blocks"] if started_ns <= t <= stopped_ns]
-    assert len(blocks) == STEPS
-    measured_ns = sum(blocks) / STEPS
+    assert len(blocks) == steps
+    measured_ns = sum(blocks) / steps
     stored_ns = row["path_delta_ns"][at]
     print(f"extra_work: stored {stored_ns / 1e6:.3f} ms/step, measured {measured_ns / 1e6:.3f}")
     # The stored figure is the record_function's span, which ends after the block's own clock
     # stopped: a hand-off of the GIL in between (another thread of the rank runs; at most a
     # switch interval, 5 ms, each time) lands in it alone. On a busy 2-core host one did in
     # a CI run (+3.3 ms over the 5 steps), so two are allowed above, none below.
-    handoffs_ns = 2 * sys.getswitchinterval() * 1e9 / STEPS
+    handoffs_ns = 2 * sys.getswitchinterval() * 1e9 / steps
     assert 0.98 * measured_ns <= stored_ns <= 1.02 * measured_ns + handoffs_ns
     assert row["delta_ns"] > 0.9 * measured_ns
     assert f"CALL PATH {job_id}: rank {EXTRA_RANK}" in out and "extra_work" in out
