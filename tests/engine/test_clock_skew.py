@@ -93,6 +93,53 @@ def test_estimates_are_each_ranks_median_of_its_differences_to_the_agreed_end(
     assert clocks.estimates(world_size=world) == expected
 
 
+def expected_estimates(clocks: RankClocks, world: int) -> dict[int, tuple[int, int]]:
+    """Each rank's np.median of its differences to the median end of every step a majority
+    reported, from the step ends the estimator keeps."""
+    differences: dict[int, list[int]] = {}
+    for by_rank in clocks.ends.values():
+        if len(by_rank) >= world // 2 + 1:
+            agreed = int(np.median(list(by_rank.values())))
+            for rank, end in by_rank.items():
+                differences.setdefault(rank, []).append(end - agreed)
+    return {rank: (int(np.median(d)), len(d)) for rank, d in differences.items()
+            if len(d) >= MIN_STEPS}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_estimates_taken_after_every_poll_agree_as_steps_gain_ranks_and_re_sends(
+        seed: int) -> None:
+    """The engine asks after every poll, and a step keeps gaining ranks after its majority
+    (each poll brings a slice of a large job's ranks): the estimator grows each step's arrays
+    by the new ranks instead of reading the step afresh. Interleaved re-sends (a rank's step
+    again, with another end; twice in one batch) must be read afresh. The estimates agree
+    with np.median's after every poll."""
+    rng = np.random.default_rng(seed)
+    clocks = RankClocks()
+    world = 40
+    skews = {rank: int(rng.integers(-3, 4)) * 10**9 for rank in range(world)}
+    polls = 0
+    for first in range(0, 12, 3):  # 4 rounds of 3 steps; ranks come in slices of 7
+        order = rng.permutation(world).tolist()
+        for lo in range(0, world, 7):
+            records = [r for rank in order[lo:lo + 7]
+                       for r in steps_of(rank, first, 3, skews[rank], rng)]
+            if rng.random() < 0.3:  # a re-send of an earlier rank's step, another end
+                rank = int(rng.choice(order[:lo + 1]))
+                records += steps_of(rank, first, 1, skews[rank], rng)
+            if rng.random() < 0.2:  # the same record twice in one batch
+                records.append(records[0])
+            clocks.note_steps(StepBatch.from_records(records))
+            assert clocks.estimates(world_size=world) == expected_estimates(clocks, world)
+            polls += 1
+        # A poll of nothing but a re-send: the step gains no rank, one end changes.
+        rank = int(rng.integers(world))
+        clocks.note_steps(StepBatch.from_records(steps_of(rank, first + 1, 1, 10**10, rng)))
+        assert clocks.estimates(world_size=world) == expected_estimates(clocks, world)
+        polls += 1
+    assert polls == 28 and len(expected_estimates(clocks, world)) == world
+
+
 @pytest.mark.parametrize("skew_s", [600, -600])
 def test_first_seconds_a_far_clock_is_held_not_dragging_nor_late(skew_s: int) -> None:
     """Before its offset is known, a rank 600 s ahead does not move the job's watermark and
