@@ -425,13 +425,17 @@ def main() -> None:
     if args.only != "spans":
         workload = simulate_sources(steps=20 if args.quick else 60)
         baselines = summary_baselines(workload, sizes)
-    with tempfile.TemporaryDirectory() as tmp:
+    # The embedded store may still be merging parts in its own threads when the rows are done.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         # chDB: one store per process, shared by every row (each job has its own id).
         sink = ClickHouseSink.open(Path(tmp) / "store")
-        if args.only != "summaries":
-            span_rows(args.quick, sink)
-        if args.only != "spans":
-            summary_rows(workload, baselines, sink, sizes)
+        try:
+            if args.only != "summaries":
+                span_rows(args.quick, sink)
+            if args.only != "spans":
+                summary_rows(workload, baselines, sink, sizes)
+        finally:
+            sink.close()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
-from trainscope.engine.state import FAR_PAST, JobState
+import numpy as np
+
+from trainscope.engine.state import FAR_PAST, JobState, RankProgress
 
 
 class Watermarks:
@@ -39,16 +41,21 @@ class Watermarks:
         self._source_seen_s: dict[Hashable, float] = {}
         self._expected_s: dict[Hashable, float] = {}  # sources assigned, not heard from yet
 
-    def observe(self, job: JobState, source: Hashable, progress_ns: dict[int, int]) -> None:
-        """Advance the progress of each rank on ``source`` to its latest event time."""
+    def observe(self, job: JobState, source: Hashable,
+                progress_ns: tuple[np.ndarray, np.ndarray]) -> None:
+        """Advance the progress of each rank on ``source`` to its latest event time
+        (``progress_ns``: distinct ranks, and each one's latest event time in ns)."""
+        ranks, newest_ns = progress_ns
+        if not len(ranks):
+            return
         now = self._clock()
         self._source_seen_s[source] = now
         job.last_arrival_s = now
-        ranks = job.rank_progress.setdefault(source, {})
-        for rank, event_ns in progress_ns.items():
-            known = ranks.get(rank)
-            ranks[rank] = (event_ns if known is None else max(known[0], event_ns), now)
-        newest = max(progress_ns.values())
+        progress = job.rank_progress.get(source)
+        if progress is None:
+            progress = job.rank_progress[source] = RankProgress()
+        progress.update(ranks, newest_ns, now)
+        newest = int(newest_ns.max())
         known_ns = job.progress_ns.get(source)
         if known_ns is None or newest > known_ns:
             job.progress_ns[source] = newest
@@ -56,13 +63,9 @@ class Watermarks:
     def _agreed_ns(self, job: JobState, source: Hashable, now: float) -> int:
         """The source's progress: the lower median of its active ranks' (see the module
         docstring); its newest event time when it has none."""
-        ranks = job.rank_progress.get(source)
-        if not ranks:
-            return job.progress_ns[source]
-        active = sorted(p for p, seen_s in ranks.values() if now - seen_s < self.source_idle_s)
-        if not active:
-            return max(p for p, _ in ranks.values())
-        return active[(len(active) - 1) // 2]
+        progress = job.rank_progress.get(source)
+        agreed = None if progress is None else progress.agreed_ns(now, self.source_idle_s)
+        return job.progress_ns[source] if agreed is None else agreed
 
     def expect_sources(self, sources: list[Hashable]) -> None:
         """Sources (partitions) just assigned: until one delivers or has been silent for

@@ -698,9 +698,9 @@ def _split_ready(batch: Any, clocks: RankClocks) -> tuple[Any, Any]:
     return batch.take(ready), batch.take(~ready)
 
 
-def _newest_per_rank(rank: np.ndarray, event_ns: np.ndarray) -> dict[int, int]:
-    """Each rank's latest event time among ``event_ns``."""
+def _newest_per_rank(rank: np.ndarray, event_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ranks, and each one's latest event time among ``event_ns``."""
     distinct, inverse = np.unique(rank, return_inverse=True)
     newest = np.full(len(distinct), np.iinfo(np.int64).min, dtype=np.int64)
     np.maximum.at(newest, inverse.ravel(), event_ns.astype(np.int64))
-    return dict(zip(distinct.tolist(), newest.tolist(), strict=True))
+    return distinct, newest
