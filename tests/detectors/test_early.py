@@ -264,3 +264,26 @@ def test_ranks_late_as_often_as_each_other_are_not_flagged() -> None:
         waits[2 if step % 2 else 5] = 20
         watch.add(_steps(step, [560] * 8, waits))
     assert watch.check() == []
+
+
+def test_ranks_arriving_a_few_at_a_time_give_the_same_flags_in_rings_that_double() -> None:
+    """A large job's first window brings its ranks a poll at a time: the rings grow by
+    doubling (copying them for each poll's new ranks grew as ranks²), and the columns not
+    reported yet are ranks that never reported, so the flags are those of whole steps."""
+    spec = ClusterSpec(dp=8, pp=2, tp=2, steps=60, seed=3, window_s=WINDOW_S)
+    outputs = list(SimulatedCluster(spec, parse_faults(["slow-gpu:rank=29,factor=2.0,start=25"]))
+                   .run())
+    whole, sliced = EarlyWatch(int(WINDOW_S * 1e9)), EarlyWatch(int(WINDOW_S * 1e9))
+    flags: dict[str, list[Finding]] = {"whole": [], "sliced": []}
+    widths = []
+    for output in outputs:
+        whole.add(output.steps)
+        flags["whole"] += whole.check()
+        for record in sorted(output.steps, key=lambda r: r.rank):  # one rank per poll
+            sliced.add([record])
+            widths.append(sliced._jobs[record.job_id].duration_ns.shape[1])
+            flags["sliced"] += sliced.check()
+    assert flags["whole"] and [f.rank for f in flags["whole"]] == [29]
+    assert flags["sliced"] == flags["whole"]
+    # 32 ranks one at a time: the rings were copied 6 times (1, 2, 4, 8, 16, 32), not 32.
+    assert len(set(widths)) == 6 and max(widths) == 32

@@ -154,16 +154,21 @@ class _Job:
         """When the step in ``row`` ended: the median over ``ranks`` (a skewed clock aside)."""
         return self.epoch_ns + int(float(np.median(self.end_s[row, ranks])) * 1e9)
 
-    def grow(self, ranks: int) -> None:
-        extra = ranks - self.ranks
+    def grow(self, ranks: int, most: int) -> None:
+        """Room for ranks ``0..ranks-1`` (at most ``most``). The room grows by doubling: a
+        large job's first window brings its ranks a poll at a time, and copying the rings for
+        each poll's few hundred new ranks grew as ranks². Columns of ranks not seen yet are
+        what a rank that never reported is: not ``seen``."""
+        self.ranks = max(self.ranks, ranks)
+        extra = ranks - self.duration_ns.shape[1]
         if extra <= 0:
             return
+        extra = max(extra, min(self.duration_ns.shape[1], most - ranks))
         pad = ((0, 0), (0, extra))
         self.duration_ns = np.pad(self.duration_ns, pad)
         self.collective_ns = np.pad(self.collective_ns, pad)
         self.end_s = np.pad(self.end_s, pad)
         self.seen = np.pad(self.seen, pad)
-        self.ranks = ranks
 
 
 class EarlyWatch:
@@ -194,7 +199,7 @@ class EarlyWatch:
                  ) -> None:
         """The batch's steps into the ring, as if taken one by one: a step newer than its
         row's resets the row; one older than the row's, or than the ring, is dropped."""
-        job.grow(int(rank[watched].max()) + 1)
+        job.grow(int(rank[watched].max()) + 1, self.max_ranks)
         step = batch.column("step").astype(np.int64)
         row = step % HISTORY_STEPS
         fresh = watched & (step > job.checked_through - HISTORY_STEPS)
