@@ -129,7 +129,6 @@ def _ring(dtype: type) -> np.ndarray:
 class _Job:
     """The last HISTORY_STEPS steps of one job: row ``step % HISTORY_STEPS`` holds ``step``."""
 
-    ranks: int = 0
     step_of_row: np.ndarray = field(
         default_factory=lambda: np.full(HISTORY_STEPS, -1, dtype=np.int64))
     # float32 (ample for ms-scale comparisons): 0.8 MB per 1,000 ranks for the three.
@@ -159,7 +158,6 @@ class _Job:
         large job's first window brings its ranks a poll at a time, and copying the rings for
         each poll's few hundred new ranks grew as ranks². Columns of ranks not seen yet are
         what a rank that never reported is: not ``seen``."""
-        self.ranks = max(self.ranks, ranks)
         extra = ranks - self.duration_ns.shape[1]
         if extra <= 0:
             return

@@ -14,6 +14,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+
 from trainscope.schemas.ddl import (
     CALL_PATHS_DDL,
     DEAD_LETTERS_DDL,
@@ -22,6 +25,7 @@ from trainscope.schemas.ddl import (
     TIME_COLUMNS,
     ttl_clause,
 )
+from trainscope.sinks.narrow import SKETCH_TYPES
 from trainscope.store.client import StoreError, _first_line
 
 COMPONENT = "pipeline"
@@ -54,13 +58,19 @@ ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
 }
 
 
-# Columns a newer layout keeps in a narrower type: copied saturated, not wrapped around (which
-# is what ClickHouse's conversion does). No sketch written by trainscope holds a value outside.
+def _saturated(column: str, element: pa.DataType) -> str:
+    """SQL copying an older, wider array column into ``element``'s range, clamped."""
+    info = np.iinfo(element.to_pandas_dtype())
+    cast = "to" + str(element).capitalize().replace("Uint", "UInt")  # toInt16, toUInt32
+    return f"arrayMap(x -> {cast}(greatest(least(x, {info.max}), {info.min})), `{column}`)"
+
+
+# Columns a newer layout keeps in a narrower type (the sink's own, trainscope.sinks.narrow):
+# copied saturated, not wrapped around (which is what ClickHouse's conversion does). No sketch
+# written by trainscope holds a value outside.
 NARROWED: dict[tuple[str, str], str] = {
-    ("function_summaries", "sketch_keys"):
-        "arrayMap(k -> toInt16(greatest(least(k, 32767), -32768)), `sketch_keys`)",
-    ("function_summaries", "sketch_counts"):
-        "arrayMap(c -> toUInt32(least(c, 4294967295)), `sketch_counts`)",
+    ("function_summaries", column): _saturated(column, element)
+    for column, element in SKETCH_TYPES.items()
 }
 
 
