@@ -295,3 +295,49 @@ def test_offset_lookup_agrees_with_the_offsets_in_force(ranks: range) -> None:
     found, offsets = clocks.lookup(asked)
     assert (found.tolist(), offsets.tolist()) == expected()
     assert found.sum() == 7
+
+
+class AskEveryRank(RankClocks):
+    """The reference: every rank estimated on every calibrate(), as before estimates were
+    taken only for the ranks that reported since."""
+
+    def _estimates_due(self, world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._estimate_arrays(world_size)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_calibrating_only_the_ranks_that_reported_applies_the_same_offsets(seed: int) -> None:
+    """calibrate() estimates the ranks whose step records came since its last call (and, when
+    the majority's steps change, those never estimated): the offsets in force after every poll
+    are those of estimating every rank every time, through a late majority, ranks taken as they
+    were after the hold (one far behind, reporting only later), and a clock that jumps."""
+    rng = np.random.default_rng(seed)
+    world = 48
+    tolerance_ns = 2 * 10**9
+    skews = {rank: int(rng.integers(-1, 2)) * 10**9 for rank in range(world)}
+    skews[5], skews[17] = 40 * 10**9, -300 * 10**9
+    tested, reference = RankClocks(), AskEveryRank()
+    late = {17, 30, 31}  # report nothing until the hold has released them at offset 0
+    for clocks in (tested, reference):
+        clocks.trust_the_rest([("src", StepBatch.from_records(steps_of(r, 0, 1, 0, rng)))
+                               for r in sorted(late)])
+    changed_ever: set[int] = set()
+    for first in range(0, 18, 3):
+        if first == 3:
+            skews[23] += 60 * 10**9  # the host's clock is set wrong mid-run
+        order = rng.permutation(world).tolist()
+        for lo in range(0, world, 5):
+            ranks = [r for r in order[lo:lo + 5] if first >= 6 or r not in late]
+            if not ranks:
+                continue
+            batch = StepBatch.from_records(
+                [rec for r in ranks for rec in steps_of(r, first, 3, skews[r], rng)])
+            for clocks in (tested, reference):
+                clocks.note_steps(batch)
+            changed = tested.calibrate(world, tolerance_ns)
+            assert changed == reference.calibrate(world, tolerance_ns)
+            assert tested.offsets_ns == reference.offsets_ns
+            changed_ever.update(changed)
+    assert {5, 17, 23} <= {r for r, offset in tested.offsets_ns.items() if offset}
+    assert all(abs(tested.offsets_ns[r] - skews[r]) < 10**8 for r in (5, 17, 23))
+    assert len(tested.offsets_ns) == world and changed_ever >= {5, 17, 23}

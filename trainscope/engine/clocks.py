@@ -120,7 +120,10 @@ class RankClocks:
                 grown.pop(step, None)
                 if cache:
                     cache.pop(step, None)
-        self.ranks.update(np.unique(rank).tolist())
+        noted = np.unique(rank)
+        self.ranks.update(noted.tolist())
+        # Not a field (see _step_diffs): the ranks whose estimates the next calibrate() owes.
+        vars(self).setdefault("_noted", []).append(noted.astype(np.int64))
         if len(self.ends) > KEPT_STEPS:
             for old in sorted(self.ends)[: len(self.ends) - KEPT_STEPS]:
                 del self.ends[old]
@@ -154,6 +157,61 @@ class RankClocks:
         if _dense_enough(hi - lo + 1, max(len(part) for part in rank_parts)):
             return _medians_dense(rank_parts, diff_parts, lo, hi)
         return _medians_sorted(np.concatenate(rank_parts), np.concatenate(diff_parts))
+
+    def _estimates_due(self, world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_estimate_arrays` for the ranks :meth:`calibrate` owes an estimate (by rank,
+        of those with ``MIN_STEPS`` majority steps): all of them where a table by rank does
+        not fit (ranks numbered sparsely) or most ranks are due anyway."""
+        quorum = _quorum(world_size)
+        steps = [step for step, by_rank in self.ends.items() if len(by_rank) >= quorum]
+        noted: list[np.ndarray] = vars(self).pop("_noted", [])
+        before = vars(self).get("_majority_steps", ())
+        vars(self)["_majority_steps"] = steps
+        if before != steps:
+            # A step that just reached its majority gives its ranks a difference each, those
+            # that reported it before the majority did included; ranks never estimated
+            # (unknown, or taken as they were after the hold) may now have enough steps.
+            noted.extend(self._step_diffs(step, self.ends[step])[0]
+                         for step in set(steps).difference(before))
+            noted.append(np.fromiter(self.ranks - self.steps_used.keys(), dtype=np.int64))
+        due = np.unique(np.concatenate(noted)) if noted else np.zeros(0, dtype=np.int64)
+        empty = np.zeros(0, dtype=np.int64)
+        if not steps or not len(due):
+            return empty, empty, empty
+        if 2 * len(due) >= len(self.ranks):
+            return self._estimate_arrays(world_size)
+        columns = []
+        for step in steps:
+            column = self._dense_diffs(step)
+            if column is None:
+                return self._estimate_arrays(world_size)
+            inside = due < len(column)
+            columns.append(np.where(inside, column[np.where(inside, due, 0)], _MISSING))
+        return _table_medians(np.stack(columns, axis=1), due)
+
+    def _dense_diffs(self, step: int) -> np.ndarray | None:
+        """The step's differences by rank (``_MISSING`` where a rank did not report it), kept
+        while the step's differences stay the same; ``None`` if its ranks are too sparse for
+        a table by rank."""
+        ranks, diffs = self._step_diffs(step, self.ends[step])
+        dense: dict[int, tuple[np.ndarray, np.ndarray | None]] = vars(self).setdefault(
+            "_dense", {})
+        kept = dense.get(step)
+        if kept is not None and kept[0] is diffs:
+            return kept[1]
+        column: np.ndarray | None = None
+        size = int(ranks.max()) + 1 if len(ranks) else 0
+        if len(ranks) and int(ranks.min()) >= 0 and _dense_enough(size, len(ranks)):
+            column = np.full(size, _MISSING, dtype=np.int64)
+            column[ranks] = diffs
+        dense[step] = (diffs, column)
+        for old in [s for s in dense if s not in self.ends]:
+            del dense[old]
+        return column
+
+    def __getstate__(self) -> dict[str, object]:
+        # The tables by rank are derived (and at 100,000 ranks tens of MB): not checkpointed.
+        return {k: v for k, v in vars(self).items() if k != "_dense"}
 
     def _step_diffs(self, step: int, by_rank: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """The step's ranks and their ends minus the step's median end, kept until the step
@@ -189,10 +247,15 @@ class RankClocks:
         tolerance); a calibrated one only when its clock moved by more than the tolerance (a
         step of its clock), so records are not shuffled by jitter. Returns the ranks changed.
 
-        Taken on every call: a rank taken as it was (offset 0, its records released after the
-        hold) whose steps come after its peers' gets its estimate from steps that already had
-        a majority, so no cheaper sign of news will do."""
-        ranks, offsets, used = self._estimate_arrays(world_size)
+        Estimated on every call, for the ranks whose step records came since the last one (a
+        rank taken as it was, offset 0 after the hold, whose steps come after its peers' gets
+        its estimate from steps that already had a majority, so no cheaper sign of news will
+        do), for the ranks of a step that just reached its majority (once per step, not per
+        poll), and for every rank never estimated yet when the majority's steps changed. Any
+        other rank's estimate could move only as a step's median moves by peers' jitter: with
+        every rank asked on every poll, a 100,000-rank job spent a quarter of a second per poll
+        sorting ranks × steps."""
+        ranks, offsets, used = self._estimates_due(world_size)
         rank_list = ranks.tolist()
         known = self.offsets_ns
         unknown = np.iinfo(np.int64).min
@@ -308,13 +371,20 @@ def _medians_dense(rank_parts: list[np.ndarray], diff_parts: list[np.ndarray], l
     table = np.full((hi - lo + 1, len(rank_parts)), _MISSING, dtype=np.int64)
     for column, (ranks, diffs) in enumerate(zip(rank_parts, diff_parts, strict=True)):
         table[ranks - lo, column] = diffs
+    return _table_medians(table, np.arange(lo, hi + 1, dtype=np.int64))
+
+
+def _table_medians(table: np.ndarray, row_ranks: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of ``table`` (a rank's differences by step, ``_MISSING`` where it reported
+    none) with ``MIN_STEPS`` differences or more: its rank, median difference and count."""
     table.sort(axis=1)
     counts = (table != _MISSING).sum(axis=1)
     rows = np.flatnonzero(counts >= MIN_STEPS)
     counts = counts[rows]
     flat = table[rows].ravel()
     starts = np.arange(len(rows), dtype=np.int64) * table.shape[1]
-    return rows + lo, _middle(flat, starts, counts), counts
+    return row_ranks[rows], _middle(flat, starts, counts), counts
 
 
 def _quorum(world_size: int) -> int:
