@@ -30,6 +30,7 @@ from trainscope.schemas.records import (
 )
 from trainscope.schemas.untrusted import bounded_payload
 from trainscope.schemas.window import WindowView
+from trainscope.sinks.arrow_insert import EmbeddedArrowInserts
 from trainscope.sinks.narrow import SKETCH_TYPES, narrow_lists
 from trainscope.sinks.store_layout import (
     add_columns,
@@ -120,6 +121,9 @@ class ClickHouseSink:
         self.watch = StoreWatch(client, where, embedded_path(client), WATCHED_TABLES)
         self._lost: str | None = None
         self._marked: set[str] = set()  # groups whose marks this sink stored
+        path = embedded_path(client)
+        # Arrow read in place by the embedded engine; a server takes it over HTTP as it is.
+        self._in_memory = EmbeddedArrowInserts(path) if path is not None else None
 
     @classmethod
     def open(
@@ -172,7 +176,10 @@ class ClickHouseSink:
                         self.stats.sketch_values_clamped += clamped
                         log.warning("%d sketch value(s) outside the store's Int16 keys / UInt32 "
                                     "counts, stored clamped", clamped)
-                self.client.insert_arrow(table, arrow)
+                if self._in_memory is not None:
+                    self._in_memory.insert(table, columns, arrow)
+                else:
+                    self.client.insert_arrow(table, arrow)
             else:
                 self.client.insert_df(table, rows)
         except Exception as exc:
@@ -343,6 +350,9 @@ class ClickHouseSink:
         if self.reads is not None:
             self.reads.stop()
             self.reads = None
+        if self._in_memory is not None:
+            self._in_memory.close()
+            self._in_memory = None
         close = getattr(self.client, "close", None)
         if close is not None:
             close()
