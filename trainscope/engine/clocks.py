@@ -185,7 +185,7 @@ class RankClocks:
             column = self._dense_diffs(step)
             if column is None:
                 return self._estimate_arrays(world_size)
-            inside = due < len(column)
+            inside = (due >= 0) & (due < len(column))
             columns.append(np.where(inside, column[np.where(inside, due, 0)], _MISSING))
         return _table_medians(np.stack(columns, axis=1), due)
 
