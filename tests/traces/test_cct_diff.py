@@ -136,3 +136,40 @@ def test_a_collective_call_only_the_suspect_made_is_waiting_not_its_work() -> No
     chain = hot_chain(diff(suspect, [peer]))
     assert chain[-1].path == fwd, [d.label() for d in chain]
     assert [round(d.delta_ns / MS) for d in chain] == [4, 4]
+
+
+def test_a_block_that_holds_most_of_the_excess_ends_the_chain_on_a_busy_host() -> None:
+    """The figures of a CI run on a loaded 2-core host: the suspect's loop took +49 ms/step
+    over its peer's, +31 ms of it in its ``extra_work`` block and the rest lost to the
+    scheduler all over the loop (a few ms in each of data loading, backward, the optimizer
+    and the loop itself). The block holds most of the excess, so the chain ends there, not at
+    the loop."""
+    MS = 1_000_000
+    loop = (("python", "loop_jobs.py(68): run_rank"),)
+    fwd = (*loop, ("python", "loop_jobs.py(34): forward"))
+    extra = (*fwd, ("user_annotation", "extra_work"))
+    data = (*loop, ("python", "torch/utils/data/dataloader.py(720): __next__"))
+    backward = (*loop, ("python", "torch/_tensor.py(566): backward"))
+    optim = (*loop, ("python", "torch/optim/optimizer.py(509): wrapper"))
+    suspect = _times({loop: 60 * MS * 5, fwd: 32 * MS * 5, extra: 31 * MS * 5,
+                      data: 6 * MS * 5, backward: 12 * MS * 5, optim: 4 * MS * 5})
+    peer = _times({loop: 11 * MS * 5, fwd: 1 * MS * 5, data: 1 * MS * 5,
+                   backward: 7 * MS * 5, optim: 1 * MS * 5})
+    chain = hot_chain(diff(suspect, [peer]))
+    assert chain[-1].path == extra, [d.label() for d in chain]
+    assert [round(d.delta_ns / MS) for d in chain] == [49, 31, 31]
+
+
+def test_two_blocks_with_equal_shares_end_the_chain_above_them() -> None:
+    """Neither of two equally slow blocks explains the excess more than the other: the chain
+    names the frame that holds both."""
+    MS = 1_000_000
+    loop = (("python", "train.py(68): train"),)
+    fwd = (*loop, ("python", "train.py(34): forward"))
+    first = (*fwd, ("user_annotation", "tokenise"))
+    second = (*fwd, ("user_annotation", "augment"))
+    suspect = _times({loop: 50 * MS * 5, fwd: 40 * MS * 5, first: 20 * MS * 5,
+                      second: 20 * MS * 5})
+    peer = _times({loop: 10 * MS * 5, fwd: 0 * MS * 5, first: 0, second: 0})
+    chain = hot_chain(diff(suspect, [peer]))
+    assert chain[-1].path == fwd, [d.label() for d in chain]
