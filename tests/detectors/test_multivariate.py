@@ -70,3 +70,59 @@ def test_scores_for_all_ranks_at_once_are_rivers_one_by_one() -> None:
                 compared += len(variant)
         detector.detect(view)
     assert compared >= 3 * 32 * (len(views) - 1) > 0
+
+
+def _state(model) -> tuple:
+    """Everything river's model learns: the scaler's limits, the trees' masses, the count
+    towards the next pivot."""
+    scaler, hst = model.steps.values()
+    limits = {name: (scaler.min[name].get(), scaler.max[name].get()) for name in scaler.min}
+    masses = [[(node.l_mass, node.r_mass) for node in tree.iter_dfs()] for tree in hst.trees]
+    return limits, masses, hst.counter, hst._first_window
+
+
+def test_learning_all_ranks_at_once_leaves_rivers_state_one_by_one() -> None:
+    """hst_batch.learn_many leaves river's model as learn_one row by row does, bit for bit:
+    from a model with no trees yet, over windows of a real simulated job's features whose rows
+    cross the pivot every 32 rows (mid-batch, at uneven points), with values beyond the
+    scaler's limits, a feature the trees never saw, and one they split on missing (row by row
+    then). The scores of the next window agree too."""
+    import copy
+
+    from trainscope.detectors.hst_batch import learn_many
+    from trainscope.detectors.multivariate import RankAnomalyDetector
+    from trainscope.engine.embedded_job import EmbeddedStreamJob
+    from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
+
+    views = []
+    job = EmbeddedStreamJob([], window_s=15.0, on_window=lambda view, _: views.append(view))
+    cluster = SimulatedCluster(ClusterSpec(dp=4, pp=2, tp=4, steps=90, seed=11, window_s=15.0),
+                               parse_faults(["slow-gpu:rank=9,factor=1.5,start=40"]))
+    job.process_records(cluster.topology_records())
+    for output in cluster.run():
+        job.process_records([*output.summaries, *output.steps, *output.metrics])
+    job.finish()
+    detector = RankAnomalyDetector(window_size=32)
+    frames = [detector.features(view) for view in views]
+    frames = [f for f in frames if not f.empty]
+    assert len(frames) >= 4 and all(len(f) == 32 for f in frames)
+    batches = [frames[0].iloc[:21], frames[0].iloc[21:], frames[1], frames[2] * 3.0 - 1.0,
+               frames[3].assign(new=0.5).iloc[5:], frames[3].drop(columns=["step_ns"]),
+               frames[1].iloc[:40:3]]
+    by_batch, by_row = detector._new_model(), detector._new_model()
+    pivots = 0
+    for batch in batches:
+        first_window = by_row.steps["HalfSpaceTrees"]._first_window
+        learn_many(by_batch, batch)
+        for row in batch.to_dict(orient="records"):
+            by_row.learn_one(row)
+        assert _state(by_batch) == _state(by_row)
+        pivots += first_window and not by_row.steps["HalfSpaceTrees"]._first_window
+        probe = copy.deepcopy(by_batch)
+        assert [probe.score_one(r) for r in frames[-1].to_dict(orient="records")] == [
+            by_row.score_one(r) for r in frames[-1].to_dict(orient="records")]
+    assert pivots == 1 and sum(len(b) for b in batches) > 5 * 32
+    # An empty frame learns nothing.
+    before = _state(by_batch)
+    learn_many(by_batch, frames[0].iloc[:0])
+    assert _state(by_batch) == before

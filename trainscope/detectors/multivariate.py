@@ -28,7 +28,7 @@ from trainscope.detectors.features import (
     step_time_ns,
     throttling_shares,
 )
-from trainscope.detectors.hst_batch import score_many
+from trainscope.detectors.hst_batch import learn_many, score_many
 from trainscope.detectors.params import check_number
 from trainscope.detectors.throttle import ThrottleRule
 from trainscope.schemas import metrics as m
@@ -188,10 +188,9 @@ class RankAnomalyDetector:
             self._model = self._new_model()
         # Scored for all ranks at once, on river's model (hst_batch: the same scores).
         scores = pd.Series(score_many(self._model, frame), index=frame.index)
+        # Learned all at once, in rank order, as learn_one would (hst_batch: the same state).
         learned = _learned_ranks(list(frame.index), self.seed + self._seen)
-        rows = frame.loc[learned].to_dict(orient="index")
-        for rank in learned:
-            self._model.learn_one(rows[rank])
+        learn_many(self._model, frame.loc[learned])
         self._seen += 1
         # getattr: a checkpoint from before the flag existed restores without it.
         self._gpu_seen = getattr(self, "_gpu_seen", False) or gpu_evidence(window)
