@@ -45,7 +45,7 @@ class Groups:
         self.wait_or_zero = np.nan_to_num(self.wait_at)
         self._healthy_wait: float | None = None
         self._by_pipeline: dict[tuple[int, int], int] | None = None
-        self._members: list[tuple[np.ndarray, np.ndarray]] | None = None
+        self._members: list[tuple[np.ndarray, list[int]]] | None = None
 
     def healthy_wait(self) -> float:
         """The job's lower quartile of collective time (computed once)."""
@@ -64,14 +64,21 @@ class Groups:
             self._members = []
             for codes in (self.tp_group, self.dp_group, self.pp_group):
                 order = np.argsort(codes, kind="stable")  # ascending positions within a group
-                self._members.append((codes[order], order))
+                # Group g's members are order[bounds[g]:bounds[g + 1]] (codes are 0, 1, …;
+                # a rank outside the topology has a negative code of its own).
+                groups = int(codes.max()) + 1 if len(codes) else 0
+                bounds = np.searchsorted(codes[order], np.arange(max(groups, 0) + 1))
+                self._members.append((order, bounds.tolist()))
         parts = []
-        for (codes, order), own in zip(self._members, (self.tp_group[at], self.dp_group[at],
-                                                       self.pp_group[at]), strict=True):
-            lo, hi = np.searchsorted(codes, own, "left"), np.searchsorted(codes, own, "right")
-            members = order[lo:hi]
+        for (order, bounds), own in zip(self._members, (self.tp_group[at], self.dp_group[at],
+                                                        self.pp_group[at]), strict=True):
+            if own < 0:
+                continue  # shares this group with no one
+            members = order[bounds[own]:bounds[own + 1]]
             hit = (members != at) & (self.wait_or_zero[members] >= threshold)
             parts.append(members[hit][:limit])
+        if not parts:
+            return np.zeros(0, dtype=np.int64)
         ascending = np.sort(np.concatenate(parts))
         keep = np.ones(len(ascending), dtype=bool)
         keep[1:] = ascending[1:] != ascending[:-1]  # a rank in two of the groups: once
