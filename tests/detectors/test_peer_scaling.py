@@ -108,6 +108,25 @@ def test_victims_are_those_of_a_pass_over_the_layout_per_culprit(seed: int) -> N
                 layout, waits, culprits, excess, network)
 
 
+@pytest.mark.parametrize("share_waiting", [0.02, 0.3, 1.0])
+def test_victims_in_groups_of_hundreds_are_those_of_a_pass_over_the_layout(
+        share_waiting: float) -> None:
+    """DP groups of about 700 ranks (a large job's), where the ranks that wait long enough are
+    few and scattered, many, or all: the members are searched in blocks from the front, and
+    the first victims found must be the pass's."""
+    rng = np.random.default_rng(int(share_waiting * 100))
+    layout = random_layout(rng, 700, 2, 1).astype(float)
+    waiting = rng.random(len(layout)) < share_waiting
+    waits = pd.Series(np.where(waiting, 5e7 + rng.random(len(layout)) * 5e7,
+                               rng.random(len(layout)) * 1e6), index=layout.index)
+    groups = Groups(layout, waits)
+    for culprit in rng.choice(layout.index, 40, replace=False):
+        excess = float(rng.random() * 3e8)
+        for network in (False, True):
+            found = victims(groups, [int(culprit)], excess, network)
+            assert found == naive_victims(layout, waits, [int(culprit)], excess, network)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_robust_z_of_all_columns_at_once_is_robust_z_of_each_bit_for_bit(seed: int) -> None:
     rng = np.random.default_rng(seed)

@@ -74,15 +74,32 @@ class Groups:
                                                         self.pp_group[at]), strict=True):
             if own < 0:
                 continue  # shares this group with no one
-            members = order[bounds[own]:bounds[own + 1]]
-            hit = (members != at) & (self.wait_or_zero[members] >= threshold)
-            parts.append(members[hit][:limit])
+            parts.append(self._first_waiting(order[bounds[own]:bounds[own + 1]], at,
+                                             threshold, limit))
         if not parts:
             return np.zeros(0, dtype=np.int64)
         ascending = np.sort(np.concatenate(parts))
         keep = np.ones(len(ascending), dtype=bool)
         keep[1:] = ascending[1:] != ascending[:-1]  # a rank in two of the groups: once
         return ascending[keep][:limit]
+
+    def _first_waiting(self, members: np.ndarray, at: int, threshold: float, limit: int
+                       ) -> np.ndarray:
+        """The first ``limit`` of ``members`` (ascending positions) other than ``at`` whose
+        collective time reaches ``threshold``. Looked for in blocks that double, from twice
+        ``limit``: a DP group grows with the job (1,920 ranks at 30,720) as do the suspects, so
+        testing every member for every suspect grew with the square of the job, while the
+        first ``limit`` are usually near the front (a straggler's peers all wait)."""
+        found: list[np.ndarray] = []
+        count, start, block = 0, 0, 2 * limit
+        while start < len(members) and count < limit:
+            part = members[start:start + block]
+            hit = part[(part != at) & (self.wait_or_zero[part] >= threshold)]
+            found.append(hit)
+            count += len(hit)
+            start += block
+            block *= 2
+        return np.concatenate(found)[:limit] if found else members[:0]
 
     def pipeline_neighbours(self, rank: int) -> list[int]:
         """The ranks one pipeline link away from ``rank`` (the stages before and after it)."""
