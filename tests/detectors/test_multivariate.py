@@ -39,23 +39,30 @@ def test_a_real_gc_pause_is_blamed_on_gc() -> None:
     assert z >= 3
 
 
+def _slow_gpu_windows(seed: int) -> list:
+    """The windows of a simulated 32-rank job with a slow GPU, through the embedded engine."""
+    from trainscope.engine.embedded_job import EmbeddedStreamJob
+    from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
+
+    views: list = []
+    job = EmbeddedStreamJob([], window_s=15.0, on_window=lambda view, _: views.append(view))
+    cluster = SimulatedCluster(ClusterSpec(dp=4, pp=2, tp=4, steps=90, seed=seed, window_s=15.0),
+                               parse_faults(["slow-gpu:rank=9,factor=1.5,start=40"]))
+    job.process_records(cluster.topology_records())
+    for output in cluster.run():
+        job.process_records([*output.summaries, *output.steps, *output.metrics])
+    job.finish()
+    return views
+
+
 def test_scores_for_all_ranks_at_once_are_rivers_one_by_one() -> None:
     """hst_batch.score_many on river's model gives river's score_one, bit for bit: features
     of a real simulated job's windows (a slow GPU), with a feature the trees never saw and one
     they know missing from a window, and values outside what the scaler learned."""
     from trainscope.detectors.hst_batch import score_many
     from trainscope.detectors.multivariate import RankAnomalyDetector
-    from trainscope.engine.embedded_job import EmbeddedStreamJob
-    from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 
-    views = []
-    job = EmbeddedStreamJob([], window_s=15.0, on_window=lambda view, _: views.append(view))
-    cluster = SimulatedCluster(ClusterSpec(dp=4, pp=2, tp=4, steps=90, seed=7, window_s=15.0),
-                               parse_faults(["slow-gpu:rank=9,factor=1.5,start=40"]))
-    job.process_records(cluster.topology_records())
-    for output in cluster.run():
-        job.process_records([*output.summaries, *output.steps, *output.metrics])
-    job.finish()
+    views = _slow_gpu_windows(seed=7)
     detector = RankAnomalyDetector(window_size=32)
     compared = 0
     for view in views:
@@ -91,17 +98,8 @@ def test_learning_all_ranks_at_once_leaves_rivers_state_one_by_one() -> None:
 
     from trainscope.detectors.hst_batch import learn_many
     from trainscope.detectors.multivariate import RankAnomalyDetector
-    from trainscope.engine.embedded_job import EmbeddedStreamJob
-    from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 
-    views = []
-    job = EmbeddedStreamJob([], window_s=15.0, on_window=lambda view, _: views.append(view))
-    cluster = SimulatedCluster(ClusterSpec(dp=4, pp=2, tp=4, steps=90, seed=11, window_s=15.0),
-                               parse_faults(["slow-gpu:rank=9,factor=1.5,start=40"]))
-    job.process_records(cluster.topology_records())
-    for output in cluster.run():
-        job.process_records([*output.summaries, *output.steps, *output.metrics])
-    job.finish()
+    views = _slow_gpu_windows(seed=11)
     detector = RankAnomalyDetector(window_size=32)
     frames = [detector.features(view) for view in views]
     frames = [f for f in frames if not f.empty]
