@@ -19,7 +19,9 @@ from trainscope.detectors.peer_groups import (
     Groups,
     LargerElsewhere,
     victims,
+    victims_many,
 )
+from trainscope.detectors import peer_groups
 from trainscope.detectors.peer_own import history_reference
 from trainscope.detectors.throttle import PeerMedians
 
@@ -127,6 +129,39 @@ def test_victims_in_groups_of_hundreds_are_those_of_a_pass_over_the_layout(
             assert found == naive_victims(layout, waits, [int(culprit)], excess, network)
 
 
+# As chosen; every group scanned from the front, in slices of the suspects; every group's
+# waiting members sorted by time.
+@pytest.mark.parametrize(("cells", "few"), [(peer_groups._CELLS, peer_groups._FEW),
+                                            (3_000, 0), (peer_groups._CELLS, 10**6)])
+def test_the_victims_of_many_suspects_at_once_are_each_ones_pass(
+        cells: int, few: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window's suspects are searched for together (thousands in a large job's window):
+    DP groups of ~300 ranks, some ranks outside the topology or without collective time,
+    single culprits (slow links among them, whose baseline is the job's) and whole stages;
+    each suspect's victims must be the pass's, whatever the others'."""
+    monkeypatch.setattr(peer_groups, "_CELLS", cells)
+    monkeypatch.setattr(peer_groups, "_FEW", few)
+    rng = np.random.default_rng(cells + few)
+    layout = random_layout(rng, 300, 4, 2).astype(float)
+    layout.iloc[-5:] = np.nan
+    waiting = rng.random(len(layout)) < 0.2
+    waits = pd.Series(np.where(waiting, 5e7 + rng.random(len(layout)) * 5e7,
+                               rng.random(len(layout)) * 1e6), index=layout.index)
+    # Whole milliseconds, and excesses whose quarter is too: thresholds that equal waits.
+    waits = waits.drop(index=waits.index[:4]).round(-6)
+    groups = Groups(layout, waits)
+    suspects = []
+    for _ in range(400):
+        size = 1 if rng.random() < 0.9 else int(rng.integers(2, 6))
+        culprits = [int(r) for r in rng.choice(layout.index, size, replace=False)]
+        suspects.append((culprits, float(rng.integers(0, 300) * 4e6), bool(rng.random() < 0.3)))
+    suspects.append(([10**6], 1e7, False))  # a rank the window does not hold
+    found = victims_many(groups, suspects)
+    assert [len(v) for v in found] != [0] * len(found)
+    for (culprits, excess, network), got in zip(suspects, found, strict=True):
+        assert got == naive_victims(layout, waits, culprits, excess, network)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_robust_z_of_all_columns_at_once_is_robust_z_of_each_bit_for_bit(seed: int) -> None:
     rng = np.random.default_rng(seed)
@@ -147,13 +182,15 @@ def test_robust_z_of_all_columns_at_once_is_robust_z_of_each_bit_for_bit(seed: i
             np.testing.assert_array_equal(reference[:, j], expected_reference.to_numpy())
 
 
+@pytest.mark.parametrize("windows", [5, 6])  # the middle one, the mean of two
 @pytest.mark.parametrize("with_nan", [False, True])
-def test_the_history_reference_is_numpy_nanmedian_of_the_stacked_windows(with_nan: bool) -> None:
-    rng = np.random.default_rng(int(with_nan))
+def test_the_history_reference_is_numpy_nanmedian_of_the_stacked_windows(
+        with_nan: bool, windows: int) -> None:
+    rng = np.random.default_rng(int(with_nan) + 2 * windows)
     index = pd.Index(range(40), name="rank")
     columns = pd.MultiIndex.from_tuples([("torch_op", f"f{j}") for j in range(5)])
     history = []
-    for _ in range(6):
+    for _ in range(windows):
         values = np.round(rng.random((40, 5)) * 20)  # ties
         if with_nan:
             values[rng.random((40, 5)) < 0.2] = np.nan

@@ -44,7 +44,7 @@ from trainscope.detectors.peer_groups import (
     HEALTHY_QUANTILE,
     Groups,
     LargerElsewhere,
-    victims,
+    victims_many,
 )
 from trainscope.detectors.peer_own import (
     ABSENT_ON_PEERS_FRAC,
@@ -415,8 +415,11 @@ class PeerDiffDetector:
         coordinates = _Coordinates(layout)
         self._streaks = {key: self._streaks.get(key, 0) + 1 for key in merged}
         seen_in = self._seen_in(frozenset(merged))
+        waiting_on = victims_many(groups, [(list(s.ranks) or [s.rank], totals[key],
+                                            s.category == "network")
+                                           for key, s in merged.items()])
         findings = []
-        for key, s in merged.items():
+        for (key, s), waiting in zip(merged.items(), waiting_on, strict=True):
             excess = totals[key]
             # Stragglers on different ranks overlap (every rank waits for the slowest in the
             # same collectives), so a smaller second fault barely moves the step while the
@@ -437,7 +440,6 @@ class PeerDiffDetector:
             if seen_in[key] < self.confirm_windows:
                 score = min(score, UNCONFIRMED_SCORE_CAP)
             ranks = list(s.ranks) or [s.rank]
-            waiting = victims(groups, ranks, excess, s.category == "network")
             if (s.category == "cpu-contention" and not waiting and not groups.waits.empty
                     and len(groups.ranks) > 1):
                 score = min(score, UNFELT_CONTENTION_SCORE_CAP)
