@@ -92,8 +92,8 @@ def test_learning_all_ranks_at_once_leaves_rivers_state_one_by_one() -> None:
     """hst_batch.learn_many leaves river's model as learn_one row by row does, bit for bit:
     from a model with no trees yet, over windows of a real simulated job's features whose rows
     cross the pivot every 32 rows (mid-batch, at uneven points), with values beyond the
-    scaler's limits, a feature the trees never saw, and one they split on missing (row by row
-    then). The scores of the next window agree too."""
+    scaler's limits, a feature the trees never saw, and ones they split on missing. The scores
+    of the next window agree too."""
     import copy
 
     from trainscope.detectors.hst_batch import learn_many
@@ -106,7 +106,11 @@ def test_learning_all_ranks_at_once_leaves_rivers_state_one_by_one() -> None:
     assert len(frames) >= 4 and all(len(f) == 32 for f in frames)
     batches = [frames[0].iloc[:21], frames[0].iloc[21:], frames[1], frames[2] * 3.0 - 1.0,
                frames[3].assign(new=0.5).iloc[5:], frames[3].drop(columns=["step_ns"]),
-               frames[1].iloc[:40:3]]
+               frames[1].iloc[:40:3],
+               # Features the trees split on missing across pivots: every row takes the child
+               # learned most, by the masses since the last pivot.
+               pd.concat([frames[0], frames[2] * 0.5]).drop(columns=["step_ns"]),
+               frames[1].drop(columns=list(frames[1].columns[1::2]))]
     by_batch, by_row = detector._new_model(), detector._new_model()
     pivots = 0
     for batch in batches:
@@ -119,7 +123,7 @@ def test_learning_all_ranks_at_once_leaves_rivers_state_one_by_one() -> None:
         probe = copy.deepcopy(by_batch)
         assert [probe.score_one(r) for r in frames[-1].to_dict(orient="records")] == [
             by_row.score_one(r) for r in frames[-1].to_dict(orient="records")]
-    assert pivots == 1 and sum(len(b) for b in batches) > 5 * 32
+    assert pivots == 1 and sum(len(b) for b in batches) > 7 * 32
     # An empty frame learns nothing.
     before = _state(by_batch)
     learn_many(by_batch, frames[0].iloc[:0])

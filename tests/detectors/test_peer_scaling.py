@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from trainscope.detectors import peer_groups
 from trainscope.detectors.features import robust_z, robust_z_matrix
 from trainscope.detectors.peer_groups import (
     HEALTHY_QUANTILE,
@@ -21,7 +22,6 @@ from trainscope.detectors.peer_groups import (
     victims,
     victims_many,
 )
-from trainscope.detectors import peer_groups
 from trainscope.detectors.peer_own import history_reference
 from trainscope.detectors.throttle import PeerMedians
 

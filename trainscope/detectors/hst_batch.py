@@ -12,7 +12,9 @@ arithmetic:
   missing feature taking the child visited most;
 - learning: the scaler's running min and max (row by row, as ``np.minimum.accumulate``), each
   row scaled by the limits that include it, each tree's ``l_mass`` counted along every row's
-  path, and the masses pivoted after every ``window_size`` rows, where river pivots them.
+  path, and the masses pivoted after every ``window_size`` rows, where river pivots them; a
+  feature a tree splits on that the frame lacks sends a row to the child learned most, which
+  is the same child for every row until the next pivot.
 
 So the scores and the learned state are river's, bit for bit
 (``tests/detectors/test_multivariate.py`` compares them).
@@ -63,10 +65,8 @@ def learn_many(model: Any, frame: pd.DataFrame) -> None:
     columns = list(frame.columns)
     values = frame.to_numpy(dtype=np.float64)
     trees = _forest(hst, columns)
-    if (getattr(scaler, "window_size", None) is not None or any(t.unknown for t in trees)
-            or not np.isfinite(values).all()):
-        # A rolling scaler, a feature a tree splits on missing from a row (its child then
-        # depends on the masses learned so far) or a value that is not a number: row by row.
+    if getattr(scaler, "window_size", None) is not None or not np.isfinite(values).all():
+        # A rolling scaler or a value that is not a number: row by row.
         for row in frame.to_dict(orient="records"):
             model.learn_one(row)
         return
@@ -79,14 +79,23 @@ def learn_many(model: Any, frame: pd.DataFrame) -> None:
             scaled[:, j] = np.where(d != 0, (values[:, j] - lo) / d, 0.0)
         scaler.min[name].update(float(lo[-1]))
         scaler.max[name].update(float(hi[-1]))
-    paths = [tree.paths(scaled, hst.height) for tree in trees]
+    # A tree that splits on a feature the frame lacks sends every row reaching such a node to
+    # the child learned more so far (river's walk): that child's mass only grows, so all the
+    # rows go the same way until the next pivot, the way the masses at its start say.
+    paths = [None if tree.unknown else tree.paths(scaled, hst.height) for tree in trees]
     l_mass = [np.array([node.l_mass for node in t.nodes], dtype=np.int64) for t in trees]
     r_mass = [np.array([node.r_mass for node in t.nodes], dtype=np.int64) for t in trees]
     start, n = 0, len(frame)
     while start < n:
         stop = min(n, start + hst.window_size - hst.counter)
         for t, path in enumerate(paths):
-            l_mass[t] += np.bincount(path[:, start:stop].ravel(), minlength=len(l_mass[t]))
+            if path is None:
+                tree = trees[t]
+                part = tree.paths(scaled[start:stop], hst.height,
+                                  l_mass[t][tree.left] < l_mass[t][tree.right])
+            else:
+                part = path[:, start:stop]
+            l_mass[t] += np.bincount(part.ravel(), minlength=len(l_mass[t]))
         hst.counter += stop - start
         if hst.counter == hst.window_size:
             for t in range(len(trees)):
@@ -124,14 +133,23 @@ class _TreeArrays:
             self.unknown |= self.column[i] < 0
             self.threshold[i] = node.threshold
 
-    def paths(self, scaled: np.ndarray, height: int) -> np.ndarray:
-        """Each row's nodes from the root to its leaf (``height + 1`` × rows), every feature
-        known: river's ``_walk_learn``."""
+    def paths(self, scaled: np.ndarray, height: int,
+              missing_goes_right: np.ndarray | None = None) -> np.ndarray:
+        """Each row's nodes from the root to its leaf (``height + 1`` × rows): river's
+        ``_walk_learn``. Where the tree splits on a feature that is not a column, a row goes
+        right at the nodes ``missing_goes_right`` says."""
         rows = np.arange(scaled.shape[0])
         out = np.zeros((height + 1, scaled.shape[0]), dtype=np.int64)
         at = out[0]
         for level in range(1, height + 1):
-            go_right = ~(scaled[rows, self.column[at]] < self.threshold[at])
+            column = self.column[at]
+            if missing_goes_right is None:
+                go_right = ~(scaled[rows, column] < self.threshold[at])
+            else:
+                known = column >= 0
+                value = scaled[rows, np.where(known, column, 0)]
+                go_right = np.where(known, ~(value < self.threshold[at]),
+                                    missing_goes_right[at])
             at = out[level] = np.where(go_right, self.right[at], self.left[at])
         return out
 
