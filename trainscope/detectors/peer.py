@@ -415,11 +415,9 @@ class PeerDiffDetector:
         coordinates = _Coordinates(layout)
         self._streaks = {key: self._streaks.get(key, 0) + 1 for key in merged}
         seen_in = self._seen_in(frozenset(merged))
-        waiting_on = victims_many(groups, [(list(s.ranks) or [s.rank], totals[key],
-                                            s.category == "network")
-                                           for key, s in merged.items()])
         findings = []
-        for (key, s), waiting in zip(merged.items(), waiting_on, strict=True):
+        for (key, s), waiting in zip(merged.items(), _victims(groups, merged, totals),
+                                     strict=True):
             excess = totals[key]
             # Stragglers on different ranks overlap (every rank waits for the slowest in the
             # same collectives), so a smaller second fault barely moves the step while the
@@ -503,6 +501,12 @@ class PeerDiffDetector:
         if np.isfinite(step_ns):
             self._step_history = [*self._step_history, step_ns][-self.history_windows :]
 
+
+def _victims(groups: Groups, merged: dict[tuple[int, str], Suspect],
+             totals: dict[tuple[int, str], float]) -> list[list[int]]:
+    """Each merged suspect's victims, all searched for together (thousands a window)."""
+    return victims_many(groups, [(list(s.ranks) or [s.rank], totals[key],
+                                  s.category == "network") for key, s in merged.items()])
 
 class _Coordinates:
     """Each rank's place in the layout as a message writes it, `` (dp D, stage S, tp T)``: a
