@@ -115,10 +115,10 @@ class _GroupKind:
         self.wait_by_position = waits[self.by_position]
         # Ranks by group, then by collective time: key = group · (n + 1) + the rank's place
         # in the job's waits, ascending. Those of group g waiting at least t are one slice.
-        self.by_wait = np.argsort(waits, kind="stable")
-        self.sorted_waits = waits[self.by_wait]
+        by_wait = np.argsort(waits, kind="stable")
+        self.sorted_waits = waits[by_wait]
         place = np.empty(n, dtype=np.int64)
-        place[self.by_wait] = np.arange(n)
+        place[by_wait] = np.arange(n)
         key = codes.astype(np.int64) * (n + 1) + place
         self.by_group_wait = np.argsort(key, kind="stable")
         self.sorted_keys = key[self.by_group_wait]
