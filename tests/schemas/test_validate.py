@@ -95,6 +95,7 @@ def test_valid_records_pass() -> None:
         (summaries(min_ns=[4, 9]), "min_ns[1]=9 is above max_ns[1]=7"),
         (summaries(m2_ns2=[math.nan, 1.0]), "m2_ns2[0]=nan is not a finite number"),
         (summaries(total_ns=[-1, 1]), "total_ns[0]=-1 not in"),
+        (summaries(count=[2, -1]), "count[1]=-1 not in [0, "),
         (summaries(sketch_counts=[2, -2]), "sketch_counts[1]=-2 not in"),
         # The store keeps sketches as Int16 keys and UInt32 counts (trainscope.schemas.ddl).
         (summaries(sketch_counts=[2, 2**32]), "sketch_counts[1]=4294967296 not in [0, 4294967295]"),
@@ -235,6 +236,7 @@ def test_a_poll_is_checked_together_and_each_message_gets_its_own_verdict() -> N
         (summaries(max_ns=[6, 10**18]), "max_ns[1]=1000000000000000000 not in"),
         (summaries(m2_ns2=[math.nan, 1.0]), "m2_ns2[0]=nan is not a finite number"),
         (summaries(total_ns=[-1, 1]), "total_ns[0]=-1 not in"),
+        (summaries(count=[-1, 2]), "count[0]=-1 not in [0, "),
         (summaries(sketch_counts=[2, -2]), "sketch_counts[1]=-2 not in"),
         (summaries(sketch_keys=[7, -40_000]), "sketch_keys[1]=-40000 not in [-32768, 32767]"),
     ],

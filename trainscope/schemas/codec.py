@@ -22,13 +22,14 @@ import os
 import re
 import secrets
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 
 from trainscope.schemas.errors import TrainscopeError
+from trainscope.schemas.function_tables import FunctionTables, WireSummaryBatch
 from trainscope.schemas.json_wire import JSON_WIRE, WIRES, decode_json, encode_json_batch
-from trainscope.schemas.records import SCHEMA_VERSION, Record
+from trainscope.schemas.records import RECORD_TYPES, SCHEMA_VERSION, Record, SummaryBatch
 
 
 class Batch(msgspec.Struct, kw_only=True):
@@ -44,8 +45,24 @@ class BadMessage(ValueError, TrainscopeError):
     """A bus message that cannot be decoded; the text names the field and value."""
 
 
+# Every record kind, a summary batch in its wire form.
+_WireRecord = Union[tuple(WireSummaryBatch if t is SummaryBatch else t  # noqa: UP007
+                          for t in RECORD_TYPES)]  # type: ignore[valid-type]
+
+
+class _WireBatch(msgspec.Struct, kw_only=True):
+    """What :class:`Batch` decodes from, a summary batch's function table left encoded
+    (:mod:`trainscope.schemas.function_tables`)."""
+
+    v: int = SCHEMA_VERSION
+    records: list[_WireRecord]
+    producer_id: int = 0
+    seq: int = 0
+
+
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Batch)
+_decoder = msgspec.msgpack.Decoder(_WireBatch)
+_tables = FunctionTables()
 _PATH = re.compile(r"`(\$[^`]*)`")
 _STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
 
@@ -98,7 +115,11 @@ def decode_envelope(payload: bytes) -> Batch:
     if payload[:1] == b"{":
         return _decode_json_envelope(payload)
     try:
-        batch = _decoder.decode(payload)
+        wire = _decoder.decode(payload)
+        records = wire.records
+        for i, record in enumerate(records):
+            if type(record) is WireSummaryBatch:
+                records[i] = _tables.batch(record, i)
     except msgspec.ValidationError as exc:
         raise BadMessage(_describe(exc, payload)) from None
     except msgspec.DecodeError as exc:
@@ -107,9 +128,9 @@ def decode_envelope(payload: bytes) -> Batch:
         raise BadMessage(
             f"not a msgpack batch ({len(payload)} bytes): {type(exc).__name__}: {exc}"
         ) from None
-    if batch.v > SCHEMA_VERSION:
-        raise BadMessage(f"batch schema version {batch.v} is newer than {SCHEMA_VERSION}")
-    return batch
+    if wire.v > SCHEMA_VERSION:
+        raise BadMessage(f"batch schema version {wire.v} is newer than {SCHEMA_VERSION}")
+    return Batch(v=wire.v, records=records, producer_id=wire.producer_id, seq=wire.seq)
 
 
 def _decode_json_envelope(payload: bytes) -> Batch:
