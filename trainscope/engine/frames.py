@@ -140,7 +140,11 @@ def _list_layout(offsets: list[np.ndarray], order: np.ndarray | None
     new = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=new[1:])
     # Entry j of new row r is old entry starts[order[r]] + (j - new[r]): one repeat, no loop.
-    entries = np.repeat(starts[:-1][order] - new[:-1], lengths) + np.arange(new[-1])
+    # In 32 bits where the entries fit: half the memory to write and read (8 M entries in a
+    # window of 10,240 ranks), and under the allocator's threshold for reusing freed memory.
+    index = np.int32 if new[-1] < np.iinfo(np.int32).max else np.int64
+    entries = np.repeat((starts[:-1][order] - new[:-1]).astype(index), lengths)
+    entries += np.arange(new[-1], dtype=index)
     return new, entries
 
 
