@@ -141,7 +141,7 @@ def _list_layout(offsets: list[np.ndarray], order: np.ndarray | None
     np.cumsum(lengths, out=new[1:])
     # Entry j of new row r is old entry starts[order[r]] + (j - new[r]): one repeat, no loop.
     # In 32 bits where the entries fit: half the memory to write and read (8 M entries in a
-    # window of 10,240 ranks), and under the allocator's threshold for reusing freed memory.
+    # window of 10,240 ranks).
     index = np.int32 if new[-1] < np.iinfo(np.int32).max else np.int64
     entries = np.repeat((starts[:-1][order] - new[:-1]).astype(index), lengths)
     entries += np.arange(new[-1], dtype=index)

@@ -29,13 +29,11 @@ _MAX_TABLES = 4096
 
 def _wire_type() -> type[msgspec.Struct]:
     """SummaryBatch's fields, with the function table's as raw msgpack; same tag and names."""
-    fields: list[tuple[str, Any, Any]] = []
+    fields: list[tuple[Any, ...]] = []
     for info in msgspec.structs.fields(SummaryBatch):
         kind: Any = msgspec.Raw if info.name in TABLE_FIELDS else info.type
-        if info.default is msgspec.NODEFAULT:
-            fields.append((info.name, kind))  # type: ignore[arg-type]
-        else:
-            fields.append((info.name, kind, info.default))
+        default = () if info.default is msgspec.NODEFAULT else (info.default,)
+        fields.append((info.name, kind, *default))
     config = SummaryBatch.__struct_config__
     return msgspec.defstruct("WireSummaryBatch", fields, tag=config.tag,
                              tag_field=config.tag_field, kw_only=True, frozen=True)
