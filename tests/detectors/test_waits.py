@@ -279,6 +279,26 @@ def test_ranks_taking_turns_waiting_for_a_cpu_are_contention_not_uneven_data() -
         assert finding.evidence["runqueue_wait_ns_per_step"] == pytest.approx(15 * MS, rel=0.2)
 
 
+def test_contention_is_judged_over_the_run_not_flipped_by_one_quieter_window() -> None:
+    """Ranks taking turns waiting for a CPU for six windows, then the same turns from uneven
+    data with next to no run-queue wait: the first window of data is still read as contention
+    (a contended host's waits come in bursts; one window showing little of them does not make
+    it uneven data), and once the run's last four windows are all data it is ``seq-imbalance``."""
+    contended = ddp_windows(12, world=4, moving_ms=30.0, moving_from=2, moving_runqueue=True,
+                            runqueue_ms=0.05)
+    uneven = ddp_windows(12, world=4, moving_ms=30.0, moving_from=2, runqueue_ms=0.05, seed=4)
+    per_window = run(WaitDetector(), contended[:6] + uneven[6:])
+    categories = [[f.category for f in found if f.score >= ALERT_THRESHOLD]
+                  for found in per_window]
+    assert categories[3:7] == [["cpu-contention"]] * 4, categories
+    assert categories[10:] == [["seq-imbalance"]] * 2, categories
+    # The evidence gives what was judged, the run's last windows, and this window's own.
+    evidence = per_window[6][0].evidence
+    assert evidence["runqueue_windows"] == 4
+    assert evidence["window_runqueue_wait_ns_per_step"] < 0.1 * MS
+    assert evidence["runqueue_wait_ns_per_step"] == pytest.approx(15 * MS * 3 / 4, rel=0.25)
+
+
 def test_a_rank_late_for_want_of_a_cpu_is_named_once_for_it() -> None:
     """Rank 2's host work takes 30 ms more because it waits 30 ms/step for a CPU (a busy
     neighbour on its core), and both the producer and the agent report that wait: peer-diff

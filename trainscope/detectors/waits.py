@@ -59,6 +59,10 @@ CONTENTION_CATEGORY = "cpu-contention"
 # late one's delay, less its own): at 4 members, a third; data imbalance on a quiet host has
 # next to none.
 CONTENTION_EXPLAINS_FRAC = 0.25
+# Windows of an imbalance's run whose run-queue wait and cost are summed for that judgement: a
+# contended host's ranks wait for a CPU in bursts, so a single window can show little of it
+# while the turns go on; a judgement over the run's last few windows does not flip with them.
+CONTENTION_WINDOWS = 4
 # Earlier windows whose waiting level forms the job's usual level (2 minutes at 15-s windows).
 WAIT_LEVEL_WINDOWS = 8
 # Point-to-point exchanges: their waits are pipeline bubbles as much as lateness (not read).
@@ -199,6 +203,8 @@ class WaitDetector:
         self._streaks: dict[int, int] = {}
         self._moving_streak = 0  # windows in a row with an imbalance that moves
         self._moving_last: MovingImbalance | None = None  # the last window's, if any
+        # (run-queue wait, cost) per step of the run's last windows, ns: CONTENTION_WINDOWS.
+        self._moving_runqueue: list[tuple[float, float]] = []
         # The waiting levels (shares of the step) of the last earlier windows without an
         # imbalance that moves: the job's own jitter, which such an imbalance must rise above.
         self._wait_levels: list[float] = []
@@ -212,6 +218,7 @@ class WaitDetector:
         if waits.empty:
             self._streaks = {}
             self._moving_streak = 0
+            self._moving_runqueue = []
             return []
         step_ns = step_time_ns(window)
         layout = window.rank_layout().reindex(waits.index)
@@ -253,8 +260,11 @@ class WaitDetector:
         self._moving_streak = self._moving_streak + 1 if found is not None else 0
         self._moving_last = found
         if found is None:
-            return [] if held is None else [self._moving_finding(
-                window, held, held.cost_ns / step_ns, UNCONFIRMED_SCORE_CAP, step_ns)]
+            finding = [] if held is None else [self._moving_finding(
+                window, held, held.cost_ns / step_ns, UNCONFIRMED_SCORE_CAP, step_ns,
+                shown_here=False)]
+            self._moving_runqueue = []
+            return finding
         frac = found.cost_ns / step_ns
         confidence = float(np.clip(
             MIN_CONFIDENCE + (1 - MIN_CONFIDENCE) * (frac / self.moving_min_frac - 1.0),
@@ -268,25 +278,36 @@ class WaitDetector:
         return [self._moving_finding(window, found, frac, score, step_ns)]
 
     def _moving_finding(self, window: WindowView, found: MovingImbalance, frac: float,
-                        score: float, step_ns: float) -> Finding:
+                        score: float, step_ns: float, shown_here: bool = True) -> Finding:
+        """The job-level finding; ``shown_here`` is false for one held from earlier windows."""
         ms = 1e-6
         runqueue = runqueue_wait_per_step(window).reindex(found.ranks).dropna()
         runqueue_ns = float(runqueue.median()) if len(runqueue) else 0.0
+        if shown_here:
+            self._moving_runqueue = [*self._moving_runqueue,
+                                     (runqueue_ns, found.cost_ns)][-CONTENTION_WINDOWS:]
+        run = self._moving_runqueue or [(runqueue_ns, found.cost_ns)]
+        run_runqueue_ns = sum(r for r, _ in run) / len(run)
+        run_cost_ns = sum(c for _, c in run) / len(run)
         evidence = {"wait_ns_per_step": found.cost_ns, "step_ns": step_ns,
                     "groups": float(found.groups), "of_groups": float(found.of_groups),
                     "consecutive_windows": float(self._moving_streak)}
-        if len(runqueue):
-            evidence["runqueue_wait_ns_per_step"] = runqueue_ns
+        if len(runqueue) or run_runqueue_ns > 0:
+            # What the judgement below reads: the run's last windows, this one's figure beside.
+            evidence["runqueue_wait_ns_per_step"] = run_runqueue_ns
+            evidence["runqueue_windows"] = float(len(run))
+            evidence["window_runqueue_wait_ns_per_step"] = runqueue_ns
         turns = (f"the slowest member of {found.groups} of {found.of_groups} "
                  f"{found.kind.upper()} groups changes from step to step")
         cost = (f"their members wait {found.cost_ns * ms:.0f} ms/step in "
                 f"collective/{found.function} on whichever is slowest, {frac:.0%} of the step")
-        if runqueue_ns >= CONTENTION_EXPLAINS_FRAC * found.cost_ns:
+        if run_runqueue_ns >= CONTENTION_EXPLAINS_FRAC * run_cost_ns:
             # Not the data: the ranks take turns waiting for a CPU. A host matter, no one rank's.
             category = CONTENTION_CATEGORY
+            over = "" if len(run) == 1 else f" over the last {len(run)} windows"
             message = (f"{category}: {turns} as they take turns waiting for a CPU (each spends "
-                       f"{runqueue_ns * ms:.1f} ms/step runnable without one: more busy "
-                       f"threads than cores); {cost}")
+                       f"{run_runqueue_ns * ms:.1f} ms/step{over} runnable without one: more "
+                       f"busy threads than cores); {cost}")
         else:
             category = MOVING_CATEGORY
             message = (f"{category}: {turns} (uneven data or sequence lengths; the steps "
