@@ -51,6 +51,7 @@ import pyarrow as pa  # noqa: E402
 from trainscope.cli.demo_job import publish_step  # noqa: E402
 from trainscope.detectors.base import WindowView  # noqa: E402
 from trainscope.detectors.registry import DetectorRunner, load  # noqa: E402
+from trainscope.engine.allocator import keep_freed_memory  # noqa: E402
 from trainscope.engine.embedded_job import EmbeddedStreamJob  # noqa: E402
 from trainscope.producers.agent.aggregate import WindowAggregator  # noqa: E402
 from trainscope.producers.simulate import (  # noqa: E402
@@ -433,6 +434,8 @@ def main() -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
+    # As `trainscope pipeline` does (TRAINSCOPE_KEEP_FREED_MEMORY=0 measures without it).
+    print(f"allocator keeps freed memory: {keep_freed_memory()}")
     if args.only != "spans":
         workload = simulate_sources(steps=20 if args.quick else 60)
         baselines = summary_baselines(

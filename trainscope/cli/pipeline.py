@@ -174,6 +174,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
             "stream job in one process)")
 
     from trainscope.config.settings import from_context
+    from trainscope.engine.allocator import keep_freed_memory
     from trainscope.engine.bus_job import INPUT_TOPICS, BusStreamJob, summaries_lateness_s
     from trainscope.engine.core import StoreLost
     from trainscope.transport.bus import BusError, GroupHeldElsewhere
@@ -186,6 +187,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     signal.signal(signal.SIGINT, stopper)
     _start_watchdog(stop_timeout_s)
     quiet_repeats()
+    keep_freed_memory()  # this process runs the stream job: windows reuse what windows freed
     if store is not None and url is not None:
         raise click.UsageError("give either --store DIR or --url URL, not both")
     settings = from_context()
