@@ -12,8 +12,9 @@ machine the benchmarks ran on, 0.45–0.67 s of CPU to fault in 272 MB that had 
 instead: no block is mapped on its own (``M_MMAP_MAX`` 0: all come from the heap), and free
 heap is never handed back (``M_TRIM_THRESHOLD`` -1, which mallopt(3) documents as turning
 trimming off; a threshold of 2 GiB, the largest ``mallopt`` takes, left a 100,000-rank job half
-the gain). Resident memory then stays near the peak that every window reaches anyway: the
-measured peak moved by about 1 % at 100,000 ranks (``benchmarks/README.md``).
+the gain). Resident memory then stays near the peak that every window reaches, which is
+higher: 12–14% in the benchmark's whole job at 10,240 and 100,000 ranks, the embedded store's
+freed memory kept too; flat over 60 windows (``benchmarks/README.md``).
 
 Only for a process that runs the stream job on its own (``trainscope pipeline``), never for a
 training process: a library must not change its host's allocator. Elsewhere than glibc (musl,
