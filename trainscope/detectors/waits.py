@@ -261,10 +261,11 @@ class WaitDetector:
         self._moving_last = found
         if found is None:
             finding = [] if held is None else [self._moving_finding(
-                window, held, held.cost_ns / step_ns, UNCONFIRMED_SCORE_CAP, step_ns,
-                shown_here=False)]
+                window, held, held.cost_ns / step_ns, UNCONFIRMED_SCORE_CAP, step_ns)]
             self._moving_runqueue = []
             return finding
+        self._moving_runqueue = [*self._moving_runqueue, (
+            _median_runqueue_ns(window, found.ranks) or 0.0, found.cost_ns)][-CONTENTION_WINDOWS:]
         frac = found.cost_ns / step_ns
         confidence = float(np.clip(
             MIN_CONFIDENCE + (1 - MIN_CONFIDENCE) * (frac / self.moving_min_frac - 1.0),
@@ -278,21 +279,18 @@ class WaitDetector:
         return [self._moving_finding(window, found, frac, score, step_ns)]
 
     def _moving_finding(self, window: WindowView, found: MovingImbalance, frac: float,
-                        score: float, step_ns: float, shown_here: bool = True) -> Finding:
-        """The job-level finding; ``shown_here`` is false for one held from earlier windows."""
+                        score: float, step_ns: float) -> Finding:
         ms = 1e-6
-        runqueue = runqueue_wait_per_step(window).reindex(found.ranks).dropna()
-        runqueue_ns = float(runqueue.median()) if len(runqueue) else 0.0
-        if shown_here:
-            self._moving_runqueue = [*self._moving_runqueue,
-                                     (runqueue_ns, found.cost_ns)][-CONTENTION_WINDOWS:]
+        measured = _median_runqueue_ns(window, found.ranks)
+        runqueue_ns = measured or 0.0
+        # The imbalance's last windows (this one's included when it showed the imbalance).
         run = self._moving_runqueue or [(runqueue_ns, found.cost_ns)]
         run_runqueue_ns = sum(r for r, _ in run) / len(run)
         run_cost_ns = sum(c for _, c in run) / len(run)
         evidence = {"wait_ns_per_step": found.cost_ns, "step_ns": step_ns,
                     "groups": float(found.groups), "of_groups": float(found.of_groups),
                     "consecutive_windows": float(self._moving_streak)}
-        if len(runqueue) or run_runqueue_ns > 0:
+        if measured is not None or run_runqueue_ns > 0:
             # What the judgement below reads: the run's last windows, this one's figure beside.
             evidence["runqueue_wait_ns_per_step"] = run_runqueue_ns
             evidence["runqueue_windows"] = float(len(run))
@@ -479,3 +477,9 @@ def _own_and_outside(window: WindowView, own: pd.DataFrame, rank: int,
     unexplained = step_per_rank - hooked
     outside = float(unexplained[rank] - unexplained.drop(rank).median())
     return own_excess, outside if np.isfinite(outside) else None
+
+
+def _median_runqueue_ns(window: WindowView, ranks: list[int]) -> float | None:
+    """The median of ``ranks``' run-queue wait per step; None where none of them measured it."""
+    runqueue = runqueue_wait_per_step(window).reindex(ranks).dropna()
+    return float(runqueue.median()) if len(runqueue) else None
