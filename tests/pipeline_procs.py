@@ -100,6 +100,22 @@ def dump_tables(store: Path, tables: tuple[str, ...] = TABLES) -> dict[str, list
     return json.loads(done.stdout)
 
 
+_QUERY = r"""
+import json, sys
+from trainscope.sinks.clickhouse import connect
+print(json.dumps(connect(sys.argv[1]).query(sys.argv[2]).result_rows, default=str))
+"""
+
+
+def query_store(store: Path, sql: str) -> list[list]:
+    """The rows of one query on a store the pipeline wrote (from its own process: chDB holds
+    one store per process)."""
+    done = subprocess.run([sys.executable, "-c", _QUERY, str(store), sql],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 _DIAGNOSE = r"""
 import json, sys
 from trainscope.detectors.diagnosis import diagnose

@@ -254,6 +254,37 @@ def test_a_straggler_is_flagged_while_its_peers_take_turns_being_late() -> None:
     assert [(f.rank, f.ranks, f.category) for f in flags] == [(6, [6], "straggler")], flags
 
 
+def test_a_straggler_run_broken_by_a_step_of_host_noise_is_still_flagged() -> None:
+    """On a busy host one step of the straggler's run can come in under the bar (the job's
+    other work preempted less that step); the run goes on, it is not a new onset to wait for."""
+    watch = EarlyWatch(window_ns=15 * 10**9)
+    for step in range(12):
+        watch.add(_steps(step, [400] * 8, [20] * 8))
+    slow = [560] * 8, [180] * 6 + [20, 180]
+    watch.add(_steps(12, *slow))
+    watch.add(_steps(13, [420] * 8, [40] * 8))  # not slow enough to count
+    for step in range(14, 14 + RECENT_STEPS):
+        watch.add(_steps(step, *slow))
+    flags = watch.check()
+    assert [(f.rank, f.category) for f in flags] == [(6, "straggler")], flags
+    assert "steps 12–" in flags[0].message, flags[0].message
+
+
+def test_a_run_of_slow_steps_ends_after_as_many_steps_that_are_not() -> None:
+    """Slow steps a few at a time, each burst followed by RECENT_STEPS ordinary ones, are
+    bursts of host noise, never one run long enough to flag."""
+    watch = EarlyWatch(window_ns=15 * 10**9)
+    for step in range(12):
+        watch.add(_steps(step, [400] * 8, [20] * 8))
+    for burst in range(4):
+        first = 12 + burst * (2 * RECENT_STEPS - 1)
+        for step in range(first, first + RECENT_STEPS - 1):
+            watch.add(_steps(step, [560] * 8, [180] * 6 + [20, 180]))
+        for step in range(first + RECENT_STEPS - 1, first + 2 * RECENT_STEPS - 1):
+            watch.add(_steps(step, [400] * 8, [20] * 8))
+    assert watch.check() == []
+
+
 def test_ranks_late_as_often_as_each_other_are_not_flagged() -> None:
     # Two ranks late in turn, each in half the steps: neither stands out.
     watch = EarlyWatch(window_ns=15 * 10**9)

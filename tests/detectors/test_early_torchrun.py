@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
-from pipeline_procs import PipelineProcess, dump_tables
+from pipeline_procs import PipelineProcess, dump_tables, query_store
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -156,7 +156,8 @@ def test_a_straggler_or_a_stall_is_flagged_while_the_job_runs(
     assert all(r["errors"] == 0 for r in reports.values()), reports
     onset_ns = reports[SLOW_RANK]["onset_ns"]
     alerts = [line for line in pipeline.out_text().splitlines() if line.startswith("ALERT")]
-    assert flagged_while_running, (alerts, pipeline.err_text()[-2000:])
+    assert flagged_while_running, (alerts, pipeline.err_text()[-1000:],
+                                   _step_times(store, job_id, onset_ns))
     tables = dump_tables(store, ("findings", "finding_call_paths"))
     rows = [ast.literal_eval(r) for r in tables["findings"]]
     # (detector, rank, ranks, category, score, evidence)
@@ -180,3 +181,17 @@ def test_a_straggler_or_a_stall_is_flagged_while_the_job_runs(
         # Flagged while the stall lasted, every peer waiting for it, none silent.
         assert delay_s < STALL_S, evidence
         assert evidence["peers_waiting"] == WORLD - 1 and evidence["silent"] == 0, evidence
+
+
+def _step_times(store: Path, job_id: str, onset_ns: int) -> str:
+    """What the early flag judged, for a failure's message: each rank's steps before and after
+    the onset, their step and collective times (p10/p50/p90 ms)."""
+    rows = query_store(store, f"""
+        SELECT rank, start_ns >= {onset_ns} AS after, count() AS steps,
+               arrayMap(q -> round(q / 1e6, 1),
+                        quantiles(0.1, 0.5, 0.9)(duration_ns)) AS step_ms,
+               arrayMap(q -> round(q / 1e6, 1),
+                        quantiles(0.1, 0.5, 0.9)(collective_ns)) AS collective_ms
+        FROM step_records WHERE job_id = '{job_id}' GROUP BY rank, after ORDER BY after, rank""")
+    return "\n".join(f"rank {r} {'after' if a else 'before'} onset: {n} steps, step ms {s}, "
+                     f"collective ms {c}" for r, a, n, s, c in rows)

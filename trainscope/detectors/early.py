@@ -12,7 +12,8 @@ those whose waiting did not grow with the step.
 
 A rank is flagged when the job's step time rose above the median of the steps before (after
 :data:`RECENT_STEPS` steps that were not slow: the flag marks an onset) and stayed there for
-:data:`RECENT_STEPS` steps and :data:`MIN_SLOW_S`, and over its last :data:`LATE_WINDOW_STEPS`
+:data:`RECENT_STEPS` steps and :data:`MIN_SLOW_S` (a run of slow steps ends after as many
+steps that were not), and over its last :data:`LATE_WINDOW_STEPS`
 steps the same rank (or a few) was late in most of them while each of its peers waited in most
 of them. Judged over the recent steps, not since the run began: on a busy host the peers take
 turns being late too, and a run whose first steps were muddled must still be named once its
@@ -119,6 +120,7 @@ class _SlowRun:
     duration_ns: float = 0.0
     excess_ns: list[float] = field(default_factory=list)
     flagged: bool = False
+    fast_steps: int = 0  # consecutive steps since the last slow one
 
 
 def _ring(dtype: type) -> np.ndarray:
@@ -369,8 +371,15 @@ class EarlyWatch:
                 return None
         excess_ns = float(job.step_ns[row]) - run.base_step_ns
         if excess_ns < run.min_excess_ns:
-            job.run = None  # the run is over (or the step was never slow)
+            # The run is over after RECENT_STEPS steps that were not slow: the steps an onset
+            # needs before it. Not at the first: on a busy host one step of a straggler's run
+            # can come in under the bar, and the next slow step, with slow steps just before
+            # it, would be no onset; the straggler would never be named.
+            run.fast_steps += 1
+            if run.fast_steps >= RECENT_STEPS:
+                job.run = None
             return None
+        run.fast_steps = 0
         # Each rank's waiting against its own before the run: did it grow with the step?
         grew = job.collective_ns[row, cols] - run.base_wait_ns
         run.late.append(grew < LATE_SHARE * excess_ns)
