@@ -37,8 +37,8 @@ OWN_WORK_CATEGORY = {
     # Device (CUDA event) time of the host phases: the GPU's own work, where it has it.
     m.DEVICE_PHASE_LAYER: "gpu-compute",
 }
-# A blocking collective's device time (``gpu_collective``) is waiting as its host time is: on
-# the GPU too, the rank that reaches the collective last waits least in it.
+# A collective's device time (``gpu_collective``) is waiting as its host time is: on the GPU
+# too, the rank that reaches the collective last waits least in it.
 WAIT_LAYERS = frozenset({"collective", m.DEVICE_COLLECTIVE_LAYER})
 # Layers of a phase's device time (CUDA events), and of the host time it replaces: with CUDA's
 # asynchronous execution the host time of forward or of an NCCL call measures launch.
@@ -87,7 +87,7 @@ def always_on_view(view: WindowView) -> WindowView:
 def device_clock_view(view: WindowView) -> WindowView:
     """The window with each phase a rank also timed on the device read on that clock only.
 
-    The PyTorch producer of a CUDA job sends forward, backward, the optimizer step and blocking
+    The PyTorch producer of a CUDA job sends forward, backward, the optimizer step and the
     collectives twice: their host times (``torch_op``, ``collective``), which measure launch,
     and their device times (``gpu_phase``, ``gpu_collective``). Where both came for a rank, the
     host row is left out, so that every detector compares the GPU's work where it ran (a slow

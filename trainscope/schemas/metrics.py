@@ -49,7 +49,7 @@ COLLECTIVE_WAIT_S = "collective_wait_s"
 # and its job lose to it is trainscope's cost, not the job's (``detectors/own_cost.py``).
 PROFILER_BUSY_S = "profiler_busy_s"
 # Which clock a rank's phase times come from, once per window with its summaries: 1 when its
-# forward, backward, optimizer step and blocking collectives also carry their device time
+# forward, backward, optimizer step and collectives also carry their device time
 # (CUDA events: the ``gpu_phase`` and ``gpu_collective`` layers), 0 when they are host times
 # only (CPU jobs, backends without device events: with CUDA, host times measure launch).
 PHASE_CLOCK_DEVICE = "phase_clock_device"

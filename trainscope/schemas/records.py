@@ -45,7 +45,7 @@ LAYERS = (
     "dataloader",
     "gc",
     "sched",
-    # device (CUDA event) time of the host phases and blocking collectives: see
+    # device (CUDA event) time of the host phases and the collectives: see
     # trainscope/producers/torch/device_timing.py
     "gpu_phase",
     "gpu_collective",

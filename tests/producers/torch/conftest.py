@@ -45,3 +45,17 @@ def attach(memory_bus: MemoryBus) -> Iterator[Callable[..., Attachment]]:
     for att in made:
         att.detach()
     assert api.current() is None
+
+
+@pytest.fixture
+def gloo_group(tmp_path: Path) -> Iterator[None]:
+    """A one-process gloo group (world size 1), destroyed after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

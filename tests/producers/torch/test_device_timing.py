@@ -21,6 +21,7 @@ from torch_producer_helpers import by_type, read_records, steps_of, summaries_of
 
 from trainscope.producers.torch.device_timing import (
     DEFAULT_POOL_PAIRS,
+    DEVICE_COLLECTIVE_LAYER,
     DEVICE_PHASE_LAYER,
     DeviceTimer,
 )
@@ -153,6 +154,21 @@ def test_nested_phases_past_the_pool_go_untimed_and_give_their_events_back() -> 
         DeviceTimer(gpu.event, pool_pairs=0)
 
 
+def test_phases_ending_out_of_order_get_their_own_end_events() -> None:
+    # An asynchronous collective begun, then a phase begun and ended before the collective
+    # completes (on another thread): the phase takes the end event the collective's begin
+    # made; neither goes untimed while the pool is below its bound.
+    gpu = StandInGpu()
+    timer = DeviceTimer(gpu.event, pool_pairs=4)
+    collective = timer.begin()
+    phase = timer.begin()
+    timer.end(PhaseLog(DEVICE_PHASE_LAYER, "optimizer.step"), 0, phase)
+    timer.end(PhaseLog(DEVICE_COLLECTIVE_LAYER, "all_reduce"), 0, collective)
+    gpu.run_queued()
+    assert timer.dropped == 0 and timer.resolve() == 2
+    assert timer.made_events() == timer.free_events() == 4
+
+
 def test_a_cpu_job_sends_host_times_and_says_so(attach, memory_bus) -> None:
     from torch_producer_helpers import TinyModel, train
 
@@ -237,3 +253,50 @@ def test_a_step_that_raises_does_not_lose_its_events(attach) -> None:
     # phases the pool could not time while the sender thread was between rounds are counted
     # as dropped, and their events were never taken).
     assert device.free_events() >= device.made_events() - 1, device.free_events()
+
+
+def test_asynchronous_collectives_and_ddp_buckets_are_timed_on_the_device(
+        gloo_group, attach, memory_bus) -> None:
+    """DDP's bucket all-reduces and ``async_op=True`` calls: a start event at the call, an end
+    event in the work's completion callback (on a CUDA job, torch runs it on streams that
+    follow the collective's kernels), never a synchronising call, every event back in the
+    pool. The stand-in device cannot show what NCCL's streams do on a GPU; it shows that each
+    such collective gets its device time beside its host time."""
+    import torch.distributed as dist
+
+    gpu = StandInGpu()
+    att = attach(window_s=0.5, device_events=gpu.event)
+    model = torch.nn.parallel.DistributedDataParallel(StandInGpuModel(gpu))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    steps = 12
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        dist.all_reduce(torch.ones(4), async_op=True).wait()
+        gpu.run_queued()
+    device = att.device
+    assert device is not None
+    deadline = time.monotonic() + 5
+    while device.in_flight() and time.monotonic() < deadline:
+        device.resolve()
+        time.sleep(0.05)
+    att.detach()
+    summaries = summaries_of(read_records(memory_bus))
+
+    def count(layer: str, name: str) -> int:
+        return sum(s.count for s in summaries if (s.layer, s.name) == (layer, name))
+
+    buckets = count("collective", "ddp_allreduce")
+    assert buckets >= steps
+    assert count(DEVICE_COLLECTIVE_LAYER, "ddp_allreduce") == buckets, att.stats()
+    assert count("collective", "all_reduce") == steps
+    assert count(DEVICE_COLLECTIVE_LAYER, "all_reduce") == steps
+    # The device times lie within what the device ran: never negative, never past the whole.
+    device_ns = [s.total_ns for s in summaries if s.layer == DEVICE_COLLECTIVE_LAYER]
+    assert all(0 <= ns <= gpu.done_ns for ns in device_ns), device_ns
+    counts = gpu.counts()
+    assert counts["synchronize"] == 0 and counts["wait"] == 0, counts
+    assert device.in_flight() == 0 and device.free_events() == device.made_events()
+    assert att.stats()["errors"] == 0

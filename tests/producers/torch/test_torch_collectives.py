@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import torch
 import torch.distributed as dist
 from torch_producer_helpers import TinyModel, read_records, summaries_of, train
 
 from trainscope.schemas.records import FunctionSummary
-
-
-@pytest.fixture
-def gloo_group(tmp_path) -> Iterator[None]:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _by_name(records: list[object]) -> dict[str, list[FunctionSummary]]:

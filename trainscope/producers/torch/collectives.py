@@ -6,6 +6,14 @@ Collectives are timed by wrapping the functions of the ``torch.distributed`` nam
 the duration always includes waiting for the slowest peer — which is why detectors read
 ``collective`` time as "possibly waiting", not as this rank's own work.
 
+On a CUDA job each collective is also timed on the device (:mod:`device_timing`): a start event
+on the current stream at the call (where the stream reaches the collective), an end event where
+the stream is done with it. For a blocking call that is on its return; for an asynchronous one
+(and DDP's buckets) in the completion callback of the work's future, which torch runs on streams
+synchronised with the collective's kernels (``torch.futures.Future.then``), so the end event
+is queued after them without anything waiting. For NCCL, whose host call returns at once, that
+device time is the only clock on which a rank's peers are seen waiting for it.
+
 DDP reduces gradients in C++ without these functions; a communication hook that performs the
 same averaging all-reduce as DDP's default times each bucket as ``ddp_allreduce``.
 """
@@ -135,11 +143,10 @@ def _wrap(att: Attachment, op: str, fn: Callable[..., Any]) -> Callable[..., Any
         end = time.time_ns()
         described = measure(op, args, kwargs)
         if described is not None and result is not None and hasattr(result, "get_future"):
-            # Asynchronous: the current stream waits for it only at the caller's wait(), so an
-            # end event here would time the launch. Its device time is not taken.
-            _record_on_completion(att, described[0], start, described[1], result, token)
-            if device_start is not None:
-                device.abandon(device_start)  # type: ignore[union-attr]
+            # Asynchronous: an end event here would time the launch; it is recorded on
+            # completion (see the module's docstring).
+            _record_on_completion(att, described[0], start, described[1], result, token,
+                                  device_start)
             return result
         pending.pop(token, None)
         if described is not None:
@@ -166,24 +173,35 @@ def _describe(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[s
 
 
 def _record_on_completion(att: Attachment, name: str, start: int, nbytes: int, work: Any,
-                          token: int) -> None:
+                          token: int, device_start: Any = None) -> None:
     try:
         future = work.get_future()
     except Exception:
         # Some backends' works have no future (e.g. p2p on older gloo): count issue time only.
         att.steps.pending.pop(token, None)
         att.record_collective(name, start, time.time_ns() - start, nbytes)
+        if device_start is not None and att.device is not None:
+            att.device.abandon(device_start)
         return
 
     def done(_future: Any) -> None:
         att.steps.pending.pop(token, None)
         try:
             keep_thread_state()  # a backend thread: see threadstate
+            _device_done(att, name, start, device_start)  # first: its event goes back
             att.record_collective(name, start, time.time_ns() - start, nbytes)
         except Exception as exc:
             att.guard.report("collective hook", exc)
 
     future.add_done_callback(done)
+
+
+def _device_done(att: Attachment, name: str, start_ns: int, device_start: Any) -> None:
+    """In a completion callback: the end of an asynchronous collective on the device, queued
+    on the callback's current stream (torch synchronises it with the collective's kernels)."""
+    device = att.device
+    if device_start is not None and device is not None:
+        _device_end(device, name, start_ns, device_start)
 
 
 def install_ddp_comm_hook(att: Attachment, ddp: Any) -> bool:
@@ -202,16 +220,21 @@ def install_ddp_comm_hook(att: Attachment, ddp: Any) -> bool:
         start = pending[token] = time.time_ns()
         tensor.div_(group.size())
         nbytes = tensor.numel() * tensor.element_size()
+        device = att.device
+        device_start = device.begin() if device is not None else None
         try:
             future = all_reduce(tensor, group=group, async_op=True).get_future()
         except BaseException:
             pending.pop(token, None)
+            if device_start is not None:
+                device.abandon(device_start)  # type: ignore[union-attr]
             raise
 
         def done(fut: Any) -> torch.Tensor:
             pending.pop(token, None)
             try:
                 keep_thread_state()  # a backend thread: see threadstate
+                _device_done(att, "ddp_allreduce", start, device_start)
                 att.record_collective("ddp_allreduce", start, time.time_ns() - start, nbytes)
                 att.on_ddp_allreduce(start, time.time_ns())
             except Exception as exc:

@@ -7,7 +7,7 @@ to whichever function synchronises. Each phase is therefore also bracketed by tw
 recorded on the current stream (``Event.record()``: queued with the kernels, nothing waited
 for); the sender thread resolves them in order once they completed (``Event.query()``, which
 never blocks) and files ``start_ns, device_duration_ns`` pairs under the ``gpu_phase`` layer
-(and blocking collectives under ``gpu_collective``), beside the host pairs of ``torch_op``. The
+(and collectives under ``gpu_collective``), beside the host pairs of ``torch_op``. The
 store keeps both clocks; the detectors compare device time for the phases that have it.
 
 Nothing here synchronises: the training thread only records events and moves them between two
@@ -23,6 +23,7 @@ GPU pass a stand-in with the same four methods.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -89,6 +90,7 @@ class DeviceTimer:
         self._new_event = new_event
         self._free: deque[DeviceEvent] = deque()
         self._made = 0
+        self._growing = threading.Lock()
         self._pending: deque[Pending] = deque()
         self._logs: dict[tuple[str, str], PhaseLog] = {}
         self.pool_events = 2 * pool_pairs
@@ -124,12 +126,16 @@ class DeviceTimer:
         event.record()
         return event
 
-    def _grow(self) -> DeviceEvent | None:
-        """A new event while the pool is below its bound (two at a time: the pair's end)."""
-        if self._made + 2 > self.pool_events:
-            return None
-        self._made += 2
-        self._free.append(self._new_event())
+    def _grow(self, events: int = 2) -> DeviceEvent | None:
+        """A new event while the pool is below its bound (two at a time from ``begin``: the
+        pair's end). Under a lock: an asynchronous collective's end is recorded on the
+        thread that completes it, which may grow the pool while the training thread does."""
+        with self._growing:
+            if self._made + events > self.pool_events:
+                return None
+            self._made += events
+        if events == 2:
+            self._free.append(self._new_event())
         return self._new_event()
 
     def end(self, log: PhaseLog, host_start_ns: int, start: DeviceEvent | None) -> None:
@@ -138,10 +144,14 @@ class DeviceTimer:
             return
         try:
             event = self._free.popleft()
-        except IndexError:  # nested phases took the last events: this one goes untimed
-            self._free.append(start)
-            self.dropped += 1
-            return
+        except IndexError:
+            # Another phase took the end its begin made (one begun meanwhile, on this thread or
+            # another): one more, unless the pool is at its bound (nested phases past it).
+            event = self._grow(1)
+            if event is None:
+                self._free.append(start)
+                self.dropped += 1
+                return
         event.record()
         self._pending.append(Pending(log, host_start_ns, start, event))
 
