@@ -146,7 +146,7 @@ def _wrap(att: Attachment, op: str, fn: Callable[..., Any]) -> Callable[..., Any
             # Asynchronous: an end event here would time the launch; it is recorded on
             # completion (see the module's docstring).
             _record_on_completion(att, described[0], start, described[1], result, token,
-                                  device_start)
+                                  device, device_start)
             return result
         pending.pop(token, None)
         if described is not None:
@@ -173,35 +173,31 @@ def _describe(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[s
 
 
 def _record_on_completion(att: Attachment, name: str, start: int, nbytes: int, work: Any,
-                          token: int, device_start: Any = None) -> None:
+                          token: int, device: DeviceTimer | None = None,
+                          device_start: Any = None) -> None:
     try:
         future = work.get_future()
     except Exception:
         # Some backends' works have no future (e.g. p2p on older gloo): count issue time only.
         att.steps.pending.pop(token, None)
         att.record_collective(name, start, time.time_ns() - start, nbytes)
-        if device_start is not None and att.device is not None:
-            att.device.abandon(device_start)
+        if device is not None and device_start is not None:
+            device.abandon(device_start)
         return
 
     def done(_future: Any) -> None:
         att.steps.pending.pop(token, None)
         try:
             keep_thread_state()  # a backend thread: see threadstate
-            _device_done(att, name, start, device_start)  # first: its event goes back
+            if device is not None and device_start is not None:  # first: its event goes back
+                # Queued on the callback's current stream, which torch synchronises with the
+                # collective's kernels: the collective's end on the device.
+                _device_end(device, name, start, device_start)
             att.record_collective(name, start, time.time_ns() - start, nbytes)
         except Exception as exc:
             att.guard.report("collective hook", exc)
 
     future.add_done_callback(done)
-
-
-def _device_done(att: Attachment, name: str, start_ns: int, device_start: Any) -> None:
-    """In a completion callback: the end of an asynchronous collective on the device, queued
-    on the callback's current stream (torch synchronises it with the collective's kernels)."""
-    device = att.device
-    if device_start is not None and device is not None:
-        _device_end(device, name, start_ns, device_start)
 
 
 def install_ddp_comm_hook(att: Attachment, ddp: Any) -> bool:
@@ -226,15 +222,16 @@ def install_ddp_comm_hook(att: Attachment, ddp: Any) -> bool:
             future = all_reduce(tensor, group=group, async_op=True).get_future()
         except BaseException:
             pending.pop(token, None)
-            if device_start is not None:
-                device.abandon(device_start)  # type: ignore[union-attr]
+            if device is not None and device_start is not None:
+                device.abandon(device_start)
             raise
 
         def done(fut: Any) -> torch.Tensor:
             pending.pop(token, None)
             try:
                 keep_thread_state()  # a backend thread: see threadstate
-                _device_done(att, "ddp_allreduce", start, device_start)
+                if device is not None and device_start is not None:  # see _record_on_completion
+                    _device_end(device, "ddp_allreduce", start, device_start)
                 att.record_collective("ddp_allreduce", start, time.time_ns() - start, nbytes)
                 att.on_ddp_allreduce(start, time.time_ns())
             except Exception as exc:

@@ -134,7 +134,7 @@ class DeviceTimer:
             if self._made + events > self.pool_events:
                 return None
             self._made += events
-        if events == 2:
+        for _ in range(events - 1):
             self._free.append(self._new_event())
         return self._new_event()
 
