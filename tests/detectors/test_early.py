@@ -17,11 +17,31 @@ from trainscope.schemas.records import Finding, MetricSample, StepRecord
 WINDOW_S = 15.0
 
 
+# What an NCCL call costs the host: its launch, whoever waits on the device.
+NCCL_LAUNCH_NS = 40_000
+
+
+def _as_sent(step: StepRecord, clock: str) -> StepRecord:
+    """The simulated step record as a producer with collectives timed on ``clock`` sends it:
+    ``host`` (gloo, or any blocking call), ``none`` (no collective timed), ``nccl`` (the host
+    sees launches only; the waiting is on the device's clock), ``nccl-host-only`` (the same
+    job without device times: what the early flag read on NCCL before)."""
+    if clock == "host":
+        return step
+    if clock == "none":
+        return msgspec.structs.replace(step, collective_ns=0)
+    launches = NCCL_LAUNCH_NS if step.collective_ns else 0
+    device_ns = step.collective_ns if clock == "nccl" else 0
+    return msgspec.structs.replace(step, collective_ns=launches, device_collective_ns=device_ns)
+
+
 def _run(faults: list[str], *, steps: int = 60, seed: int = 3, timed: bool = True,
-         layout: tuple[int, int, int] = (4, 2, 2)
+         layout: tuple[int, int, int] = (4, 2, 2), clock: str = "host"
          ) -> tuple[EmbeddedStreamJob, dict[int, set[int]]]:
     """The job through the embedded stream job; returns it and, per step, the windows (their
-    start) that had closed when that step's records had been handed over."""
+    start) that had closed when that step's records had been handed over. ``clock``: see
+    :func:`_as_sent` (``timed=False`` is ``none``)."""
+    clock = clock if timed else "none"
     dp, pp, tp = layout
     spec = ClusterSpec(dp=dp, pp=pp, tp=tp, steps=steps, seed=seed, window_s=WINDOW_S)
     closed: set[int] = set()
@@ -31,8 +51,7 @@ def _run(faults: list[str], *, steps: int = 60, seed: int = 3, timed: bool = Tru
     job.process_records(cluster.topology_records())
     closed_at_step: dict[int, set[int]] = {}
     for output in cluster.run():
-        records = output.steps if timed else [
-            msgspec.structs.replace(s, collective_ns=0) for s in output.steps]
+        records = [_as_sent(s, clock) for s in output.steps]
         job.process_records([*output.summaries, *records, *output.metrics])
         closed_at_step[output.step] = set(closed)
     job.finish()
@@ -93,6 +112,25 @@ def test_without_collective_times_no_rank_is_named_early() -> None:
     job, _ = _run(["slow-gpu:rank=5,factor=3.0,start=30"], timed=False)
     assert not _early(job), [f.message for f in _early(job)]
     assert diagnose(job.findings)[0].rank == 5
+
+
+@pytest.mark.parametrize("fault", [
+    "slow-gpu:rank=5,factor=1.4,start=30",
+    "dataloader-stall:rank=3,ms=250,start=30",
+])
+def test_on_nccl_the_straggler_is_named_from_the_device_clock(fault: str) -> None:
+    """An NCCL job: every rank's host sees only launches (the same few µs whoever waits);
+    the step records' device collective time shows the peers waiting. Named from that as a
+    gloo job is from its host times; from the host times alone, no rank could be."""
+    parsed = parse_faults([fault])[0]
+    job, _ = _run([fault], clock="nccl")
+    early = _early(job)
+    assert [(f.rank, f.category) for f in early] == [(parsed["rank"], "straggler")], \
+        [f.message for f in early]
+    flagged_step = int(early[0].evidence["step"])
+    assert parsed.start + RECENT_STEPS - 1 <= flagged_step <= parsed.start + RECENT_STEPS + 2
+    blind, _ = _run([fault], clock="nccl-host-only")
+    assert not [f for f in _early(blind) if f.rank >= 0], [f.message for f in _early(blind)]
 
 
 def _steps(step: int, durations_ms: list[float], waits_ms: list[float]) -> list[StepRecord]:

@@ -96,7 +96,7 @@ def ddp_windows(
                     totals[r][key] += ns
                     squares[r][key] += ns * ns
                     mins[r][key] = min(mins[r][key], ns)
-                steps.append((r, w * STEPS + k, int(t), int(done), 16, 0, 0, 0, 0))
+                steps.append((r, w * STEPS + k, int(t), int(done), 16, 0, 0, 0, 0, 0))
             t += done
         rows = []
         functions = [("torch_op", "forward", "forward"), ("torch_op", "backward", "backward"),
@@ -403,7 +403,7 @@ def test_a_measured_straggler_on_a_loaded_host_is_no_imbalance_that_moves() -> N
             rows.append((r, "collective", "ddp_allreduce", 0, count, int(count * mean_ms * MS),
                          count * (sd_ms * MS) ** 2, int(min_ms * MS), 0, 0))
             step_ns = 3_000 * MS // count
-            steps += [(r, k, start + k * step_ns, step_ns, 16, 0, 0, 0, 0) for k in range(count)]
+            steps += [(r, k, start + k * step_ns, step_ns, 16, 0, 0, 0, 0, 0) for k in range(count)]
         windows.append(WindowView(
             job_id="ddp-job", window_start_ns=start, window_end_ns=start + 3_000 * MS,
             summaries=pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS)),

@@ -189,7 +189,8 @@ sink = ClickHouseSink.open(sys.argv[1])
 now_ns, old_ns = time.time_ns(), int(sys.argv[2])
 steps = pd.DataFrame({"v": 1, "job_id": "j", "rank": [0, 0], "step": [0, 1],
                       "start_ns": [old_ns, now_ns], "duration_ns": 10**9, "samples": 0,
-                      "tokens": 0, "seq_len_mean": 0.0, "seq_len_max": 0, "collective_ns": 0})
+                      "tokens": 0, "seq_len_mean": 0.0, "seq_len_max": 0, "collective_ns": 0,
+                      "device_collective_ns": 0})
 sink._insert("step_records", steps)
 sink.close()
 sink = ClickHouseSink.open(sys.argv[1], retention_days=7)
@@ -227,7 +228,8 @@ midnight_ns = int(sys.argv[2])
 steps = pd.DataFrame({"v": 1, "job_id": "j", "rank": 0, "step": range(6),
                       "start_ns": [midnight_ns + (s - 3) * 10**9 for s in range(6)],
                       "duration_ns": 10**9, "samples": 0, "tokens": 0, "seq_len_mean": 0.0,
-                      "seq_len_max": 0, "collective_ns": 0})
+                      "seq_len_max": 0, "collective_ns": 0,
+                      "device_collective_ns": 0})
 for _ in range(2):
     sink._insert("step_records", steps)
 rows = sink.client.query("SELECT toString(toDate(start)), count() FROM step_records "
@@ -251,6 +253,7 @@ import sys
 from trainscope.sinks.clickhouse import ClickHouseSink
 sink = ClickHouseSink.open(sys.argv[1])
 sink.client.command("ALTER TABLE step_records DROP COLUMN collective_ns")
+sink.client.command("ALTER TABLE step_records DROP COLUMN device_collective_ns")
 sink.client.command("INSERT INTO step_records (v, job_id, rank, step, start_ns, duration_ns, "
                     "samples, tokens, seq_len_mean, seq_len_max) VALUES (1, 'j', 0, 0, 1, 2, "
                     "0, 0, 0, 0)")
@@ -264,9 +267,10 @@ from trainscope.sinks.clickhouse import ClickHouseSink
 sink = ClickHouseSink.open(sys.argv[1])
 sink._insert("step_records", pd.DataFrame({
     "v": 1, "job_id": "j", "rank": 0, "step": [1], "start_ns": 3, "duration_ns": 4,
-    "samples": 0, "tokens": 0, "seq_len_mean": 0.0, "seq_len_max": 0, "collective_ns": 5}))
-rows = sink.client.query("SELECT step, collective_ns FROM step_records ORDER BY step"
-                         ).result_rows
+    "samples": 0, "tokens": 0, "seq_len_mean": 0.0, "seq_len_max": 0, "collective_ns": 5,
+    "device_collective_ns": 6}))
+rows = sink.client.query("SELECT step, collective_ns, device_collective_ns FROM step_records "
+                         "ORDER BY step").result_rows
 print(json.dumps([list(row) for row in rows]))
 """
 
@@ -278,8 +282,8 @@ def test_a_store_from_before_the_collective_times_takes_them_and_keeps_its_rows(
     assert done.returncode == 0, done.stderr
     done = run("-c", WRITE_COLLECTIVE_NS, store)
     assert done.returncode == 0, done.stderr
-    # The older row holds the new column's default; the new one its value.
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [[0, 0], [1, 5]]
+    # The older row holds the new columns' defaults; the new one its values.
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [[0, 0, 0], [1, 5, 6]]
 
 
 # Layout 2's function_summaries, as trainscope wrote it (sketches as 64-bit arrays).

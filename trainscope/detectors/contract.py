@@ -101,7 +101,7 @@ def _window(
         for k in range(_STEPS_PER_WINDOW):
             step = index * _STEPS_PER_WINDOW + k
             steps.append((rank, step, start + k * _STEP_NS, int(_STEP_NS * slow + stall), 8, 8192,
-                          1024, 2048, 0))
+                          1024, 2048, 0, 0))
         for name, value in ((m.SM_CLOCK_MHZ, 1400.0), (m.SM_UTIL_PCT, 99.0),
                             (m.POWER_W, 690.0), (m.THROTTLE_REASONS, 4.0)):
             metrics.append((rank, f"host{rank // 4}", rank % 4, start, name,

@@ -163,7 +163,8 @@ TABLES: dict[str, Table] = {
             types={"job_id": LC},
             extra={"start": datetime_of("start_ns")},
             codecs={"step": "CODEC(Delta, ZSTD(1))", "start_ns": TIME_CODEC,
-                    "duration_ns": INT_CODEC, "collective_ns": INT_CODEC},
+                    "duration_ns": INT_CODEC, "collective_ns": INT_CODEC,
+                    "device_collective_ns": INT_CODEC},
             time_column="start_ns",
         ),
         Table(

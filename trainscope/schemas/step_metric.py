@@ -40,6 +40,10 @@ class StepRecord(msgspec.Struct, tag="step", kw_only=True, frozen=True):
     # summed over calls (asynchronous ones overlap, so it can exceed the step); 0: not timed.
     # The rank its peers wait on waits least: what the early flag reads (detectors/early.py).
     collective_ns: int = 0
+    # The same collectives' time on the device (CUDA events, issue: GPU truth), summed; 0: not
+    # timed on the device. For NCCL, whose host calls return at once, the only clock on which
+    # a rank is seen waiting for its peers; the early flag reads it where it is sent.
+    device_collective_ns: int = 0
 
 
 class MetricSample(msgspec.Struct, tag="metric", kw_only=True, frozen=True):
@@ -66,9 +70,11 @@ STEP_BATCH_COLUMNS: dict[str, str] = {
     "seq_len_mean": "<f8",
     "seq_len_max": "<i8",
     "collective_ns": "<i8",
+    "device_collective_ns": "<i8",
 }
 _OPTIONAL_STEP_COLUMNS = frozenset(
-    {"samples", "tokens", "seq_len_mean", "seq_len_max", "collective_ns"})
+    {"samples", "tokens", "seq_len_mean", "seq_len_max", "collective_ns",
+     "device_collective_ns"})
 
 # Numeric columns of a MetricBatch, one entry per sample; ``host`` and ``name`` index the
 # batch's ``hosts`` and ``names``.
@@ -162,6 +168,7 @@ class StepBatch(msgspec.Struct, tag="steps", kw_only=True, frozen=True):
     seq_len_mean: bytes = b""
     seq_len_max: bytes = b""
     collective_ns: bytes = b""
+    device_collective_ns: bytes = b""
 
     def __post_init__(self) -> None:
         _STEP_LENGTHS.check(self)

@@ -141,7 +141,8 @@ _SUMMARY = (_RANK, _duration("min_ns"), _duration("max_ns"), Int("count", 0, I64
 # A step record's values: fields of a StepRecord, columns of a StepBatch.
 _STEP = (_RANK, Int("step", 0, I32_MAX), _time("start_ns"), _duration("duration_ns"),
          Int("samples", 0, I64_MAX), Int("tokens", 0, I64_MAX), Number("seq_len_mean", 0.0),
-         Int("seq_len_max", 0, I64_MAX), Int("collective_ns", 0, I64_MAX))
+         Int("seq_len_max", 0, I64_MAX), Int("collective_ns", 0, I64_MAX),
+         Int("device_collective_ns", 0, I64_MAX))
 # A metric sample's values (its host and name aside): fields of a MetricSample, columns of a
 # MetricBatch.
 _METRIC = (Int("rank", -1, LAST_RANK), Int("device", -1, Limit("max_devices", 1)), _time("ts_ns"),

@@ -37,6 +37,7 @@ STEP_COLUMNS = (
     "seq_len_mean",
     "seq_len_max",
     "collective_ns",
+    "device_collective_ns",
 )
 METRIC_COLUMNS = ("rank", "host", "device", "ts_ns", "name", "value")
 

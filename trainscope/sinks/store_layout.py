@@ -54,7 +54,9 @@ ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
     # The payload's full size and digest; `payload` keeps only a bounded prefix since.
     "dead_letters": ("`payload_bytes` UInt64", "`payload_sha256` String"),
     # Each step's time in collectives (what the early flag reads, detectors/early.py).
-    "step_records": ("`collective_ns` Int64 CODEC(T64, ZSTD(1))",),
+    # ... and on the device (CUDA events), where the producer times it there.
+    "step_records": ("`collective_ns` Int64 CODEC(T64, ZSTD(1))",
+                     "`device_collective_ns` Int64 CODEC(T64, ZSTD(1))"),
 }
 
 

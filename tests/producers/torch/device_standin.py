@@ -37,6 +37,12 @@ class StandInGpu:
         with self._lock:
             self.done_ns = self.queued_ns
 
+    def run_to(self, at_ns: int) -> None:
+        """The device runs the queued work up to ``at_ns`` of its queue (a kernel that never
+        ends: it stops there)."""
+        with self._lock:
+            self.done_ns = max(self.done_ns, min(at_ns, self.queued_ns))
+
     def event(self, enable_timing: bool = True) -> StandInEvent:
         assert enable_timing
         self.created += 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ from trainscope.schemas.records import MetricSample
 FORWARD_NS = 20_000_000  # the kernels each forward queues on the stand-in device
 BACKWARD_NS = 5_000_000
 OPTIMIZER_NS = 1_000_000
+WAIT_NS = 100_000_000  # a step's all-reduce waits on the stand-in device (x its step + 1)
 
 
 class _LaunchOnBackward(torch.autograd.Function):
@@ -63,15 +65,18 @@ class StandInGpuModel(torch.nn.Module):
         return self.second(torch.relu(h))
 
 
-def train_on_stand_in(gpu: StandInGpu, steps: int, device_runs: bool = True) -> None:
+def train_on_stand_in(gpu: StandInGpu, steps: int, device_runs: bool = True,
+                      after_backward: Callable[[int], None] | None = None) -> None:
     model = StandInGpuModel(gpu)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     optimizer.register_step_pre_hook(lambda *_: gpu.launch(OPTIMIZER_NS))
-    for _ in range(steps):
+    for step in range(steps):
         x, y = torch.randn(8, 16), torch.randn(8, 1)
         loss = torch.nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
+        if after_backward is not None:
+            after_backward(step)
         optimizer.step()
         if device_runs:
             gpu.run_queued()  # the device catches up while the host goes on
@@ -184,17 +189,43 @@ def test_a_cpu_job_sends_host_times_and_says_so(attach, memory_bus) -> None:
 
 
 @pytest.mark.kafka
+def stand_in_all_reduce(gpu: StandInGpu, monkeypatch: pytest.MonkeyPatch
+                        ) -> Callable[[int, int], None]:
+    """``dist.all_reduce`` (a one-process gloo group) made to queue device work on the stand-in
+    as an NCCL all-reduce's kernel does, its wait for the slowest peer; on the host it returns
+    at once. Patched before ``attach``, whose wrapper then times it. Returns a call
+    ``(step, wait_ns)``."""
+    import torch.distributed as dist
+
+    real = dist.all_reduce
+    wait = [0]
+
+    def all_reduce_queued_on_stand_in(tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        gpu.launch(wait[0])
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce_queued_on_stand_in)
+
+    def call(step: int, wait_ns: int) -> None:
+        wait[0] = wait_ns
+        dist.all_reduce(torch.ones(4))
+
+    return call
+
+
 def test_both_clocks_reach_the_store_through_the_real_broker_and_pipeline(
-        attach, fresh_kafka_broker, tmp_path) -> None:
+        gloo_group, attach, fresh_kafka_broker, tmp_path, monkeypatch) -> None:
     from trainscope.engine.bus_job import BusStreamJob
     from trainscope.sinks.clickhouse import ClickHouseSink, run_query
     from trainscope.transport.bus import open_bus
 
     gpu = StandInGpu()
     steps = 25
+    all_reduce = stand_in_all_reduce(gpu, monkeypatch)
     att = attach(bus=fresh_kafka_broker.url, job_id="device-clock", window_s=0.5,
                  device_events=gpu.event)
-    train_on_stand_in(gpu, steps=steps)
+    train_on_stand_in(gpu, steps=steps,
+                      after_backward=lambda step: all_reduce(step, (step + 1) * WAIT_NS))
     att.detach()
     assert att.stats()["records_acked"] == att.stats()["records_submitted"]
     bus = open_bus(fresh_kafka_broker.url)
@@ -211,6 +242,9 @@ def test_both_clocks_reach_the_store_through_the_real_broker_and_pipeline(
         _, flags = run_query(sink.client, (
             "SELECT DISTINCT value FROM metric_samples WHERE job_id = 'device-clock' "
             f"AND name = '{PHASE_CLOCK_DEVICE}'"))
+        _, step_rows = run_query(sink.client, (
+            "SELECT step, collective_ns, device_collective_ns FROM step_records FINAL "
+            "WHERE job_id = 'device-clock' ORDER BY step"))
     finally:
         sink.close()
         bus.close()
@@ -221,6 +255,10 @@ def test_both_clocks_reach_the_store_through_the_real_broker_and_pipeline(
     host_count, host_total = stored[("torch_op", "forward")]
     assert host_count == steps and host_total < steps * FORWARD_NS / 2
     assert [float(v) for (v,) in flags] == [1.0]
+    # Each step record with its all-reduce's time on both clocks: the device's, as queued.
+    assert [(int(s), int(d)) for s, _, d in step_rows] == [
+        (step, (step + 1) * WAIT_NS) for step in range(steps)]
+    assert all(0 < int(host) < WAIT_NS for _, host, _ in step_rows), step_rows
 
 
 def test_a_step_that_raises_does_not_lose_its_events(attach) -> None:
@@ -300,3 +338,123 @@ def test_asynchronous_collectives_and_ddp_buckets_are_timed_on_the_device(
     assert counts["synchronize"] == 0 and counts["wait"] == 0, counts
     assert device.in_flight() == 0 and device.free_events() == device.made_events()
     assert att.stats()["errors"] == 0
+
+
+
+
+def test_each_step_record_carries_its_collectives_device_time(
+        gloo_group, attach, memory_bus, monkeypatch) -> None:
+    """The step record's ``device_collective_ns``: what the early flag reads on a CUDA job.
+    The stand-in collective queues device work as an NCCL all-reduce's kernel does (its wait
+    for the slowest peer); on the host it returns at once. Step ``i`` waits ``i + 1`` ms on the
+    device, so a device time filed under the wrong step shows. A step whose collective has not
+    run on the device yet is held back, and sent once it has."""
+    gpu = StandInGpu()
+    all_reduce = stand_in_all_reduce(gpu, monkeypatch)
+    att = attach(window_s=0.5, device_events=gpu.event)
+    model = StandInGpuModel(gpu, forward_ns=2_000_000)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(i: int, device_runs: bool) -> None:
+        loss = torch.nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 1))
+        optimizer.zero_grad()
+        loss.backward()
+        all_reduce(i, (i + 1) * WAIT_NS)
+        optimizer.step()  # the step ends here: the all-reduce was step i's
+        if device_runs:
+            gpu.run_queued()
+
+    for i in range(10):
+        step(i, device_runs=True)
+    for i in range(10, 13):
+        step(i, device_runs=False)  # the device falls behind: three steps not run yet
+    time.sleep(1.2)  # two sender rounds
+    sent_before = sorted(s.step for s in steps_of(read_records(memory_bus, group="early")))
+    gpu.run_queued()
+    time.sleep(1.2)
+    att.detach()
+    steps = sorted(steps_of(read_records(memory_bus)), key=lambda s: s.step)
+    assert sent_before == list(range(10)), sent_before
+    assert [s.step for s in steps] == list(range(13))
+    assert [s.device_collective_ns for s in steps] == [(i + 1) * WAIT_NS for i in range(13)]
+    # On the host the same all-reduce took next to nothing: the host clock cannot tell them
+    # apart (NCCL's is launch time).
+    assert all(0 < s.collective_ns < WAIT_NS for s in steps), [s.collective_ns for s in steps]
+    stats = att.stats()
+    assert stats["device_steps_unsettled"] == 0 and stats["errors"] == 0, stats
+    assert gpu.counts()["synchronize"] == 0 and gpu.counts()["wait"] == 0
+
+
+def test_a_step_held_past_its_bound_goes_with_what_resolved_and_is_counted() -> None:
+    """A GPU that never catches up (hung, or a reader far behind): the step's record is not
+    held for ever; it goes after the hold with the collectives that did resolve, counted as
+    unsettled, and the late ones are not added to a later step."""
+    from trainscope.producers.torch.steps import DEVICE_HOLD_MIN_S, StepTracker
+
+    gpu = StandInGpu()
+    device = DeviceTimer(gpu.event)
+    tracker = StepTracker("j", 0)
+    log = device.log(DEVICE_COLLECTIVE_LAYER, "all_reduce")
+
+    def collective(step: int, wait_ns: int) -> None:
+        start = device.begin_collective(step)
+        gpu.launch(wait_ns)
+        device.end(log, 0, start, step)
+
+    collective(0, 2 * WAIT_NS)
+    collective(0, 3 * WAIT_NS)
+    gpu.run_queued()  # step 0's both ran
+    collective(0, 4 * WAIT_NS)  # ... and a third that will not, before the hold ends
+    end_ns = 10**12
+    tracker.end(end_ns)
+    collective(1, 5 * WAIT_NS)
+    tracker.end(end_ns + 10**6)
+    device.resolve()
+    assert tracker.drain(device, end_ns + 10**6) == []  # held: step 0 still runs on device
+    assert device.steps_in_flight() == 2
+    late_ns = end_ns + int(DEVICE_HOLD_MIN_S * 1e9) + 1
+    (batch,) = tracker.drain(device, late_ns)
+    assert batch.column("step").tolist() == [0]
+    assert batch.column("device_collective_ns").tolist() == [5 * WAIT_NS]
+    assert tracker.device_steps_unsettled == 1
+    gpu.run_queued()
+    device.resolve()
+    (batch,) = tracker.drain(device, late_ns)
+    # Step 1 has its own collective's time, not step 0's late one.
+    assert batch.column("step").tolist() == [1]
+    assert batch.column("device_collective_ns").tolist() == [5 * WAIT_NS]
+    assert device.steps_in_flight() == 0 and tracker.device_steps_unsettled == 1
+
+
+def test_a_stall_inside_a_collective_on_the_device_is_reported_as_waiting() -> None:
+    """A hung NCCL job: the host's call returned at once, so on the host nobody waits. The
+    stall report's ``collective_wait_s`` then comes from the device: a rank whose device is
+    inside a collective (its start event completed, its end not) has waited since the host
+    issued it; a rank whose device has not reached its collective (the one stuck in its own
+    work, whom the others wait for) is not waiting."""
+    from trainscope.producers.torch.steps import StepTracker
+
+    ms = 1_000_000
+    reports = {}
+    for case in ("inside the collective", "before the collective"):
+        gpu = StandInGpu()
+        device = DeviceTimer(gpu.event)
+        tracker = StepTracker("j", 0)
+        tracker.activity(0)
+        for step in range(10):
+            tracker.end((step + 1) * 10 * ms)
+        tracker.drain(device, 100 * ms)
+        start_ns = tracker.start_ns
+        gpu.launch(5 * ms)  # the step's own work
+        issued_ns = start_ns + 1_000 * ms
+        event = device.begin_collective(tracker.step)
+        gpu.launch(WAIT_NS)  # the all-reduce's kernel, waiting for a peer that never comes
+        device.end(device.log(DEVICE_COLLECTIVE_LAYER, "all_reduce"), issued_ns, event,
+                   tracker.step)
+        gpu.run_to(5 * ms + (WAIT_NS // 2 if case == "inside the collective" else 0) - 1)
+        assert not tracker.pending  # the host's call returned
+        reports[case] = {s.name: s.value for s in
+                         tracker.stall_report(start_ns + 4_000 * ms, "h", device)}
+        assert tracker.stall_report(start_ns + 4_000 * ms, "h")[1].value == 0.0  # host only
+    assert reports == {"inside the collective": {"step_open_s": 4.0, "collective_wait_s": 3.0},
+                       "before the collective": {"step_open_s": 4.0, "collective_wait_s": 0.0}}

@@ -108,7 +108,7 @@ def source_tables(config: JobConfig) -> list[str]:
     events ARRAY<ARRAY<BIGINT>>>>,
   steps ARRAY<ROW<job_id STRING, `rank` INT, step BIGINT, start_ns BIGINT, duration_ns BIGINT,
     samples BIGINT, tokens BIGINT, seq_len_mean DOUBLE, seq_len_max BIGINT,
-    collective_ns BIGINT>>,
+    collective_ns BIGINT, device_collective_ns BIGINT>>,
   records ARRAY<STRING>,
   `partition` INT METADATA VIRTUAL,
   `offset` BIGINT METADATA VIRTUAL,
@@ -142,7 +142,7 @@ SUMMARY_ROW = (
 STEP_ROW = (
     "ROW<`type` STRING, v INT, job_id STRING, `rank` INT, step BIGINT, start_ns BIGINT, "
     "duration_ns BIGINT, samples BIGINT, tokens BIGINT, seq_len_mean DOUBLE, seq_len_max BIGINT, "
-    "collective_ns BIGINT>"
+    "collective_ns BIGINT, device_collective_ns BIGINT>"
 )
 
 
@@ -268,6 +268,7 @@ SELECT e.ts, e.`partition`, e.`offset`, st.job_id, st.`rank`, st.step, st.start_
   st.duration_ns, COALESCE(st.samples, 0) AS samples, COALESCE(st.tokens, 0) AS tokens,
   COALESCE(st.seq_len_mean, 0.0) AS seq_len_mean, COALESCE(st.seq_len_max, 0) AS seq_len_max,
   COALESCE(st.collective_ns, 0) AS collective_ns,
+  COALESCE(st.device_collective_ns, 0) AS device_collective_ns,
   CASE WHEN {_late('e', config.window_ms)} THEN 'late: its window had closed'
     WHEN st.job_id IS NULL OR st.`rank` IS NULL OR st.step IS NULL OR st.start_ns IS NULL
     OR st.duration_ns IS NULL THEN 'job_id, rank, step, start_ns or duration_ns missing or '
@@ -275,7 +276,7 @@ SELECT e.ts, e.`partition`, e.`offset`, st.job_id, st.`rank`, st.step, st.start_
   END AS problem
 FROM events_once AS e
 CROSS JOIN UNNEST(e.steps) AS st(job_id, `rank`, step, start_ns, duration_ns, samples,
-  tokens, seq_len_mean, seq_len_max, collective_ns)"""
+  tokens, seq_len_mean, seq_len_max, collective_ns, device_collective_ns)"""
 
 
 def _bucket_rows(config: JobConfig) -> str:
@@ -321,7 +322,8 @@ def _step_records(config: JobConfig) -> str:
     return f"""CREATE TEMPORARY VIEW step_records AS
 SELECT window_time AS l2_time, job_id, `rank`,
   CAST(ROW('step', 1, job_id, `rank`, step, start_ns, MAX(duration_ns), MAX(samples),
-    MAX(tokens), MAX(seq_len_mean), MAX(seq_len_max), MAX(collective_ns)) AS {STEP_ROW})
+    MAX(tokens), MAX(seq_len_mean), MAX(seq_len_max), MAX(collective_ns),
+    MAX(device_collective_ns)) AS {STEP_ROW})
     AS step_record
 FROM TABLE(TUMBLE(TABLE step_rows, DESCRIPTOR(ts), {_interval(config.window_ms)}))
 WHERE problem IS NULL

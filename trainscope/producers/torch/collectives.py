@@ -12,7 +12,9 @@ the stream is done with it. For a blocking call that is on its return; for an as
 (and DDP's buckets) in the completion callback of the work's future, which torch runs on streams
 synchronised with the collective's kernels (``torch.futures.Future.then``), so the end event
 is queued after them without anything waiting. For NCCL, whose host call returns at once, that
-device time is the only clock on which a rank's peers are seen waiting for it.
+device time is the only clock on which a rank's peers are seen waiting for it. Each collective's
+device time is also added to the step it was issued in (the step record's
+``device_collective_ns``), once its events completed.
 
 DDP reduces gradients in C++ without these functions; a communication hook that performs the
 same averaging all-reduce as DDP's default times each bucket as ``ddp_allreduce``.
@@ -118,8 +120,8 @@ def install_collective_hooks(att: Attachment) -> Uninstall:
     return uninstall
 
 
-def _device_end(device: DeviceTimer, name: str, start_ns: int, start: Any) -> None:
-    device.end(device.log(DEVICE_COLLECTIVE_LAYER, name), start_ns, start)
+def _device_end(device: DeviceTimer, name: str, start_ns: int, start: Any, step: int) -> None:
+    device.end(device.log(DEVICE_COLLECTIVE_LAYER, name), start_ns, start, step)
 
 
 def _wrap(att: Attachment, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -134,11 +136,14 @@ def _wrap(att: Attachment, op: str, fn: Callable[..., Any]) -> Callable[..., Any
         token = next(_tokens)
         start = pending[token] = time.time_ns()
         device = att.device
-        device_start = device.begin() if device is not None else None
+        step = att.steps.step
+        device_start = device.begin_collective(step) if device is not None else None
         try:
             result = fn(*args, **kwargs)
         except BaseException:
             pending.pop(token, None)
+            if device_start is not None:
+                device.abandon(device_start, step)  # type: ignore[union-attr]
             raise
         end = time.time_ns()
         described = measure(op, args, kwargs)
@@ -146,7 +151,7 @@ def _wrap(att: Attachment, op: str, fn: Callable[..., Any]) -> Callable[..., Any
             # Asynchronous: an end event here would time the launch; it is recorded on
             # completion (see the module's docstring).
             _record_on_completion(att, described[0], start, described[1], result, token,
-                                  device, device_start)
+                                  device, device_start, step)
             return result
         pending.pop(token, None)
         if described is not None:
@@ -154,9 +159,9 @@ def _wrap(att: Attachment, op: str, fn: Callable[..., Any]) -> Callable[..., Any
             if device is not None:
                 # A blocking call returns once the current stream waits for its completion:
                 # from the stream reaching it to its end, on the device.
-                device_measure(device, described[0], start, device_start)
+                device_measure(device, described[0], start, device_start, step)
         elif device_start is not None:
-            device.abandon(device_start)  # type: ignore[union-attr]
+            device.abandon(device_start, step)  # type: ignore[union-attr]
         return result
 
     wrapper.__name__ = op
@@ -174,7 +179,7 @@ def _describe(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[s
 
 def _record_on_completion(att: Attachment, name: str, start: int, nbytes: int, work: Any,
                           token: int, device: DeviceTimer | None = None,
-                          device_start: Any = None) -> None:
+                          device_start: Any = None, step: int = -1) -> None:
     try:
         future = work.get_future()
     except Exception:
@@ -182,7 +187,7 @@ def _record_on_completion(att: Attachment, name: str, start: int, nbytes: int, w
         att.steps.pending.pop(token, None)
         att.record_collective(name, start, time.time_ns() - start, nbytes)
         if device is not None and device_start is not None:
-            device.abandon(device_start)
+            device.abandon(device_start, step)
         return
 
     def done(_future: Any) -> None:
@@ -192,7 +197,7 @@ def _record_on_completion(att: Attachment, name: str, start: int, nbytes: int, w
             if device is not None and device_start is not None:  # first: its event goes back
                 # Queued on the callback's current stream, which torch synchronises with the
                 # collective's kernels: the collective's end on the device.
-                _device_end(device, name, start, device_start)
+                _device_end(device, name, start, device_start, step)
             att.record_collective(name, start, time.time_ns() - start, nbytes)
         except Exception as exc:
             att.guard.report("collective hook", exc)
@@ -217,13 +222,14 @@ def install_ddp_comm_hook(att: Attachment, ddp: Any) -> bool:
         tensor.div_(group.size())
         nbytes = tensor.numel() * tensor.element_size()
         device = att.device
-        device_start = device.begin() if device is not None else None
+        step = att.steps.step
+        device_start = device.begin_collective(step) if device is not None else None
         try:
             future = all_reduce(tensor, group=group, async_op=True).get_future()
         except BaseException:
             pending.pop(token, None)
             if device is not None and device_start is not None:
-                device.abandon(device_start)
+                device.abandon(device_start, step)
             raise
 
         def done(fut: Any) -> torch.Tensor:
@@ -231,7 +237,7 @@ def install_ddp_comm_hook(att: Attachment, ddp: Any) -> bool:
             try:
                 keep_thread_state()  # a backend thread: see threadstate
                 if device is not None and device_start is not None:  # see _record_on_completion
-                    _device_end(device, "ddp_allreduce", start, device_start)
+                    _device_end(device, "ddp_allreduce", start, device_start, step)
                 att.record_collective("ddp_allreduce", start, time.time_ns() - start, nbytes)
                 att.on_ddp_allreduce(start, time.time_ns())
             except Exception as exc:

@@ -17,6 +17,11 @@ and reused step after step: when the sender thread falls behind (stalled, or gon
 dry and a phase is left without its device time, counted in ``dropped``, rather than allocating
 without bound.
 
+Each step's collectives are also summed per step on the device clock, for the step record
+(``device_collective_ns``: the early flag's view of who waited, which for NCCL the host's clock
+cannot give): a collective's pair carries the step it was issued in, and :meth:`take_step`
+says a step's sum once none of its collectives is still in flight on the device.
+
 The event type is a parameter (``torch.cuda.Event`` for CUDA jobs): tests on machines without a
 GPU pass a stand-in with the same four methods.
 """
@@ -63,16 +68,18 @@ def cuda_events() -> EventFactory | None:
 
 
 class Pending:
-    """A phase whose events were recorded and may not have completed yet."""
+    """A phase whose events were recorded and may not have completed yet; ``step``, for a
+    collective, the step it was issued in (-1 for the phases)."""
 
-    __slots__ = ("end", "host_start_ns", "log", "start")
+    __slots__ = ("end", "host_start_ns", "log", "start", "step")
 
     def __init__(self, log: PhaseLog, host_start_ns: int, start: DeviceEvent,
-                 end: DeviceEvent) -> None:
+                 end: DeviceEvent, step: int = -1) -> None:
         self.log = log
         self.host_start_ns = host_start_ns
         self.start = start
         self.end = end
+        self.step = step
 
 
 class DeviceTimer:
@@ -96,6 +103,13 @@ class DeviceTimer:
         self.pool_events = 2 * pool_pairs
         self.dropped = 0
         self.resolved = 0
+        # Per step not yet taken: its collectives begun on the device and not yet resolved, and
+        # the device time of those resolved. Begun on the training thread or DDP's, resolved
+        # on the sender thread: a read-modify-write of a count needs the lock.
+        self._steps_lock = threading.Lock()
+        self._open_by_step: dict[int, int] = {}
+        self._collective_ns_by_step: dict[int, int] = {}
+        self._taken_through = -1  # steps up to this one were taken: late pairs are not summed
         # The fixed phases' logs, at hand for the hooks (no look-up per step).
         self.forward = self.log(DEVICE_PHASE_LAYER, "forward")
         self.backward = self.log(DEVICE_PHASE_LAYER, "backward")
@@ -126,6 +140,24 @@ class DeviceTimer:
         event.record()
         return event
 
+    def begin_collective(self, step: int) -> DeviceEvent | None:
+        """:meth:`begin` for a collective issued in ``step``, which :meth:`take_step` then
+        waits for."""
+        event = self.begin()
+        if event is not None:
+            self._count_open(step, 1)
+        return event
+
+    def _count_open(self, step: int, change: int) -> None:
+        with self._steps_lock:
+            if step > self._taken_through:
+                open_by_step = self._open_by_step
+                left = open_by_step.get(step, 0) + change
+                if left > 0:
+                    open_by_step[step] = left
+                else:
+                    open_by_step.pop(step, None)
+
     def _grow(self, events: int = 2) -> DeviceEvent | None:
         """A new event while the pool is below its bound (two at a time from ``begin``: the
         pair's end). Under a lock: an asynchronous collective's end is recorded on the
@@ -138,8 +170,10 @@ class DeviceTimer:
             self._free.append(self._new_event())
         return self._new_event()
 
-    def end(self, log: PhaseLog, host_start_ns: int, start: DeviceEvent | None) -> None:
-        """Record the end of the phase ``start`` began, to be resolved later."""
+    def end(self, log: PhaseLog, host_start_ns: int, start: DeviceEvent | None,
+            step: int = -1) -> None:
+        """Record the end of the phase ``start`` began, to be resolved later (``step``: the
+        step a collective begun with :meth:`begin_collective` was issued in)."""
         if start is None:
             return
         try:
@@ -151,13 +185,17 @@ class DeviceTimer:
             if event is None:
                 self._free.append(start)
                 self.dropped += 1
+                if step >= 0:
+                    self._count_open(step, -1)
                 return
         event.record()
-        self._pending.append(Pending(log, host_start_ns, start, event))
+        self._pending.append(Pending(log, host_start_ns, start, event, step))
 
-    def abandon(self, start: DeviceEvent) -> None:
+    def abandon(self, start: DeviceEvent, step: int = -1) -> None:
         """Give back the start event of a phase that will not be timed on the device."""
         self._free.append(start)
+        if step >= 0:
+            self._count_open(step, -1)
 
     # -- sender thread ----------------------------------------------------------------------
     def resolve(self) -> int:
@@ -170,15 +208,65 @@ class DeviceTimer:
             if not head.end.query():
                 break
             pending.popleft()
-            duration_ns = int(head.start.elapsed_time(head.end) * 1e6)
+            duration_ns = max(int(head.start.elapsed_time(head.end) * 1e6), 0)
             values = head.log.values
             values.append(head.host_start_ns)
-            values.append(max(duration_ns, 0))
+            values.append(duration_ns)
             free.append(head.start)
             free.append(head.end)
+            if head.step >= 0:
+                self._add_to_step(head.step, duration_ns)
             filed += 1
         self.resolved += filed
         return filed
+
+    def _add_to_step(self, step: int, duration_ns: int) -> None:
+        with self._steps_lock:
+            if step <= self._taken_through:
+                return  # its step record left without it (held past its bound)
+            sums = self._collective_ns_by_step
+            sums[step] = sums.get(step, 0) + duration_ns
+            left = self._open_by_step.get(step, 0) - 1
+            if left > 0:
+                self._open_by_step[step] = left
+            else:
+                self._open_by_step.pop(step, None)
+
+    def take_step(self, step: int, force: bool = False) -> int | None:
+        """The device time of ``step``'s collectives (0: none timed), once none is in flight
+        (sender thread, after :meth:`resolve`); None while one is, unless ``force``, which
+        takes what resolved so far. Steps are taken in order: a step's entries, and any left
+        by steps before it (their records dropped), go."""
+        with self._steps_lock:
+            if not force and self._open_by_step.get(step):
+                return None
+            self._taken_through = max(self._taken_through, step)
+            self._open_by_step.pop(step, None)
+            taken = self._collective_ns_by_step.pop(step, 0)
+            for held in (self._open_by_step, self._collective_ns_by_step):
+                if held and min(held) < step:
+                    for old in [k for k in held if k < step]:
+                        del held[old]
+            return taken
+
+    def collective_running_since_ns(self) -> int | None:
+        """When the host issued the collective the device is inside now (its start event
+        completed, its end not), None when it is in none (sender thread). A stall report's
+        waiting on a CUDA job: an NCCL call returns on the host at once, so only the device
+        shows a rank stuck in a collective, waiting for a peer that never came."""
+        # A copy: the training thread appends meanwhile (list() of a deque runs under the GIL).
+        for pair in list(self._pending):
+            if pair.step < 0:
+                continue  # a phase, not a collective
+            if not pair.start.query():
+                return None  # the device has not reached it: busy before it
+            if not pair.end.query():
+                return pair.host_start_ns
+        return None
+
+    def steps_in_flight(self) -> int:
+        """Steps with a collective still running on the device."""
+        return len(self._open_by_step)
 
     def drain_into(self, recorder: WindowRecorder) -> int:
         """Resolve what completed, then move every phase's pairs to ``recorder``."""

@@ -273,16 +273,18 @@ class Attachment:
     # -- sender thread ------------------------------------------------------------------------
     def _closed_windows(self, final: bool) -> list[Any]:
         recorder = self.recorder
-        out: list[Any] = self.steps.drain()
+        device = self.device
+        if device is not None:
+            device.resolve()  # first: the step records wait for their collectives' device time
+        out: list[Any] = self.steps.drain(device, time.time_ns(), final)
         for phase in self.phase_logs:
             phase.drain_into(recorder)
-        device = self.device
         if device is not None:
             device.drain_into(recorder)
         if self.active:
             self.runqueue.sample_into(recorder, self.steps.step)
             now_ns = time.time_ns()
-            out += self.steps.stall_report(now_ns, self.options.host)
+            out += self.steps.stall_report(now_ns, self.options.host, device)
             out += self.profiler.busy_report(now_ns, self.options.job_id, self.options.rank,
                                              self.options.host)
         taken = recorder.take_all() if final else recorder.take_closed(time.time_ns())
@@ -368,6 +370,8 @@ class Attachment:
             "device_spans_resolved": self.device.resolved if self.device is not None else 0,
             # Phases left without their device time: the event pool was dry (sender behind).
             "device_spans_dropped": self.device.dropped if self.device is not None else 0,
+            # Step records sent before all their collectives' device times were known.
+            "device_steps_unsettled": self.steps.device_steps_unsettled,
             "records_submitted": sender["submitted"],
             "records_acked": sender["acked"],
             "records_dropped": sender["dropped"],
