@@ -59,6 +59,8 @@ INVALID: dict[str, list[object]] = {
     "tokens": [-1, 2**64 - 1, [1]],
     "seq_len_mean": [math.nan, math.inf, -1.0, "x"],
     "seq_len_max": [-1, 2**64 - 1],
+    "collective_ns": [-1, 2**64 - 1, "c"],
+    "device_collective_ns": [-1, -(2**63), 2**64 - 1, 1.5],
     "device": [-2, 2**20, "d"],
     "name": ["", HUGE, 7, None],
     "value": [math.nan, math.inf, -math.inf, "x", None],
