@@ -3,8 +3,8 @@
 Window detectors see a fault once its window closes, and most confirm it over two windows
 (15–30 s at the default window). Step records arrive within a producer round (0.5 s) of the
 step's end, and each carries the time the rank spent in collectives (``collective_ns``, and
-on a CUDA job ``device_collective_ns``, the same on the GPU's clock, which is what is read
-there: an NCCL call returns on the host at once, so only the device sees its waiting). In
+on a CUDA job ``device_collective_ns``, the same on the GPU's clock; the larger of the two is
+read: an NCCL call returns on the host at once, so only the device sees its waiting). In
 synchronous training every rank ends a step together, so a step that grew grew for everyone;
 what tells the ranks apart is the waiting: the peers of a straggler wait in their collectives
 for it, the straggler does not (the principle of Holmes, Greyhound and NVIDIA's straggler
@@ -221,9 +221,9 @@ class EarlyWatch:
         job.duration_ns[rows, ranks] = batch.column("duration_ns")[write]
         waited_ns = batch.column("collective_ns")
         if batch.device_collective_ns:
-            # Timed on the device where it was (CUDA): for NCCL the host's time is launch time.
-            device_ns = batch.column("device_collective_ns")
-            waited_ns = np.where(device_ns > 0, device_ns, waited_ns)
+            # Timed on the device too (CUDA): the larger clock saw the waiting. An NCCL call's
+            # host time is its launch; a gloo call on CPU tensors queues nothing on the GPU.
+            waited_ns = np.maximum(waited_ns, batch.column("device_collective_ns"))
         job.collective_ns[rows, ranks] = waited_ns[write]
         job.end_s[rows, ranks] = (end_ns[write] - job.epoch_ns) / 1e9
         job.seen[rows, ranks] = True
