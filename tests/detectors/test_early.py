@@ -19,17 +19,24 @@ WINDOW_S = 15.0
 
 # What an NCCL call costs the host: its launch, whoever waits on the device.
 NCCL_LAUNCH_NS = 40_000
+# Two events around a call that queues nothing on the GPU: next to nothing between them.
+GPU_EVENT_PAIR_NS = 5_000
 
 
 def _as_sent(step: StepRecord, clock: str) -> StepRecord:
     """The simulated step record as a producer with collectives timed on ``clock`` sends it:
     ``host`` (gloo, or any blocking call), ``none`` (no collective timed), ``nccl`` (the host
     sees launches only; the waiting is on the device's clock), ``nccl-host-only`` (the same
-    job without device times: what the early flag read on NCCL before)."""
+    job without device times: what the early flag read on NCCL before), ``cuda-gloo`` (a
+    CUDA job whose collectives run through gloo on CPU tensors: the waiting is on the host's
+    clock, the device's events see nothing)."""
     if clock == "host":
         return step
     if clock == "none":
         return msgspec.structs.replace(step, collective_ns=0)
+    if clock == "cuda-gloo":  # CPU tensors through gloo in a CUDA job: nothing on the GPU
+        return msgspec.structs.replace(
+            step, device_collective_ns=GPU_EVENT_PAIR_NS if step.collective_ns else 0)
     launches = NCCL_LAUNCH_NS if step.collective_ns else 0
     device_ns = step.collective_ns if clock == "nccl" else 0
     return msgspec.structs.replace(step, collective_ns=launches, device_collective_ns=device_ns)
@@ -131,6 +138,14 @@ def test_on_nccl_the_straggler_is_named_from_the_device_clock(fault: str) -> Non
     assert parsed.start + RECENT_STEPS - 1 <= flagged_step <= parsed.start + RECENT_STEPS + 2
     blind, _ = _run([fault], clock="nccl-host-only")
     assert not [f for f in _early(blind) if f.rank >= 0], [f.message for f in _early(blind)]
+
+
+def test_on_a_cuda_job_waiting_seen_on_the_host_only_still_counts() -> None:
+    """A CUDA job's collectives through gloo on CPU tensors: their device times are next to
+    nothing and the host saw the waiting; the larger of the two clocks is read."""
+    job, _ = _run(["slow-gpu:rank=5,factor=1.4,start=30"], clock="cuda-gloo")
+    assert [(f.rank, f.category) for f in _early(job)] == [(5, "straggler")], \
+        [f.message for f in _early(job)]
 
 
 def _steps(step: int, durations_ms: list[float], waits_ms: list[float]) -> list[StepRecord]:
