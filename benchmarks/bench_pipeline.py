@@ -7,15 +7,17 @@ Two workloads, each produced first (not timed as pipeline work), then processed 
   of the same number of int64 keys (the floor of any sort-based group-by); detectors + sink in
   summaries/s; real-time factor = simulated job time ÷ processing time.
 - summaries: the production record path. Every rank sends, per window, one message holding a
-  SummaryBatch of its 60 functions and its step records, as the PyTorch producer does; every
-  host sends its GPUs' condensed metric samples, as the host agent does. The batches are made by
-  the producers' own code (``summary_batches``) from the simulated cluster's spans (each of its
-  10 functions split into 6 parts, so 60 functions per rank), and tiled out to the job size.
-  Step records and metric samples travel as StepBatch and MetricBatch columns, as the producers
-  send them. Columns: decode + window engine + close in records/s (summary rows, step records
-  and metric samples), over the whole run and, best of 3, over one window: its summaries alone,
-  the whole message, and the whole message with step records and metric samples as rows (the
-  wire format of producers before them, a same-run baseline); detectors + sink, real-time
+  SummaryBatch of its 60 functions and, every sender round (0.5 s) that ended a step, one
+  holding that round's step records, as the PyTorch producer does (``--step-messages window``:
+  its step records in its summaries' message, as this benchmark sent them before 2026-12-06);
+  every host sends its GPUs' condensed metric samples, as the host agent does. The batches are
+  made by the producers' own code (``summary_batches``) from the simulated cluster's spans (each
+  of its 10 functions split into 6 parts, so 60 functions per rank), and tiled out to the job
+  size. Step records and metric samples travel as StepBatch and MetricBatch columns, as the
+  producers send them. Columns: decode + window engine + close in records/s (summary rows, step
+  records and metric samples), over the whole run and, best of 3, over one window: its summaries
+  alone, the whole message, and the whole message with step records and metric samples as rows
+  (the wire format of producers before them, a same-run baseline); detectors + sink, real-time
   factor, and the process's peak resident memory after the row.
 
 The process is pinned to one CPU (BLAS and Arrow pools at one thread). Times are CPU seconds,
@@ -24,7 +26,7 @@ time for the window engine and the detectors, and the whole process's for the si
 embedded store works in threads of its own.
 
 Run:  python benchmarks/bench_pipeline.py [--quick] [--only spans|summaries] [--ranks 1024,10240]
-      [--baselines-up-to 10240]
+      [--baselines-up-to 10240] [--step-messages round|window]
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ PARTS = (0.35, 0.25, 0.15, 0.10, 0.10, 0.05)
 WINDOW_S = 15.0
 WINDOW_NS = int(WINDOW_S * 1e9)
 CHUNK = 256  # messages per poll, as the bus pipeline hands them over
+PRODUCER_ROUND_NS = 500_000_000  # the PyTorch producer's sender round (Sender flush_interval_s)
 # CPU seconds: other work sharing the machine does not inflate them, as it does wall-clock
 # time. The pipeline thread's own for its work (the embedded store's background merges run in
 # threads of this process and must not count as engine time); the whole process's for the sink.
@@ -218,25 +221,42 @@ class Window:
     records: int
 
 
+def round_step_batches(steps: list[StepRecord]) -> list[tuple[int, StepBatch]]:
+    """A rank's step records as its PyTorch producer sends them: each sender round (0.5 s) the
+    steps that ended in it, one step batch per round that has any, with its round."""
+    rounds: dict[int, list[StepRecord]] = {}
+    for step in steps:
+        rounds.setdefault((step.start_ns + step.duration_ns) // PRODUCER_ROUND_NS, []).append(step)
+    return [(r, StepBatch.from_records(rounds[r])) for r in sorted(rounds)]
+
+
 def tiled_messages(sent: dict[tuple[int, int], _Sent], windows: list[int], ranks: int,
-                   job_id: str, rows: bool = False) -> Iterator[Window]:
-    """Per window, the bus payloads of a ``ranks``-rank job: one message per rank (its summary
-    batch and step batch), one per host of 8 GPUs (their condensed metrics, one metric batch),
-    the topology first. ``rows``: step records and metric samples one record each, as
-    producers sent them before they sent batches (the same-run baseline)."""
+                   job_id: str, rows: bool = False, steps_per_round: bool = True
+                   ) -> Iterator[Window]:
+    """Per window, the bus payloads of a ``ranks``-rank job: per rank its summary batch and its
+    step records, one per host of 8 GPUs (their condensed metrics, one metric batch), the
+    topology first. ``steps_per_round``: as the PyTorch producer sends them, the steps of each
+    sender round in a message of their own (:func:`round_step_batches`), in the order they
+    come (round after round, every rank's in each), then the summary batches; else one message
+    per rank and window holding both (what this benchmark measured until 2026-12-06, kind to
+    the engine: a ninth of the messages). ``rows``: step records and metric samples one record
+    each, as producers sent them before they sent batches (the same-run baseline)."""
     target = Layout(*summary_layout(ranks))
     source = Layout(*SOURCE)
     origin = []
     for r in range(ranks):
         dp_rank, pp_stage, tp_rank = target.coords(r)
         origin.append(source.rank(dp_rank % source.dp, pp_stage, tp_rank))
-    step_batches = {key: StepBatch.from_records(s.steps) for key, s in sent.items() if s.steps}
+    step_batches = {key: (round_step_batches(s.steps) if steps_per_round
+                          else [(0, StepBatch.from_records(s.steps))])
+                    for key, s in sent.items() if s.steps}
     first = True
     for w in windows:
         payloads = [encode_batch([target.topology(job_id)])] if first else []
-        first = False
+        first_window, first = first, False
         records = 0
         host_metrics: list[MetricSample] = []
+        by_round: dict[int, list[bytes]] = {}  # steps_per_round: each round's step messages
         for r in range(ranks):
             s = sent.get((origin[r], w))
             if s is None:
@@ -247,9 +267,13 @@ def tiled_messages(sent: dict[tuple[int, int], _Sent], windows: list[int], ranks
             if rows:
                 message += [msgspec.structs.replace(x, rank=r) for x in s.steps]
             elif s.steps:
-                steps = step_batches[(origin[r], w)]
-                message.append(msgspec.structs.replace(
-                    steps, rank=np.full(len(steps), r, dtype="<i4").tobytes()))
+                for round_index, steps in step_batches[(origin[r], w)]:
+                    ranked = msgspec.structs.replace(
+                        steps, rank=np.full(len(steps), r, dtype="<i4").tobytes())
+                    if steps_per_round:
+                        by_round.setdefault(round_index, []).append(encode_batch([ranked]))
+                    else:
+                        message.append(ranked)
             payloads.append(encode_batch(message))
             records += len(s.batch) + len(s.steps)
             host_metrics += [msgspec.structs.replace(x, rank=r, host=target.host(r))
@@ -260,7 +284,9 @@ def tiled_messages(sent: dict[tuple[int, int], _Sent], windows: list[int], ranks
                         host_metrics if rows else [MetricBatch.from_records(host_metrics)]))
                     records += len(host_metrics)
                 host_metrics = []
-        yield Window(payloads, records)
+        steps_first = [payload for r in sorted(by_round) for payload in by_round[r]]
+        yield Window(payloads[:1] + steps_first + payloads[1:] if first_window
+                     else steps_first + payloads, records)
 
 
 def engine_rate(window: Window, repeats: int = 1) -> float:
@@ -375,7 +401,7 @@ def span_rows(quick: bool, sink: ClickHouseSink) -> None:
 Workload = tuple[dict[tuple[int, int], _Sent], list[int], float]
 
 
-def summary_baselines(workload: Workload, sizes: list[int]
+def summary_baselines(workload: Workload, sizes: list[int], steps_per_round: bool
                       ) -> dict[int, tuple[float, float, float]]:
     """Per job size, on its first full window, records/s (best of 3 passes each): its summary
     batches alone; the whole production message as producers send it (step records and metric
@@ -385,7 +411,8 @@ def summary_baselines(workload: Workload, sizes: list[int]
     sent, windows, _ = workload
     rates = {}
     for ranks in sizes:
-        (window,) = itertools.islice(tiled_messages(sent, windows, ranks, "baseline"), 1, 2)
+        (window,) = itertools.islice(tiled_messages(sent, windows, ranks, "baseline",
+                                                    steps_per_round=steps_per_round), 1, 2)
         (as_rows,) = itertools.islice(
             tiled_messages(sent, windows, ranks, "baseline-rows", rows=True), 1, 2)
         rates[ranks] = (engine_rate(only_summaries(window), repeats=3),
@@ -394,14 +421,15 @@ def summary_baselines(workload: Workload, sizes: list[int]
 
 
 def summary_rows(workload: Workload, baselines: dict[int, tuple[float, float, float]],
-                 sink: ClickHouseSink, sizes: list[int]) -> None:
+                 sink: ClickHouseSink, sizes: list[int], steps_per_round: bool) -> None:
     sent, windows, job_s = workload
     print(f"{'ranks':>6} {'windows':>7} {'records':>10} {'engine rec/s':>13} "
           f"{'summaries alone rec/s':>21} {'window rec/s':>12} {'rows rec/s':>11} "
           f"{'batches/rows':>12} {'detect s':>9} {'sink s':>7} {'job s':>6} {'proc s':>7} "
           f"{'x real time':>11} {'peak RSS MiB':>12}")
     for ranks in sizes:
-        run = summaries_pass(tiled_messages(sent, windows, ranks, f"bench-{ranks}"), sink)
+        run = summaries_pass(tiled_messages(sent, windows, ranks, f"bench-{ranks}",
+                                            steps_per_round=steps_per_round), sink)
         processing_s = run.engine_s + run.detect_s + run.sink_s
         if ranks in baselines:
             alone, batches, rows = baselines[ranks]
@@ -426,7 +454,13 @@ def main() -> None:
                         help="one-window rates (summaries alone, whole message, rows) only for "
                              "job sizes up to this: each holds two more windows' payloads, "
                              "about 3 GB at 100,000 ranks")
+    parser.add_argument("--step-messages", choices=("round", "window"), default="round",
+                        help="round: each rank's step records in a message per sender round, "
+                             "as the PyTorch producer sends them (default); window: with the "
+                             "rank's summaries, one message per rank and window (this "
+                             "benchmark's workload before 2026-12-06)")
     args = parser.parse_args()
+    steps_per_round = args.step_messages == "round"
     sizes = [int(r) for r in args.ranks.split(",")]
     for ranks in sizes:
         summary_layout(ranks)
@@ -435,11 +469,12 @@ def main() -> None:
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
     # As `trainscope pipeline` does (TRAINSCOPE_KEEP_FREED_MEMORY=0 measures without it).
-    print(f"allocator keeps freed memory: {keep_freed_memory()}")
+    print(f"allocator keeps freed memory: {keep_freed_memory()}; step records sent per "
+          f"{args.step_messages}")
     if args.only != "spans":
         workload = simulate_sources(steps=20 if args.quick else 60)
         baselines = summary_baselines(
-            workload, [r for r in sizes if r <= args.baselines_up_to])
+            workload, [r for r in sizes if r <= args.baselines_up_to], steps_per_round)
     # The embedded store may still be merging parts in its own threads when the rows are done.
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         # chDB: one store per process, shared by every row (each job has its own id).
@@ -448,7 +483,7 @@ def main() -> None:
             if args.only != "summaries":
                 span_rows(args.quick, sink)
             if args.only != "spans":
-                summary_rows(workload, baselines, sink, sizes)
+                summary_rows(workload, baselines, sink, sizes, steps_per_round)
         finally:
             sink.close()
 

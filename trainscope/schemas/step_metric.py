@@ -89,6 +89,10 @@ METRIC_BATCH_COLUMNS: dict[str, str] = {
 _OPTIONAL_METRIC_COLUMNS = frozenset({"host"})  # empty: every sample from hosts[0]
 
 
+# Column shapes remembered per batch kind (see _Lengths).
+_MAX_SHAPES = 4096
+
+
 class _Lengths:
     """The byte length of every column of a batch kind, checked against its rows: built once
     per kind, since decoding runs the check once per batch (a few thousand a second per
@@ -99,15 +103,26 @@ class _Lengths:
         self.read = operator.attrgetter(*self.names)  # the columns' bytes, in that order
         self.widths = tuple(np.dtype(dtype).itemsize for dtype in columns.values())
         self.optional = tuple(name in optional for name in self.names)
+        # The columns' lengths of batches that passed: a producer sends the same few shapes
+        # (a round's one or two steps, the same columns filled) message after message, so
+        # most batches are one tuple look-up, not a test per column (bounded: cleared when
+        # full).
+        self._passed: set[tuple[int, ...]] = set()
 
     def check(self, record: Any) -> int:
         """The record's rows; a ValueError naming the first column of the wrong length."""
         n = len(record.rank) // 4
-        for raw, width, optional, name in zip(self.read(record), self.widths, self.optional,
-                                              self.names, strict=True):
-            if len(raw) != n * width and not (optional and not raw):
-                raise ValueError(f"column {name} holds {len(raw)} bytes, expected {n * width} "
+        lengths = tuple(map(len, self.read(record)))
+        if lengths in self._passed:
+            return n
+        for length, width, optional, name in zip(lengths, self.widths, self.optional,
+                                                 self.names, strict=True):
+            if length != n * width and not (optional and not length):
+                raise ValueError(f"column {name} holds {length} bytes, expected {n * width} "
                                  f"({n} rows of {width} bytes)")
+        if len(self._passed) >= _MAX_SHAPES:
+            self._passed.clear()
+        self._passed.add(lengths)
         return n
 
 
@@ -143,9 +158,12 @@ def _pack(columns: dict[str, str], optional: frozenset[str], values: dict[str, A
     return packed
 
 
-def _joined(batches: Sequence[Any], name: str, dtype: str, optional: bool) -> bytes:
-    """One column of several batches, end to end (an empty optional column as zeros)."""
-    raws = [getattr(b, name) for b in batches]
+def _joined(batches: Sequence[Any], name: str, dtype: str, optional: bool,
+            raws: Sequence[bytes] | None = None) -> bytes:
+    """One column of several batches, end to end (an empty optional column as zeros);
+    ``raws``, the batches' bytes of it where the caller read them already."""
+    if raws is None:
+        raws = [getattr(b, name) for b in batches]
     if optional and not all(raws):
         if not any(raws):
             return b""
@@ -207,9 +225,12 @@ class StepBatch(msgspec.Struct, tag="steps", kw_only=True, frozen=True):
         """The batches' rows end to end (all of one job)."""
         if len(batches) == 1:
             return batches[0]
+        # Every column of every batch read in one pass (thousands of one-step batches a poll:
+        # a getattr per column and batch cost more than the joins).
+        by_column = zip(*map(_STEP_LENGTHS.read, batches), strict=True)
         return cls(job_id=batches[0].job_id, **{
-            name: _joined(batches, name, dtype, name in _OPTIONAL_STEP_COLUMNS)
-            for name, dtype in STEP_BATCH_COLUMNS.items()})
+            name: _joined(batches, name, dtype, name in _OPTIONAL_STEP_COLUMNS, raws)
+            for (name, dtype), raws in zip(STEP_BATCH_COLUMNS.items(), by_column, strict=True)})
 
     def take(self, rows: np.ndarray) -> StepBatch:
         """The rows ``rows`` (indices or a mask), as a batch of their own."""

@@ -268,6 +268,10 @@ class Validator:
         # The kinds whose fast check is all there is to them (no columns, no world size).
         self._plain = {kind: c.ok for kind, c in self._checks.items()
                        if not c.columnar and not c.declares}
+        # The batch kinds whose columns wait for the poll-wide check: their fast check, then
+        # the rank bound (most messages of a large job are a batch or two of these).
+        self._columnar = {kind: c.ok for kind, c in self._checks.items()
+                          if c.columnar and not c.declares}
         self._world_size: dict[str, int] = {}
         self._latest_ns = self.limits.now_ns() + self.limits.max_future_ns
 
@@ -342,11 +346,20 @@ class Validator:
         declared: dict[str, int] = {}
         batches: list[_Waiting] = []
         world, latest_ns, plain = self._world_size, self._latest_ns, self._plain
+        columnar = self._columnar if deferred is not None else {}
         for index, record in enumerate(records):
             # Most records are rows that pass: one dict lookup and one compiled test.
-            ok = plain.get(type(record))
+            kind = type(record)
+            ok = plain.get(kind)
             try:
                 if ok is not None and ok(record, declared, world, latest_ns):
+                    continue
+                # ... or batches that pass theirs, their columns left for the poll.
+                ok = columnar.get(kind)
+                if ok is not None and ok(record, declared, world, latest_ns):
+                    if len(record):
+                        end, why = self._rank_bound(record.job_id, declared)
+                        batches.append((index, record, end, why))
                     continue
             except Exception:
                 pass  # the explaining check names the value that raised
