@@ -149,3 +149,31 @@ def test_a_missing_attribute_is_logged_once_where_the_bus_carries_on(
     assert len(errors) == 1
     assert "Elsewhere has no attribute '_message_accumulator'" in errors[0]
     assert "aiokafka 0.14.0" in errors[0]
+
+
+def test_failing_a_batch_queued_again_for_a_retry_logs_nothing(caplog) -> None:
+    """During an outage a batch is sent once, fails, and is queued again (``reenqueue``: out of
+    the accumulator's pending set, its first send's removal callback still on it). Failing it
+    back then made that callback raise ``KeyError``, which asyncio printed as an ERROR with a
+    traceback into the training job's log (seen in CI's outage test). With aiokafka's real
+    producer and accumulator: the batch fails with the bus's error, and nothing is logged at
+    warning or above."""
+    caplog.set_level(logging.WARNING)
+
+    async def check() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=NOWHERE)
+        try:
+            accumulator = producer._message_accumulator
+            tp = TopicPartition("t", 0)
+            delivery = await accumulator.add_message(tp, b"k", b"v", 1.0)
+            batch = accumulator._pop_batch(tp)  # its first send: the callback registered
+            accumulator.reenqueue(batch)  # a retriable error: queued again
+            aiokafka_private.fail_batches(producer, BusError("the bus gave up"))
+            await asyncio.sleep(0.05)  # the callbacks run
+            assert isinstance(delivery.exception(), BusError)
+            assert not accumulator._pending_batches  # the callback removed it
+        finally:
+            await producer.stop()
+
+    asyncio.run(check())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records

@@ -45,6 +45,12 @@ UPSTREAM_DIGESTS: dict[str, str] = {
     # gets the error too.
     "aiokafka.producer.message_accumulator:MessageAccumulator.fail_all": "fac85443300b7eb1",
     "aiokafka.producer.message_accumulator:MessageBatch.failure": "dd2e7027b0f6c529",
+    # ... and a batch sent once registers a callback removing it from the pending set, which
+    # a retry's reenqueue() takes it out of: fail_batches() puts such batches back first.
+    "aiokafka.producer.message_accumulator:MessageAccumulator._pop_batch": "39dc59fb5bdd5bbe",
+    "aiokafka.producer.message_accumulator:MessageAccumulator.reenqueue": "46f4dcf3b72d103a",
+    # (retry_count > 0: the batch was sent once, its callback registered)
+    "aiokafka.producer.message_accumulator:MessageBatch.drain_ready": "2cb5a8155a09cdaa",
 }
 
 _warned: set[str] = set()  # warn_once's: an outage can repeat the same failure every second
@@ -110,13 +116,21 @@ async def leave_group(coordinator: Any, timeout_s: float) -> None:
 def fail_batches(producer: AIOKafkaProducer, error: BaseException) -> None:
     """Fail every batch the producer holds with ``error`` (its accumulator's ``fail_all``, as
     the producer does when its sender dies), and consume the error each batch's drain waiter
-    then holds, which nobody awaits. Every attribute is looked up before anything is failed."""
+    then holds, which nobody awaits. Every attribute is looked up before anything is failed.
+
+    A batch queued again for a retry (``reenqueue``: out of the pending set) still carries the
+    callback its first send registered, which removes it from that set once it is done: it is
+    put back in the set first, or failing it made that callback raise ``KeyError``, which
+    asyncio printed as an ERROR with a traceback into the training job's log."""
     accumulator = _private(producer, "_message_accumulator")
     fail_all = _private(accumulator, "fail_all")
     queued = _private(accumulator, "_batches")
+    pending = _private(accumulator, "_pending_batches")
     batches = [batch for per_partition in queued.values() for batch in per_partition]
-    batches += list(_private(accumulator, "_pending_batches"))
+    retried = [batch for batch in batches if _private(batch, "retry_count")]
+    batches += list(pending)
     waiters = [_private(batch, "_drain_waiter") for batch in batches]
+    pending.update(retried)
     fail_all(error)
     for waiter in waiters:
         if waiter.done() and not waiter.cancelled():

@@ -29,49 +29,15 @@ PROBE_TIMEOUT_S = 2.0
 TOPIC_EXISTS = 36
 
 
-# aiokafka's accumulator registers, on a batch's first send, a callback that removes the batch
-# from its pending set; a batch failed back while it waits to be sent again (an outage: our
-# ``fail_batches``, or the producer's own ``fail_all``) is no longer in that set, and the
-# callback's KeyError went to asyncio's default handler, an ERROR with a traceback in the
-# training job's log. The batch's failure is already accounted for by the bus; the error is
-# the library's own bookkeeping.
-_AIOKAFKA_BATCH_CALLBACK = ("aiokafka/producer/message_accumulator.py", "cb")
-
-
-def _known_library_error(context: dict[str, Any]) -> bool:
-    """An exception in a callback that is aiokafka's pending-batch removal (see above)."""
-    error = context.get("exception")
-    if not isinstance(error, KeyError):
-        return False
-    trace = error.__traceback__
-    while trace is not None and trace.tb_next is not None:
-        trace = trace.tb_next
-    if trace is None:
-        return False
-    code = trace.tb_frame.f_code
-    path, name = _AIOKAFKA_BATCH_CALLBACK
-    return code.co_name == name and code.co_filename.replace("\\", "/").endswith(path)
-
-
 class EventLoopThread:
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
-        self.loop.set_exception_handler(self._on_exception)
-        self.library_errors = 0  # aiokafka's known callback errors, set aside (see above)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
-
-    def _on_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        if _known_library_error(context):
-            self.library_errors += 1
-            log.debug("aiokafka's pending-batch callback raised on a batch already failed "
-                      "back (%d so far): %s", self.library_errors, context.get("exception"))
-            return
-        loop.default_exception_handler(context)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
