@@ -628,20 +628,9 @@ def rank_bound(job_id: str, declared: Mapping[str, int], world: Mapping[str, int
                max_ranks: int) -> tuple[int, str]:
     """The job's rank bound (exclusive) and why it is that."""
     size = declared.get(job_id) or world.get(job_id)
-    # Asked for every batch; the reason, read only when a rank is out of bounds, is made once
-    # per job and bound.
-    key = (job_id, size if size is not None else -max_ranks)
-    bound = _RANK_BOUNDS.get(key)
-    if bound is None:
-        if len(_RANK_BOUNDS) >= _MAX_REMEMBERED:
-            _RANK_BOUNDS.clear()
-        bound = _RANK_BOUNDS[key] = (
-            (max_ranks, f"no topology known for job {job_id!r}") if size is None
-            else (size, f"job {job_id!r} declares a world size of {size}"))
-    return bound
-
-
-_RANK_BOUNDS: dict[tuple[str, int], tuple[int, str]] = {}
+    if size is None:
+        return max_ranks, f"no topology known for job {job_id!r}"
+    return size, f"job {job_id!r} declares a world size of {size}"
 
 
 def _short(value: object, limit: int = 40) -> str:

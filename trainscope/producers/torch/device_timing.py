@@ -148,15 +148,20 @@ class DeviceTimer:
             self._count_open(step, 1)
         return event
 
-    def _count_open(self, step: int, change: int) -> None:
+    def _count_open(self, step: int, change: int, duration_ns: int = 0) -> None:
+        """``change`` the step's collectives in flight; one resolved adds its ``duration_ns``.
+        Nothing for a step already taken (its record left without them)."""
         with self._steps_lock:
-            if step > self._taken_through:
-                open_by_step = self._open_by_step
-                left = open_by_step.get(step, 0) + change
-                if left > 0:
-                    open_by_step[step] = left
-                else:
-                    open_by_step.pop(step, None)
+            if step <= self._taken_through:
+                return
+            if duration_ns:
+                sums = self._collective_ns_by_step
+                sums[step] = sums.get(step, 0) + duration_ns
+            left = self._open_by_step.get(step, 0) + change
+            if left > 0:
+                self._open_by_step[step] = left
+            else:
+                self._open_by_step.pop(step, None)
 
     def _grow(self, events: int = 2) -> DeviceEvent | None:
         """A new event while the pool is below its bound (two at a time from ``begin``: the
@@ -215,22 +220,10 @@ class DeviceTimer:
             free.append(head.start)
             free.append(head.end)
             if head.step >= 0:
-                self._add_to_step(head.step, duration_ns)
+                self._count_open(head.step, -1, duration_ns)
             filed += 1
         self.resolved += filed
         return filed
-
-    def _add_to_step(self, step: int, duration_ns: int) -> None:
-        with self._steps_lock:
-            if step <= self._taken_through:
-                return  # its step record left without it (held past its bound)
-            sums = self._collective_ns_by_step
-            sums[step] = sums.get(step, 0) + duration_ns
-            left = self._open_by_step.get(step, 0) - 1
-            if left > 0:
-                self._open_by_step[step] = left
-            else:
-                self._open_by_step.pop(step, None)
 
     def take_step(self, step: int, force: bool = False) -> int | None:
         """The device time of ``step``'s collectives (0: none timed), once none is in flight
