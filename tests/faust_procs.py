@@ -30,7 +30,9 @@ class FaustWorker:
                 [sys.executable, "-m", "trainscope.cli.main", "-v", "stream", "faust", "--bus", url,
                  "--store", str(store), "--app-id", app_id, *idle],
                 stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                cwd=logs.parent,  # the operator's working directory: nothing may be left there
             )
+        self.cwd = logs.parent
 
     def err_text(self) -> str:
         return self.stderr.read_text(errors="replace")
@@ -39,6 +41,8 @@ class FaustWorker:
         """Its final counts (the JSON line on stderr) once it exited 0."""
         assert self.process.wait(timeout=timeout_s) == 0, self.err_text()
         assert "Traceback" not in self.err_text(), self.err_text()
+        # Faust's data directory (`<app id>-data/` by default) is not made where it was run.
+        assert not list(self.cwd.glob("*-data")), sorted(self.cwd.iterdir())
         for line in reversed(self.err_text().splitlines()):
             if line.startswith("{"):
                 return json.loads(line)

@@ -44,8 +44,10 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -389,6 +391,9 @@ def build_app(options: FaustOptions, sink: Sink | None,
         key_serializer="raw",
         value_serializer="raw",
         store="memory://",
+        # Faust makes its data directory at start, tables in memory or not; by default that is
+        # `<app id>-data/` in the operator's working directory. Nothing of ours lives there.
+        datadir=tempfile.mkdtemp(prefix=f"{options.app_id}-faust-"),
         topic_partitions=options.partitions,
         broker_session_timeout=SESSION_TIMEOUT_S,
         broker_heartbeat_interval=HEARTBEAT_INTERVAL_S,
@@ -474,8 +479,11 @@ def run_worker(app: faust.App, job: FaustWorkerJob, loglevel: str | None = None)
     async def watch() -> None:
         await stop_when_done()
 
-    with contextlib.suppress(SystemExit):  # mode's worker exits the way a command does
-        worker.execute_from_commandline()
+    try:
+        with contextlib.suppress(SystemExit):  # mode's worker exits the way a command does
+            worker.execute_from_commandline()
+    finally:
+        shutil.rmtree(app.conf.datadir, ignore_errors=True)
     stats = job.stats()
     print(json.dumps(stats), file=sys.stderr, flush=True)
     return stats
