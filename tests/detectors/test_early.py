@@ -5,6 +5,7 @@ that moves from rank to rank."""
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 
 from trainscope.detectors.diagnosis import diagnose
@@ -371,3 +372,24 @@ def test_ranks_arriving_a_few_at_a_time_give_the_same_flags_in_rings_that_double
     assert flags["sliced"] == flags["whole"]
     # 32 ranks one at a time: the rings were copied 6 times (1, 2, 4, 8, 16, 32), not 32.
     assert len(set(widths)) == 6 and max(widths) == 32
+
+
+def test_the_counts_of_who_reported_each_step_follow_every_arrival() -> None:
+    """Which steps are complete is read off counts kept as records come (reading the whole
+    ring on every poll cost ranks x 64 per poll): after any mix of arrivals (repeats, old
+    steps, steps that reset their ring row, ranks beyond the room so far), they are the
+    ring's own counts."""
+    rng = np.random.default_rng(7)
+    watch = EarlyWatch(window_ns=15 * 10**9)
+    for poll in range(400):
+        size = int(rng.integers(1, 40))
+        step = np.maximum(0, poll // 4 + rng.integers(-70, 3, size))  # some older than the ring
+        rank = rng.integers(0, 1 + poll // 8, size)  # the job grows
+        watch.add([StepRecord(job_id="j", rank=int(r), step=int(s), start_ns=int(s) * 10**9,
+                              duration_ns=400_000_000, collective_ns=20_000_000)
+                   for r, s in zip(rank, step, strict=True)])
+        watch.check()
+        job = watch._jobs["j"]
+        assert job.row_seen.tolist() == job.seen.sum(axis=1).tolist(), poll
+        assert job.rank_rows.tolist() == job.seen.sum(axis=0).tolist(), poll
+        assert job.active_ranks == int(job.seen.any(axis=0).sum()), poll
