@@ -341,3 +341,62 @@ def test_calibrating_only_the_ranks_that_reported_applies_the_same_offsets(seed:
     assert {5, 17, 23} <= {r for r, offset in tested.offsets_ns.items() if offset}
     assert all(abs(tested.offsets_ns[r] - skews[r]) < 10**8 for r in (5, 17, 23))
     assert len(tested.offsets_ns) == world and changed_ever >= {5, 17, 23}
+
+
+def test_a_large_jobs_step_medians_are_taken_again_only_as_its_ranks_grow(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 6,400-rank job's steps come 50 ranks a poll, those that end first first: each step's
+    median end is taken again once its ranks grew by a 64th since (taken on every poll, the
+    medians cost a 100,000-rank job ~1 ms a poll). Between, the kept median lies within a
+    64th of the ranks of the true one, each step's table by rank grows in place to what a
+    fresh one would be, and after every poll the same ranks are calibrated and corrected as
+    with true medians, by offsets within 0.1 ms of theirs."""
+    import trainscope.engine.clocks as clocks_module
+
+    world, tolerance_ns = 6400, 2 * 10**9
+    seed = np.random.default_rng(11)
+    skews = {rank: 0 for rank in range(world)}
+    skews.update({int(r): 30 * 10**9 for r in seed.choice(world, 40, replace=False)})
+    rng = np.random.default_rng(12)
+    batches = []
+    for step in range(12):
+        # The ranks whose steps end first report first: a kept median is behind the truth.
+        records = sorted((rec for r in range(world) for rec in steps_of(r, step, 1, skews[r], rng)),
+                         key=lambda rec: rec.start_ns + rec.duration_ns)
+        batches += [StepBatch.from_records(records[lo:lo + 50]) for lo in range(0, world, 50)]
+
+    def run(clocks: RankClocks, check: bool) -> list[tuple[list[int], dict[int, int]]]:
+        applied = []
+        for batch in batches:
+            clocks.note_steps(batch)
+            applied.append((clocks.calibrate(world, tolerance_ns), dict(clocks.offsets_ns)))
+            if not check:
+                continue
+            for step, entry in vars(clocks).get("_diffs", {}).items():
+                if step not in clocks.ends:
+                    continue
+                ends = np.fromiter(clocks.ends[step].values(), dtype=np.int64)
+                below = int((ends <= entry[4]).sum())
+                assert abs(below - len(ends) / 2) <= len(ends) / 64 + 1, (step, below)
+                column = clocks._dense_diffs(step)
+                ranks, diffs = clocks._step_diffs(step, clocks.ends[step])
+                fresh = np.full(len(column), np.iinfo(np.int64).max)
+                fresh[ranks] = diffs
+                assert np.array_equal(column, fresh), step
+        return applied
+
+    with monkeypatch.context() as patched:
+        patched.setattr(clocks_module, "MEDIAN_RETAKE_SHARE", 0.0)  # every poll: the truth
+        truth = run(RankClocks(), check=False)
+    kept = RankClocks()
+    for (changed, offsets), (true_changed, true_offsets) in zip(run(kept, check=True), truth,
+                                                                strict=True):
+        # The same ranks calibrated, and corrected, at the same poll; by offsets within a
+        # 50th of the steps' 5 ms of jitter.
+        assert changed == true_changed
+        assert offsets.keys() == true_offsets.keys()
+        assert {r for r, o in offsets.items() if o} == {r for r, o in true_offsets.items() if o}
+        assert all(abs(offsets[r] - true_offsets[r]) <= 100_000 for r in offsets)
+    assert vars(kept)["_median_takes"] < len(batches)  # kept between polls, not taken each
+    assert {r for r, offset in kept.offsets_ns.items() if offset} == {
+        r for r, skew in skews.items() if skew}

@@ -53,6 +53,12 @@ MIN_STEPS = 3
 MIN_RANKS = 3
 # Step numbers remembered per job: enough for a robust median, bounded state.
 KEPT_STEPS = 32
+# A step's ranks are measured from its median end, taken again once they grew by this share
+# since it was last taken; the ranks that came in between are measured from it as it was (a
+# median of at least 63 in 64 of them: a clock offset moves by a fraction of the steps' jitter,
+# and offsets are corrected only beyond the tolerance). Taken on every poll, the medians of
+# the steps the ranks were still reporting cost a 100,000-rank job ~1 ms per poll.
+MEDIAN_RETAKE_SHARE = 1 / 64
 # Records held per job while offsets are being estimated, and their rows (span events,
 # summary rows): past either, the ranks still unknown are taken as they are.
 MAX_HELD = 4096
@@ -69,7 +75,12 @@ def ranks_of(record: Held) -> list[int]:
     """The ranks whose clocks stamped ``record``."""
     if isinstance(record, StepRecord | MetricSample):
         return [record.rank]
-    return np.unique(record.column("rank")).tolist()
+    rank = record.column("rank")
+    if len(rank) and (rank == rank[0]).all():
+        # One rank's batch, as a rank's producer sends it: asked of every held record on
+        # each release, np.unique took a second of a 100,000-rank job's first window.
+        return [int(rank[0])]
+    return np.unique(rank).tolist()
 
 
 def rows_of(record: Held) -> int:
@@ -191,20 +202,32 @@ class RankClocks:
 
     def _dense_diffs(self, step: int) -> np.ndarray | None:
         """The step's differences by rank (``_MISSING`` where a rank did not report it), kept
-        while the step's differences stay the same; ``None`` if its ranks are too sparse for
-        a table by rank."""
+        while the step's differences stay the same and grown in place by the ranks new to it
+        while its median stays; ``None`` if its ranks are too sparse for a table by rank."""
         ranks, diffs = self._step_diffs(step, self.ends[step])
-        dense: dict[int, tuple[np.ndarray, np.ndarray | None]] = vars(self).setdefault(
+        dense: dict[int, tuple[np.ndarray, np.ndarray | None, int]] = vars(self).setdefault(
             "_dense", {})
+        take = vars(self)["_diffs"][step][6]  # which taking of the step's median
         kept = dense.get(step)
         if kept is not None and kept[0] is diffs:
             return kept[1]
         column: np.ndarray | None = None
+        if kept is not None and kept[1] is not None and kept[2] == take:
+            # The same median: the step's differences are those kept, and its new ranks'.
+            new_ranks, new_diffs = ranks[len(kept[0]):], diffs[len(kept[0]):]
+            if len(new_ranks) == 0 or (int(new_ranks.min()) >= 0
+                                       and int(new_ranks.max()) < len(kept[1])):
+                column = kept[1]
+                column[new_ranks] = new_diffs
+                dense[step] = (diffs, column, take)
+                return column
         size = int(ranks.max()) + 1 if len(ranks) else 0
         if len(ranks) and int(ranks.min()) >= 0 and _dense_enough(size, len(ranks)):
+            # Room for the step's ranks to come (the job's ranks so far), so it grows in place.
+            size = max(size, max(self.ranks, default=-1) + 1)
             column = np.full(size, _MISSING, dtype=np.int64)
             column[ranks] = diffs
-        dense[step] = (diffs, column)
+        dense[step] = (diffs, column, take)
         for old in [s for s in dense if s not in self.ends]:
             del dense[old]
         return column
@@ -218,13 +241,16 @@ class RankClocks:
         changes: a poll touches a few steps, and re-reading all 32 from their dicts per poll
         was most of the engine's time at 10,000 ranks; a step that gained ranks since grows
         its arrays by them (``note_steps``) instead of re-reading its dict, which grew as
-        ranks² over a window."""
+        ranks² over a window. Its median is taken again once its ranks grew by
+        ``MEDIAN_RETAKE_SHARE`` since (see there)."""
         # Not dataclass fields: jobs pickled by an older version lack them (snapshots).
-        cache: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = \
+        # step -> (ranks reported, ranks, ends, diffs, median, ranks it was taken on, which
+        # taking of a median it is)
+        cache: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray, int, int, int]] = \
             vars(self).setdefault("_diffs", {})
         grown = vars(self).setdefault("_grown", {})
         cached = cache.get(step)
-        if cached is not None and len(cached) == 3:  # the older layout: (count, ranks, diffs)
+        if cached is not None and len(cached) != 7:  # an older layout: taken afresh
             cached = None
         if cached is not None and cached[0] == len(by_rank):
             return cached[1], cached[3]
@@ -232,11 +258,18 @@ class RankClocks:
         if cached is not None and cached[0] + sum(len(r) for r, _ in parts) == len(by_rank):
             ranks = np.concatenate([cached[1], *(r for r, _ in parts)])
             ends = np.concatenate([cached[2], *(e for _, e in parts)])
+            median, taken, take = cached[4], cached[5], cached[6]
+            if len(ends) - taken < MEDIAN_RETAKE_SHARE * taken:
+                diffs = np.concatenate([cached[3], *(e - median for _, e in parts)])
+                cache[step] = (len(by_rank), ranks, ends, diffs, median, taken, take)
+                return ranks, diffs
         else:
             ends = np.fromiter(by_rank.values(), dtype=np.int64, count=len(by_rank))
             ranks = np.fromiter(by_rank.keys(), dtype=np.int64, count=len(by_rank))
-        diffs = ends - int(np.median(ends))
-        cache[step] = (len(by_rank), ranks, ends, diffs)
+        median = int(np.median(ends))
+        diffs = ends - median
+        take = vars(self)["_median_takes"] = vars(self).get("_median_takes", 0) + 1
+        cache[step] = (len(by_rank), ranks, ends, diffs, median, len(ends), take)
         if len(cache) > 2 * KEPT_STEPS:
             for old in [s for s in cache if s not in self.ends]:
                 del cache[old]
