@@ -26,10 +26,18 @@ from pipeline_procs import PipelineProcess, publish
 
 from trainscope.detectors.budget import OverBudget, time_budget
 from trainscope.detectors.registry import DetectorRunner
-from trainscope.engine.caps import Caps
+from trainscope.engine.caps import CapGuard, Caps, Refusal
 from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.schemas.codec import encode_batch
-from trainscope.schemas.records import Finding, SpanBatch, SummaryBatch
+from trainscope.schemas.records import (
+    Finding,
+    MetricBatch,
+    MetricSample,
+    SpanBatch,
+    StepBatch,
+    StepRecord,
+    SummaryBatch,
+)
 from trainscope.schemas.window import WindowView
 from trainscope.transport.bus import EVENTS_TOPIC, Message, open_bus
 
@@ -451,3 +459,57 @@ def test_the_budget_puts_back_an_outer_alarm() -> None:
     finally:
         signal.signal(signal.SIGALRM, previous)
         signal.setitimer(signal.ITIMER_REAL, *outer)
+
+
+class GeneralPathOnly(CapGuard):
+    """The reference: every message through the general path, as before the one-row path."""
+
+    def admit(self, records: list) -> Refusal | None:
+        return self._admit_named(records)
+
+
+def test_a_message_of_one_step_or_sample_is_admitted_as_the_general_path_would() -> None:
+    """Nine in ten messages are a rank's one step of a sender round; they take a path of
+    their own. Mixed with summaries, over windows that close and a cap of 4 open windows
+    (some one-row messages would open a fifth, some come for windows closed already), it
+    admits and refuses exactly what the general path does and leaves the same state."""
+    rng = np.random.default_rng(5)
+    closed_before = {"j": 0}
+    guards = [cls(Caps(functions_per_rank=15, functions_per_job=50, open_windows=4),
+                  WINDOW_NS, lambda job: closed_before.get(job, 0))
+              for cls in (CapGuard, GeneralPathOnly)]
+    verdicts: list[list[Refusal | None]] = [[], []]
+    for poll in range(600):
+        if poll % 60 == 59:
+            closed_before["j"] += 1
+            for guard in guards:
+                guard.closed("j", (closed_before["j"] - 1) * WINDOW_NS)
+        window = closed_before["j"] + int(rng.integers(-1, 6))
+        rank = int(rng.integers(0, 8))
+        kind = rng.integers(0, 3)
+        if kind == 0:
+            message: list = [StepBatch.from_records([StepRecord(
+                job_id="j", rank=rank, step=poll, start_ns=window * WINDOW_NS + 1,
+                duration_ns=10)])]
+        elif kind == 1:
+            message = [MetricBatch.from_records([MetricSample(
+                job_id="j", rank=rank, host="h", ts_ns=window * WINDOW_NS + 1, name="sm",
+                value=1.0)])]
+        else:
+            names = [f"f{i}" for i in rng.choice(120, int(rng.integers(1, 12)), replace=False)]
+            message = [summaries("j", rank, names, window * WINDOW_NS)]
+        for guard, seen in zip(guards, verdicts, strict=True):
+            seen.append(guard.admit(message))
+    assert verdicts[0] == verdicts[1]
+    refused = [v for v in verdicts[0] if v is not None]
+    assert any("open" in v.reason for v in refused) and any("per rank" in v.reason or
+                                                             "per job" in v.reason
+                                                             for v in refused)
+    fast, general = (g._jobs["j"] for g in guards)
+    assert fast.windows.keys() == general.windows.keys()
+    for index, window in fast.windows.items():
+        other = general.windows[index]
+        assert window.functions == other.functions
+        assert np.array_equal(window.named, other.named)
+        assert {r: f.tolist() for r, f in window.ranks.items()} == {
+            r: f.tolist() for r, f in other.ranks.items()}

@@ -437,6 +437,8 @@ def corrected(record: Held, offsets_ns: dict[int, int], window_ns: int) -> Held:
         offset = offsets_ns.get(record.rank, 0)
         return msgspec.structs.replace(record, ts_ns=record.ts_ns - offset) if offset else record
     rank = record.column("rank")
+    if len(rank) and not offsets_ns.get(int(rank[0]), 0) and (rank == rank[0]).all():
+        return record  # one rank's batch, as a rank sends them, and its clock is the job's
     if isinstance(record, SpanBatch | StepBatch | MetricBatch):
         shift = _offsets_of(rank, offsets_ns)
         if not shift.any():

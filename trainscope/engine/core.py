@@ -280,7 +280,8 @@ class StreamCore:
             if records is not None:
                 by_source.setdefault(self.window_source(message), []).append((message, records))
         for source, accepted in by_source.items():
-            failed = self._ingest([r for _, records in accepted for r in records], source)
+            failed = self._ingest([r for _, records in accepted for r in records], source,
+                                  flag_early=False)
             if not failed:
                 continue
             # Validated records should never make the engine raise. If they do, every message
@@ -293,6 +294,8 @@ class StreamCore:
                     self._reject(message, f"window engine raised {type(exc).__name__}: {exc} "
                                           f"on job {job_id!r} (its records of this poll may be "
                                           "partly windowed)")
+        if by_source:
+            self._flag_early()
         self._flush_dead_letters()
         self._handle(self.engine.close_ready())
         if self._capped:
@@ -365,9 +368,12 @@ class StreamCore:
                 errors.append(None)
         return errors
 
-    def _ingest(self, records: list[Record], source: Hashable = 0) -> dict[str, Exception]:
+    def _ingest(self, records: list[Record], source: Hashable = 0, *, flag_early: bool = True
+                ) -> dict[str, Exception]:
         """Route validated records to the window engine, job by job. Returns the jobs whose
-        records made the engine raise, so that only their messages are set aside."""
+        records made the engine raise, so that only their messages are set aside.
+        ``flag_early=False``: the caller checks the early flags once it has ingested the
+        poll's other sources too."""
         by_job: dict[str, list[Record]] = {}
         for record in records:
             if isinstance(record, ControlMessage | Finding | FindingCallPath):
@@ -384,7 +390,8 @@ class StreamCore:
             except Exception as exc:  # validated records should never get here
                 log.exception("window engine raised on job %s", job_id)
                 failed[job_id] = exc
-        self._flag_early()
+        if flag_early:
+            self._flag_early()
         return failed
 
     def _flag_early(self) -> None:
@@ -522,6 +529,17 @@ class StreamCore:
         window_ns = self.engine.window_ns
         newest: dict[str, int] = {}
         for record in records:
+            kind = type(record)
+            if (kind is StepBatch or kind is MetricBatch) and len(record) == 1:
+                # A rank's step of a sender round (nine messages in ten), read as one value.
+                offset_ns = self.engine.offset_ns(record.job_id, int(record.column("rank")[0]))
+                if kind is StepBatch:
+                    index = (int(record.column("start_ns")[0]) - offset_ns) // window_ns
+                else:
+                    index = metric_window(int(record.column("ts_ns")[0]) - offset_ns, window_ns)
+                if index > newest.get(record.job_id, -(2**62)):
+                    newest[record.job_id] = index
+                continue
             if isinstance(record, SpanBatch | StepBatch | MetricBatch | StepRecord | MetricSample
                           | SummaryBatch):
                 record = self.engine.on_job_clock(record)

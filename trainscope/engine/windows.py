@@ -643,6 +643,11 @@ class WindowEngine:
             return record
         return corrected(record, job.clocks.offsets_ns, self.window_ns)
 
+    def offset_ns(self, job_id: str, rank: int) -> int:
+        """The known clock offset of the job's rank (0 when not known)."""
+        job = self._jobs.get(job_id)
+        return 0 if job is None else job.clocks.offsets_ns.get(rank, 0)
+
     def held_records(self) -> int:
         """Records held while their ranks' clock offsets are estimated (each step record and
         metric sample of a batch counts as one, as it would sent as a row)."""
