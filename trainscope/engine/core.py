@@ -227,12 +227,14 @@ class StreamCore:
         handled: list[tuple[Message, list[Record] | None]] = []
         # Producer id, sequence and payload digest of each decoded batch (see SeenBatches).
         stamps: dict[int, tuple[int, int, int]] = {}
+        stats = self._stats
+        watched_only = self._only_jobs is not None
         for message in messages:
-            if self._only_jobs is not None and not self._is_watched(message):
-                self._stats.other_jobs_skipped += 1
+            if watched_only and not self._is_watched(message):
+                stats.other_jobs_skipped += 1
                 handled.append((message, None))
                 continue
-            self._stats.decode.received += 1
+            stats.decode.received += 1
             try:
                 batch = decode_envelope(message.value)
             except BadMessage as exc:
@@ -247,38 +249,45 @@ class StreamCore:
             stamps[len(handled) - 1] = (batch.producer_id, batch.seq, zlib.crc32(message.value))
         decoded = [(i, records) for i, (_, records) in enumerate(handled) if records is not None]
         errors = self._validate([records for _, records in decoded])
+        first_time, admit = self.seen.first_time, self.caps.admit
+        validated, emitted = stats.validate, 0
         for (i, records), error in zip(decoded, errors, strict=True):
             message = handled[i][0]
-            self._stats.validate.received += len(records)
+            validated.received += len(records)
             if error is not None:
-                self._stats.validate.rejected += len(records)
+                validated.rejected += len(records)
                 self._reject(message, error)
                 handled[i] = (message, None)
                 continue
-            self._stats.validate.emitted += len(records)
+            validated.emitted += len(records)
             # Only a valid batch counts as seen: a copy damaged on the way is dead-lettered and
             # does not shadow the intact re-send.
-            if not self.seen.first_time(*stamps[i]):
-                self._stats.decode.dropped += 1
-                self._stats.duplicate_batches += 1
+            if not first_time(*stamps[i]):
+                stats.decode.dropped += 1
+                stats.duplicate_batches += 1
                 handled[i] = (message, None)
                 continue
-            refusal = self.caps.admit(records)
+            refusal = admit(records)
             if refusal is not None:
                 self._cap_refused(message, refusal)
                 handled[i] = (message, None)
                 continue
-            self._stats.decode.emitted += 1
+            emitted += 1
             handled[i] = (message, _events_as_batches(records))
+        stats.decode.emitted += emitted
         by_source: dict[Hashable, list[tuple[Message, list[Record]]]] = {}
+        newest_windows, add_offset = self._newest_windows, self.offsets.add
+        # The partition a message was read from is its source, unless a subclass says.
+        own_source = type(self).window_source is StreamCore.window_source
         for message, records in handled:
             source = (message.topic, message.partition)
-            windows = self._newest_windows(records) if records is not None else {}
-            replaced = self.offsets.add(source, message.offset, windows)
+            replaced = add_offset(source, message.offset,
+                                  newest_windows(records) if records is not None else {})
             if replaced:
                 self.logs_replaced(replaced)
             if records is not None:
-                by_source.setdefault(self.window_source(message), []).append((message, records))
+                by_source.setdefault(source if own_source else self.window_source(message),
+                                     []).append((message, records))
         for source, accepted in by_source.items():
             failed = self._ingest([r for _, records in accepted for r in records], source,
                                   flag_early=False)
@@ -726,6 +735,8 @@ def _parts(messages: list[Message], max_bytes: int) -> list[list[Message]]:
 def _events_as_batches(records: list[Record]) -> list[Record]:
     """Loose span events of one message become one batch per job: a message is the unit the
     window engine reduces on its own (see :meth:`WindowEngine.add_spans`)."""
+    if len(records) == 1 and not isinstance(records[0], SpanEvent):
+        return records
     events = [r for r in records if isinstance(r, SpanEvent)]
     if not events:
         return records
