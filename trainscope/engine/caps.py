@@ -368,7 +368,10 @@ def _distinct(values: np.ndarray) -> np.ndarray:
     if len(values) < 2:
         return values
     ordered = np.sort(values)
-    return ordered[np.r_[True, ordered[1:] != ordered[:-1]]]
+    keep = np.empty(len(ordered), dtype=bool)
+    keep[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return ordered if keep.all() else ordered[keep]
 
 
 def _busiest(ranks: dict[int, np.ndarray] | dict[int, list[np.ndarray]]) -> int:
