@@ -288,23 +288,7 @@ class StreamCore:
             if records is not None:
                 by_source.setdefault(source if own_source else self.window_source(message),
                                      []).append((message, records))
-        for source, accepted in by_source.items():
-            failed = self._ingest([r for _, records in accepted for r in records], source,
-                                  flag_early=False)
-            if not failed:
-                continue
-            # Validated records should never make the engine raise. If they do, every message
-            # of this poll with records of that job is set aside, loudly; other jobs go on.
-            for message, records in accepted:
-                job_id = next((r.job_id for r in records if r.job_id in failed), None)
-                if job_id is not None:
-                    exc = failed[job_id]
-                    self._stats.decode.emitted -= 1
-                    self._reject(message, f"window engine raised {type(exc).__name__}: {exc} "
-                                          f"on job {job_id!r} (its records of this poll may be "
-                                          "partly windowed)")
-        if by_source:
-            self._flag_early()
+        self._ingest_sources(by_source)
         self._flush_dead_letters()
         self._handle(self.engine.close_ready())
         if self._capped:
@@ -357,6 +341,27 @@ class StreamCore:
             )
             for rank, (messages, rows, functions, _) in sorted(capped.items())
         ]
+
+    def _ingest_sources(self, by_source: dict[Hashable, list[tuple[Message, list[Record]]]]
+                        ) -> None:
+        """Window a poll's accepted messages, source by source, then check the early flags."""
+        for source, accepted in by_source.items():
+            failed = self._ingest([r for _, records in accepted for r in records], source,
+                                  flag_early=False)
+            if not failed:
+                continue
+            # Validated records should never make the engine raise. If they do, every message
+            # of this poll with records of that job is set aside, loudly; other jobs go on.
+            for message, records in accepted:
+                job_id = next((r.job_id for r in records if r.job_id in failed), None)
+                if job_id is not None:
+                    exc = failed[job_id]
+                    self._stats.decode.emitted -= 1
+                    self._reject(message, f"window engine raised {type(exc).__name__}: {exc} "
+                                          f"on job {job_id!r} (its records of this poll may be "
+                                          "partly windowed)")
+        if by_source:
+            self._flag_early()
 
     def _validate(self, messages: list[list[Record]]) -> list[str | None]:
         """Per message, ``None`` or why it is rejected; a check that raises rejects only the
