@@ -205,16 +205,12 @@ class CapGuard:
         for job_id, message in messages.items():
             job = message.job
             closed_before = self._closed_before(job_id)
-            for index in [i for i in job.windows if i < closed_before]:
-                del job.windows[index]
+            _forget_closed(job, closed_before)
             named = {i: ranks for i, ranks in message.named.items() if i >= closed_before}
             fresh = [i for i in named if i not in job.windows]
             if fresh and len(job.windows) + len(fresh) > self.caps.open_windows:
-                return Refusal(job_id, _busiest(named[fresh[0]]), fresh[0] * self.window_ns,
-                               message.rows, 0,
-                               f"job {job_id!r}: would open window {fresh[0] * self.window_ns} "
-                               f"with {len(job.windows)} of its windows open already, over the "
-                               f"cap of {self.caps.open_windows} (--max-open-windows)")
+                return self._over_open_windows(job_id, job, fresh[0],
+                                               _busiest(named[fresh[0]]), message.rows)
             for index, ranks in named.items():
                 distinct = {rank: _distinct(np.concatenate(fids)) if len(fids) > 1
                             else _distinct(fids[0]) for rank, fids in ranks.items()}
@@ -257,17 +253,19 @@ class CapGuard:
         rank = int(record.column("rank")[0])
         window = job.windows.get(index)
         if window is None:
-            for closed in [i for i in job.windows if i < closed_before]:
-                del job.windows[closed]
+            _forget_closed(job, closed_before)
             if len(job.windows) + 1 > self.caps.open_windows:
-                return Refusal(record.job_id, rank, index * self.window_ns, 0, 0,
-                               f"job {record.job_id!r}: would open window "
-                               f"{index * self.window_ns} with {len(job.windows)} of its "
-                               f"windows open already, over the cap of "
-                               f"{self.caps.open_windows} (--max-open-windows)")
+                return self._over_open_windows(record.job_id, job, index, rank, 0)
             window = job.windows[index] = _Window()
         window.ranks.setdefault(rank, _EMPTY)
         return None
+
+    def _over_open_windows(self, job_id: str, job: _Job, index: int, rank: int, rows: int
+                           ) -> Refusal:
+        return Refusal(job_id, rank, index * self.window_ns, rows, 0,
+                       f"job {job_id!r}: would open window {index * self.window_ns} with "
+                       f"{len(job.windows)} of its windows open already, over the cap of "
+                       f"{self.caps.open_windows} (--max-open-windows)")
 
     def _check(self, job_id: str, window: _Window | None, index: int,
                ranks: dict[int, np.ndarray], rows: int) -> Refusal | None:
@@ -281,8 +279,9 @@ class CapGuard:
                                f"{new} new distinct function(s) on top of {had}, over the cap of "
                                f"{self.caps.functions_per_rank} per rank and window "
                                "(--max-functions-per-rank)")
+        # One rank's ids are distinct already (the usual message: a rank's summaries).
         named = (next(iter(ranks.values())) if len(ranks) == 1
-                 else _distinct(np.concatenate(list(ranks.values()))) if ranks else _EMPTY)
+                 else _distinct(np.concatenate(list(ranks.values()))))
         known = window.functions if window is not None else 0
         added = window.new_among(named) if window is not None else len(named)
         if known + added > self.caps.functions_per_job:
@@ -324,11 +323,6 @@ class CapGuard:
                 message.add(record.start_ns // window_ns, record.rank, _EMPTY)
             elif isinstance(record, MetricSample):
                 message.add((record.ts_ns - 1) // window_ns, record.rank, _EMPTY)
-            elif len(record) == 1:  # a rank's step of a sender round: the usual message
-                message.add((int(record.column("start_ns")[0]) // window_ns
-                             if isinstance(record, StepBatch)
-                             else (int(record.column("ts_ns")[0]) - 1) // window_ns),
-                            int(record.column("rank")[0]), _EMPTY)
             elif len(record):  # a StepBatch or MetricBatch: windows opened per rank
                 index = (record.column("start_ns") // window_ns if isinstance(record, StepBatch)
                          else (record.column("ts_ns") - 1) // window_ns)
@@ -360,6 +354,12 @@ class CapGuard:
             rows = index == window
             message.add(window, rank[rows], fid[rows])
         message.rows += len(batch)
+
+
+def _forget_closed(job: _Job, closed_before: int) -> None:
+    """The job's windows below ``closed_before`` closed: what their ranks named goes."""
+    for index in [i for i in job.windows if i < closed_before]:
+        del job.windows[index]
 
 
 def _distinct(values: np.ndarray) -> np.ndarray:

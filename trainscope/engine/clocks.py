@@ -76,11 +76,15 @@ def ranks_of(record: Held) -> list[int]:
     if isinstance(record, StepRecord | MetricSample):
         return [record.rank]
     rank = record.column("rank")
-    if len(rank) and (rank == rank[0]).all():
-        # One rank's batch, as a rank's producer sends it: asked of every held record on
-        # each release, np.unique took a second of a 100,000-rank job's first window.
-        return [int(rank[0])]
-    return np.unique(rank).tolist()
+    sole = _sole_rank(rank)
+    # Asked of every held record on each release: np.unique took a second of a 100,000-rank
+    # job's first window.
+    return [sole] if sole is not None else np.unique(rank).tolist()
+
+
+def _sole_rank(rank: np.ndarray) -> int | None:
+    """The one rank of a batch that has one (as a rank's producer sends them), else None."""
+    return int(rank[0]) if len(rank) and (rank == rank[0]).all() else None
 
 
 def rows_of(record: Held) -> int:
@@ -437,8 +441,9 @@ def corrected(record: Held, offsets_ns: dict[int, int], window_ns: int) -> Held:
         offset = offsets_ns.get(record.rank, 0)
         return msgspec.structs.replace(record, ts_ns=record.ts_ns - offset) if offset else record
     rank = record.column("rank")
-    if len(rank) and not offsets_ns.get(int(rank[0]), 0) and (rank == rank[0]).all():
-        return record  # one rank's batch, as a rank sends them, and its clock is the job's
+    sole = _sole_rank(rank)
+    if sole is not None and not offsets_ns.get(sole, 0):
+        return record  # one rank's batch, and its clock is the job's
     if isinstance(record, SpanBatch | StepBatch | MetricBatch):
         shift = _offsets_of(rank, offsets_ns)
         if not shift.any():

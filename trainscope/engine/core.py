@@ -277,8 +277,6 @@ class StreamCore:
         stats.decode.emitted += emitted
         by_source: dict[Hashable, list[tuple[Message, list[Record]]]] = {}
         newest_windows, add_offset = self._newest_windows, self.offsets.add
-        # The partition a message was read from is its source, unless a subclass says.
-        own_source = type(self).window_source is StreamCore.window_source
         for message, records in handled:
             source = (message.topic, message.partition)
             replaced = add_offset(source, message.offset,
@@ -286,8 +284,7 @@ class StreamCore:
             if replaced:
                 self.logs_replaced(replaced)
             if records is not None:
-                by_source.setdefault(source if own_source else self.window_source(message),
-                                     []).append((message, records))
+                by_source.setdefault(self.window_source(message), []).append((message, records))
         self._ingest_sources(by_source)
         self._flush_dead_letters()
         self._handle(self.engine.close_ready())
