@@ -193,11 +193,22 @@ def test_a_checkpoint_of_the_streams_layout_restores_its_open_windows() -> None:
     checkpoint = decode((data / "checkpoint.bin").read_bytes())
     assert isinstance(checkpoint, Checkpoint)
     assert isinstance(checkpoint.runner, DetectorRunner)
-    assert checkpoint.seen is not None and not checkpoint.seen.first_time(7, 1, 12345)
     assert checkpoint.positions == {("trainscope.events", 0): 123}
     assert checkpoint.engine is not None
     engine = WindowEngine(window_s=15.0)
     assert engine.restore(checkpoint.engine) == 3
+    # Its stamps did not say which windows their batches fed: they wait for the windows open
+    # at the restart to close.
+    seen = checkpoint.seen
+    assert seen is not None and not seen.resent(7, 1, 12345)
+    newest_open = {job: max(w) for job, w in checkpoint.engine["windows"].items() if w}
+    seen.file_unfiled(newest_open)
+    assert seen.resent(7, 1, 12345)
+    closed_after = {job: index + 2 for job, index in newest_open.items()}
+    seen.forget_closed(lambda job: closed_after[job] - 1)
+    assert seen.resent(7, 1, 12345)
+    seen.forget_closed(closed_after.__getitem__)
+    assert not seen.resent(7, 1, 12345)
     closed = [
         {"window_start_ns": v.window_start_ns, "summaries": len(v.summaries),
          "total_ns": int(v.summaries["total_ns"].sum()), "steps": len(v.steps),

@@ -3,15 +3,18 @@ partition, idle closing, restored windows, and rows that do not depend on arriva
 
 from __future__ import annotations
 
+import pickle
 import zlib
 
 import numpy as np
 import pandas as pd
 
 from trainscope.engine.delivery import PendingOffsets, SeenBatches
+from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.engine.windows import WindowEngine
 from trainscope.schemas import SpanBatch, StepRecord
-from trainscope.schemas.codec import decode_envelope, encode_batch
+from trainscope.schemas.codec import decode_envelope, encode_batch, encode_stamped
+from trainscope.transport.bus import Message
 
 S = 10**9
 EVENTS = ("events", 0)
@@ -61,25 +64,147 @@ def test_a_recreated_partition_holds_every_position_until_each_delivers_again() 
     assert pending.positions(lambda j: 0) == {EVENTS: 1, SLOW: 1}
 
 
-def test_resent_batches_are_recognised_by_their_stamp() -> None:
-    payload = encode_batch([batch(0, 0)])
-    again = encode_batch([batch(0, 0)])
-    first, second = decode_envelope(payload), decode_envelope(again)
-    assert first.producer_id == second.producer_id != 0
-    assert second.seq == first.seq + 1
-    seen = SeenBatches(horizon=4)
-    assert seen.first_time(first.producer_id, first.seq)
-    assert not seen.first_time(first.producer_id, first.seq)  # the same bytes re-sent
-    assert seen.first_time(second.producer_id, second.seq)
-    assert seen.first_time(0, 0) and seen.first_time(0, 0)  # unstamped: never deduplicated
-    # A stamp damaged into an earlier batch's stamp comes with other bytes: not a re-send.
-    digest = zlib.crc32(payload)
-    assert seen.first_time(first.producer_id, 10, digest)
-    assert not seen.first_time(first.producer_id, 10, digest)
-    assert seen.first_time(first.producer_id, 10, zlib.crc32(b"other bytes"))
-    for seq in range(100, 120):  # memory stays bounded
-        seen.first_time(7, seq)
-    assert len(seen._seen[7]) <= 8
+def stamp_of(payload: bytes) -> tuple[int, int, int]:
+    envelope = decode_envelope(payload)
+    return envelope.producer_id, envelope.seq, zlib.crc32(payload)
+
+
+def test_resent_batches_are_recognised_by_their_stamp_and_bytes() -> None:
+    first, second = stamp_of(encode_batch([batch(0, 0)])), stamp_of(encode_batch([batch(0, 0)]))
+    assert first[0] == second[0] != 0 and second[1] == first[1] + 1
+    seen = SeenBatches()
+    assert not seen.resent(*first)
+    seen.keep(*first, {"job": 0})
+    assert seen.resent(*first)  # the same bytes re-sent
+    assert not seen.resent(*second)
+    # A stamp damaged into an earlier batch's stamp comes with other bytes: not a re-send, and
+    # keeping it does not displace the first batch's digest.
+    damaged = (first[0], first[1], zlib.crc32(b"other bytes"))
+    assert not seen.resent(*damaged)
+    seen.keep(*damaged, {"job": 0})
+    assert seen.resent(*first) and not seen.resent(*damaged)
+    seen.keep(0, 5, 1, {"job": 0})  # unstamped (an older producer): never deduplicated
+    assert not seen.resent(0, 5, 1)
+    seen.keep(*second, {})  # fed no window: nothing of it could be merged twice
+    assert not seen.resent(*second)
+    for producer_id, seq in ((1 << 63, 1), (-3, 1), (5, -1), (5, 1 << 64)):
+        seen.keep(producer_id, seq, 1, {"job": 0})  # a hostile stamp: taken as unstamped
+        assert not seen.resent(producer_id, seq, 1)
+    assert len(seen) == 1
+
+
+def test_a_stamp_is_kept_until_the_window_after_the_newest_it_fed_is_closed() -> None:
+    seen = SeenBatches()
+    closed = {"a": 0, "b": 0}
+    seen.keep(7, 1, 11, {"a": 3})
+    seen.keep(7, 2, 12, {"a": 3, "b": 5})  # one batch with records of two jobs
+    seen.keep(8, 1, 13, {"b": 4})
+    closed["a"] = 4  # window 3 is closed, the one after it is open
+    seen.forget_closed(closed.__getitem__)
+    assert seen.resent(7, 1, 11) and seen.resent(7, 2, 12)
+    closed["a"] = 5
+    seen.forget_closed(closed.__getitem__)
+    assert not seen.resent(7, 1, 11)
+    assert seen.resent(7, 2, 12)  # job b's window 5 is still open
+    closed["b"] = 6
+    seen.forget_closed(closed.__getitem__)
+    assert not seen.resent(8, 1, 13) and seen.resent(7, 2, 12)
+    closed["b"] = 7
+    seen.forget_closed(closed.__getitem__)
+    assert len(seen) == 0 and not seen._until and not seen._holders
+    seen.keep(9, 1, 1, {"a": 9})
+    seen.keep(9, 2, 2, {"b": 9})
+    seen.forget_job("a")  # evicted, or another worker's now
+    assert not seen.resent(9, 1, 1) and seen.resent(9, 2, 2)
+
+
+def test_stamps_survive_a_checkpoint_with_the_windows_they_wait_for() -> None:
+    seen = SeenBatches()
+    for seq in range(1, 101):
+        seen.keep(5, seq, seq * 3, {"a": seq // 10})
+    seen.keep(6, 1, 99, {"a": 2, "b": 1})
+    restored = pickle.loads(pickle.dumps(seen))
+    assert restored._digests == seen._digests and restored._until == seen._until
+    assert restored._holders == seen._holders == {(6, 1): 2}
+    closed = {"a": 6, "b": 3}
+    for kept in (seen, restored):
+        kept.forget_closed(closed.__getitem__)
+    assert restored._digests == seen._digests and len(seen) == 51  # seqs 50 to 100
+    assert restored.resent(5, 50, 150) and not restored.resent(5, 49, 147)
+    assert not restored.resent(6, 1, 99)
+
+
+T0_NS = 1_767_225_600 * S  # 2026-01-01
+
+
+def messages_of_producers(
+    ranks: int, windows: int, *, resend_every: int = 0, resend_late_every: int = 0,
+    producer_lifetime_windows: int = 10,
+) -> tuple[list[list[Message]], int, int]:
+    """Per poll, the messages of ``ranks`` producers (one per rank, each rank's producer
+    replaced every ``producer_lifetime_windows``: processes that come and go), two span
+    batches per rank per window. Every ``resend_every``-th message is sent again at once;
+    every ``resend_late_every``-th three windows later, when the windows it fed are closed.
+    Returns the polls and how many batches were sent again at once and later."""
+    polls: list[list[Message]] = []
+    offset = 0
+    late: dict[int, list[bytes]] = {}
+    sent = at_once = later = 0
+    for half in range(2 * windows):
+        poll: list[Message] = []
+        for payload in late.pop(half, []):
+            poll.append(Message("events", 0, offset, None, payload))
+            offset += 1
+            later += 1
+        for rank in range(ranks):
+            generation = half // (2 * producer_lifetime_windows)
+            producer_id = 1 + rank + 1000 * generation
+            payload = encode_stamped([batch(rank, T0_NS + half * S // 2, n=5, seed=half)],
+                                     producer_id,
+                                     half + 1)
+            sent += 1
+            copies = 2 if resend_every and sent % resend_every == 0 else 1
+            at_once += copies - 1
+            for _ in range(copies):
+                poll.append(Message("events", 0, offset, None, payload))
+                offset += 1
+            if resend_late_every and sent % resend_late_every == 0:
+                late.setdefault(half + 6, []).append(payload)
+        polls.append(poll)
+    return polls, at_once, later
+
+
+def test_the_stream_job_keeps_stamps_only_for_open_windows_and_merges_no_batch_twice() -> None:
+    """Producers that come and go over 60 windows, some batches re-sent at once and some three
+    windows later: the stamps held stay within the open windows' batches, a re-send within
+    them is dropped as a duplicate, a later one is counted late, and no window holds a row
+    twice (the same totals as without re-sends)."""
+
+    def run(polls: list[list[Message]], checkpoint_at: int = -1) -> tuple[dict, int, object]:
+        totals: dict[int, int] = {}
+        job = EmbeddedStreamJob(detectors=[], window_s=1.0, lateness_s=0.0,
+                                on_window=lambda v, _: totals.__setitem__(
+                                    v.window_start_ns, int(v.summaries["count"].sum())))
+        most = 0
+        for i, poll in enumerate(polls):
+            job.process_messages(poll)
+            most = max(most, len(job.seen))
+            if i == checkpoint_at:  # a restart from a checkpoint keeps what was kept
+                job.seen = pickle.loads(pickle.dumps(job.seen))
+        job.finish()
+        return totals, most, job.stats()
+
+    ranks = 40
+    clean, most_clean, _ = run(messages_of_producers(ranks, 60)[0])
+    polls, at_once, later = messages_of_producers(ranks, 60, resend_every=5,
+                                                  resend_late_every=7)
+    totals, most, stats = run(polls, checkpoint_at=61)
+    assert totals == clean and len(totals) == 60
+    assert stats.duplicate_batches == at_once == 960
+    assert stats.window.dropped == 5 * later and later > 600  # each of its 5 rows late
+    # At most the batches of the windows still open or just closed: 3 windows of 2 per rank,
+    # never the 4,800 sent.
+    assert most_clean <= 3 * 2 * ranks and most <= 3 * 2 * ranks
 
 
 def test_a_slow_partition_delays_windows_instead_of_making_its_events_late() -> None:

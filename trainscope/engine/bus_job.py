@@ -30,7 +30,6 @@ from typing import Any
 
 from trainscope.engine.checkpoint import (
     DEFAULT_MAX_OPEN_BYTES,
-    SEEN_STAMPS_KEPT,
     Checkpoint,
     ExtraState,
     ResumeFilter,
@@ -205,6 +204,7 @@ class BusStreamJob(StreamCore):
         self.validator.remember_world_sizes(checkpoint.world_sizes)
         if checkpoint.seen is not None:
             self.seen = checkpoint.seen
+            self.seen.file_unfiled({job: index - 1 for job, index in self._restored_open.items()})
         runner = checkpoint.runner
         if runner is not None and [d.name for d in runner.detectors] == [
             d.name for d in self.runner.detectors
@@ -253,7 +253,7 @@ class BusStreamJob(StreamCore):
             topologies=self.engine.topologies(),
             world_sizes=self.validator.world_sizes(),
             runner=self.runner,
-            seen=self.seen.recent(SEEN_STAMPS_KEPT),
+            seen=self.seen,
             positions=read,
             committed=dict(self._committed),
             # Taken here, on the job's thread: the hooks' state after exactly the windows

@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 VERSION = 2
 # Compressed size above which the open windows are not snapshotted (see the module docstring).
 DEFAULT_MAX_OPEN_BYTES = 64 << 20
-# Producer stamps kept per producer: a re-send follows its original within a few batches.
-SEEN_STAMPS_KEPT = 4096
 
 
 @dataclass

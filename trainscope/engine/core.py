@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 
 # The most message bytes decoded at once (see process_messages).
 POLL_CHUNK_BYTES = 16 * 2**20
+_FED_NOTHING: dict[str, int] = {}  # the windows of a message set aside (never changed)
 
 
 class StoreLost(RuntimeError):
@@ -249,7 +250,9 @@ class StreamCore:
             stamps[len(handled) - 1] = (batch.producer_id, batch.seq, zlib.crc32(message.value))
         decoded = [(i, records) for i, (_, records) in enumerate(handled) if records is not None]
         errors = self._validate([records for _, records in decoded])
-        first_time, admit = self.seen.first_time, self.caps.admit
+        resent, keep, admit = self.seen.resent, self.seen.keep, self.caps.admit
+        newest_windows = self._newest_windows
+        fed: dict[int, dict[str, int]] = {}  # per message kept, the newest window per job
         validated, emitted = stats.validate, 0
         for (i, records), error in zip(decoded, errors, strict=True):
             message = handled[i][0]
@@ -260,9 +263,7 @@ class StreamCore:
                 handled[i] = (message, None)
                 continue
             validated.emitted += len(records)
-            # Only a valid batch counts as seen: a copy damaged on the way is dead-lettered and
-            # does not shadow the intact re-send.
-            if not first_time(*stamps[i]):
+            if resent(*stamps[i]):
                 stats.decode.dropped += 1
                 stats.duplicate_batches += 1
                 handled[i] = (message, None)
@@ -273,14 +274,18 @@ class StreamCore:
                 handled[i] = (message, None)
                 continue
             emitted += 1
-            handled[i] = (message, _events_as_batches(records))
+            records = _events_as_batches(records)
+            handled[i] = (message, records)
+            # Only a batch windowed counts as seen: a copy damaged on the way is dead-lettered
+            # and does not shadow the intact re-send, nor does a batch refused over a cap.
+            windows = fed[i] = newest_windows(records)
+            keep(*stamps[i], windows)
         stats.decode.emitted += emitted
         by_source: dict[Hashable, list[tuple[Message, list[Record]]]] = {}
-        newest_windows, add_offset = self._newest_windows, self.offsets.add
-        for message, records in handled:
+        add_offset = self.offsets.add
+        for i, (message, records) in enumerate(handled):
             source = (message.topic, message.partition)
-            replaced = add_offset(source, message.offset,
-                                  newest_windows(records) if records is not None else {})
+            replaced = add_offset(source, message.offset, fed.get(i, _FED_NOTHING))
             if replaced:
                 self.logs_replaced(replaced)
             if records is not None:
@@ -288,6 +293,7 @@ class StreamCore:
         self._ingest_sources(by_source)
         self._flush_dead_letters()
         self._handle(self.engine.close_ready())
+        self.seen.forget_closed(self.engine.closed_before)
         if self._capped:
             self._report_capped()
 
@@ -526,6 +532,7 @@ class StreamCore:
         self.early.forget(job_id)
         self.validator.forget(job_id)
         self.caps.forget(job_id)
+        self.seen.forget_job(job_id)
         self._capped.pop(job_id, None)
         self._stats.jobs_evicted += 1
         # A flood of job ids must not flood the log too: the first, then every 1000th.

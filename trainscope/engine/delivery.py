@@ -13,7 +13,10 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -92,45 +95,147 @@ class PendingOffsets:
         return sum(len(q) for q in self._pending.values())
 
 
-@dataclass
+# A stamp outside these bounds (a hostile or broken producer) is not kept: its batch is taken as
+# unstamped, never deduplicated, and the checkpoint stores stamps as 64-bit integers.
+_STAMP_LIMIT = 1 << 63
+
+
 class SeenBatches:
-    """Producer stamps (id, sequence) seen recently, to drop batches a producer re-sent.
+    """Producer stamps (id, sequence) of the batches that fed windows still open, to drop a
+    batch a producer re-sent.
 
     A re-send is the same bytes again, so a stamp counts as seen only together with the digest
     of the payload it came with: a batch whose stamp was damaged into another batch's stamp
     (or two producers that drew the same id) is never taken for a re-send and dropped.
-    A re-send follows its original closely, so per producer only the newest ``horizon``
-    sequence numbers are remembered; memory stays bounded however long the job runs.
+
+    A stamp is kept until the newest window its batch fed is closed, and the window after it
+    too. A re-send after that could feed only closed windows, whose records are set aside and
+    counted as late, never merged twice; the window after is kept because a rank's clock
+    offset may be estimated again between a batch and its re-send, moving a record across a
+    window's edge. So what is kept is bounded by the open windows, however long the job runs
+    and however many producers come and go: a number of stamps per producer, kept for as long
+    as the process ran, grew by gigabytes an hour at 10,000 ranks and made each checkpoint
+    copy millions of them.
     """
 
-    horizon: int = 1 << 20
-    _seen: dict[int, dict[int, int]] = field(default_factory=dict)  # id -> seq -> digest
-    _newest: dict[int, int] = field(default_factory=dict)
+    def __init__(self) -> None:
+        self._digests: dict[int, dict[int, int]] = {}  # producer id -> seq -> payload digest
+        # job -> window index -> flat [producer id, seq, ...] of the batches whose newest
+        # window of the job it is
+        self._until: dict[str, dict[int, list[int]]] = {}
+        # Stamps filed under several jobs (a batch of several jobs' records): jobs still
+        # holding them; forgotten when the last lets go.
+        self._holders: dict[tuple[int, int], int] = {}
+        # (producer id, seq, digest) read from an older checkpoint: see file_unfiled
+        self._unfiled: list[tuple[int, int, int]] = []
 
-    def first_time(self, producer_id: int, seq: int, digest: int = 0) -> bool:
-        if producer_id == 0:  # unstamped: an older producer; nothing to compare
-            return True
-        seen = self._seen.setdefault(producer_id, {})
-        known = seen.get(seq)
-        if known is not None:
-            return known != digest
+    def resent(self, producer_id: int, seq: int, digest: int) -> bool:
+        """True when the same batch (stamp and payload digest) fed a window still kept."""
+        seen = self._digests.get(producer_id)
+        return seen is not None and producer_id != 0 and seen.get(seq) == digest
+
+    def keep(self, producer_id: int, seq: int, digest: int, windows: dict[str, int]) -> None:
+        """Remember a batch that fed ``windows`` (per job, the newest window index it fed)
+        until they are closed. Unstamped batches (id 0: an older producer) and batches that
+        fed no window are not kept: nothing of theirs could be merged twice."""
+        if not windows or not (0 < producer_id < _STAMP_LIMIT and 0 <= seq < _STAMP_LIMIT):
+            return
+        seen = self._digests.get(producer_id)
+        if seen is None:
+            seen = self._digests[producer_id] = {}
+        elif seq in seen:  # a different batch under a stamp kept: the first one's is kept
+            return
         seen[seq] = digest
-        newest = max(self._newest.get(producer_id, seq), seq)
-        self._newest[producer_id] = newest
-        if len(seen) > 2 * self.horizon:
-            floor = newest - self.horizon
-            self._seen[producer_id] = {s: d for s, d in seen.items() if s > floor}
-        return True
+        for job_id, index in windows.items():
+            by_index = self._until.get(job_id)
+            if by_index is None:
+                by_index = self._until[job_id] = {}
+            stamps = by_index.get(index)
+            if stamps is None:
+                by_index[index] = [producer_id, seq]
+            else:
+                stamps.append(producer_id)
+                stamps.append(seq)
+        if len(windows) > 1:
+            self._holders[(producer_id, seq)] = len(windows)
 
-    def recent(self, per_producer: int) -> SeenBatches:
-        """A copy that remembers only each producer's newest ``per_producer`` stamps: what a
-        checkpoint keeps, since a re-send follows its original closely."""
-        copy = SeenBatches(horizon=self.horizon)
-        for producer_id, seen in self._seen.items():
-            floor = self._newest[producer_id] - per_producer
-            copy._seen[producer_id] = {s: d for s, d in seen.items() if s > floor}
-            copy._newest[producer_id] = self._newest[producer_id]
-        return copy
+    def forget_closed(self, closed_before: Callable[[str], int]) -> None:
+        """Forget the stamps of batches whose windows are closed, and the window after them."""
+        for job_id, by_index in list(self._until.items()):
+            below = closed_before(job_id) - 1
+            for index in [i for i in by_index if i < below]:
+                self._let_go(by_index.pop(index))
+            if not by_index:
+                del self._until[job_id]
+
+    def forget_job(self, job_id: str) -> None:
+        """A job whose state is forgotten (evicted, or another worker's now)."""
+        for stamps in self._until.pop(job_id, {}).values():
+            self._let_go(stamps)
+
+    def _let_go(self, stamps: list[int]) -> None:
+        digests, holders = self._digests, self._holders
+        for i in range(0, len(stamps), 2):
+            producer_id, seq = stamps[i], stamps[i + 1]
+            if holders:
+                left = holders.get((producer_id, seq))
+                if left is not None:
+                    if left > 1:
+                        holders[(producer_id, seq)] = left - 1
+                        continue
+                    del holders[(producer_id, seq)]
+            seen = digests.get(producer_id)
+            if seen is not None:
+                seen.pop(seq, None)
+                if not seen:
+                    del digests[producer_id]
+
+    def __len__(self) -> int:
+        return sum(len(seen) for seen in self._digests.values())
+
+    # A checkpoint stores the stamps as arrays per window: one pickle of a few arrays, not of
+    # a dict per producer.
+    def __getstate__(self) -> dict[str, Any]:
+        digests = self._digests
+        windows = []
+        for job_id, by_index in self._until.items():
+            for index, flat in by_index.items():
+                stamps = np.array(flat, dtype=np.int64).reshape(-1, 2)
+                kept = np.array(
+                    [digests[flat[i]][flat[i + 1]] for i in range(0, len(flat), 2)],
+                    dtype=np.uint32,
+                )
+                windows.append((job_id, index, stamps, kept))
+        return {"windows": windows}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        SeenBatches.__init__(self)
+        if "windows" not in state:
+            # Written before stamps were kept by window (per producer, without windows): they
+            # are kept until the windows open at the restart are closed (file_unfiled).
+            self._unfiled = [
+                (producer_id, seq, digest)
+                for producer_id, seen in state.get("_seen", {}).items()
+                for seq, digest in seen.items()
+            ]
+            return
+        for job_id, index, stamps, kept in state["windows"]:
+            for (producer_id, seq), digest in zip(stamps.tolist(), kept.tolist(), strict=True):
+                self._refile(int(producer_id), int(seq), int(digest), job_id, index)
+
+    def _refile(self, producer_id: int, seq: int, digest: int, job_id: str, index: int) -> None:
+        seen = self._digests.setdefault(producer_id, {})
+        if seq in seen:  # filed under another job too
+            self._holders[(producer_id, seq)] = self._holders.get((producer_id, seq), 1) + 1
+        seen[seq] = digest
+        self._until.setdefault(job_id, {}).setdefault(index, []).extend((producer_id, seq))
+
+    def file_unfiled(self, windows: dict[str, int]) -> None:
+        """Stamps of an older checkpoint, which did not say which windows their batches fed:
+        kept until ``windows`` (per job, the newest window open at the restart) are closed."""
+        unfiled, self._unfiled = self._unfiled, []
+        for producer_id, seq, digest in unfiled:
+            self.keep(producer_id, seq, digest, windows)
 
 
 @dataclass

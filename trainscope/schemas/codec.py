@@ -98,12 +98,19 @@ def default_wire() -> str:
 
 
 def encode_batch(records: Iterable[Record], wire: str | None = None) -> bytes:
+    """One bus message, stamped with this process's producer id and its next sequence."""
+    return encode_stamped(records, _stamp.producer_id, next(_stamp.seq), wire)
+
+
+def encode_stamped(
+    records: Iterable[Record], producer_id: int, seq: int, wire: str | None = None
+) -> bytes:
+    """One bus message with the given stamp: for a sender that stands for many producers (a
+    benchmark or test playing one producer per rank)."""
     wire = default_wire() if wire is None else wire
     if wire == JSON_WIRE:
-        return encode_json_batch(list(records), _stamp.producer_id, next(_stamp.seq))
-    return _encoder.encode(
-        Batch(records=list(records), producer_id=_stamp.producer_id, seq=next(_stamp.seq))
-    )
+        return encode_json_batch(list(records), producer_id, seq)
+    return _encoder.encode(Batch(records=list(records), producer_id=producer_id, seq=seq))
 
 
 def decode_batch(payload: bytes) -> list[Record]:

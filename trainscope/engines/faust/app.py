@@ -344,6 +344,7 @@ class _DeadLetteringPipeline(EmbeddedStreamJob):
 
     def forget_job(self, job_id: str) -> None:
         self.engine.evict_job(job_id)  # the views are discarded: not written
+        self.seen.forget_job(job_id)
         self.runner.forget(job_id)
         self.validator.forget(job_id)
 
