@@ -171,6 +171,50 @@ def test_first_seconds_a_far_clock_is_held_not_dragging_nor_late(skew_s: int) ->
     assert all(len(ranks) == 8 for ranks in by_window.values()), by_window
 
 
+def test_within_a_poll_known_ranks_are_estimated_once_at_its_end_and_new_ranks_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A poll brings step records through several sources (partitions). A rank whose offset
+    is not known yet is estimated with its own source's records (so they need not wait in the
+    hold); ranks already known are estimated again once, at the poll's end, where a clock
+    that jumped is taken, as it would have been by the source that brought the jump."""
+    rng = np.random.default_rng(2)
+    engine = WindowEngine(window_s=1.0, allowed_lateness_s=0.5, clock_tolerance_s=2.0)
+    calls: list[int] = []
+    calibrate = RankClocks.calibrate
+
+    def counted(self: RankClocks, world_size: int, tolerance_ns: int) -> list[int]:
+        calls.append(world_size)
+        return calibrate(self, world_size, tolerance_ns)
+
+    monkeypatch.setattr(RankClocks, "calibrate", counted)
+    jump_ns = 30 * 10**9
+
+    def poll(step: int, *, jumped: bool = False) -> None:
+        with engine.one_poll():
+            for source in range(4):  # ranks 2s and 2s+1 on source s
+                engine.add_steps([r for rank in (2 * source, 2 * source + 1)
+                                  for r in steps_of(rank, step, 1,
+                                                    jump_ns if jumped and rank == 3 else 0,
+                                                    rng)], source)
+
+    poll(0)
+    assert len(calls) == 4  # every rank new: each source's estimated at once
+    assert engine.held_records() == 8
+    for step in range(1, MIN_STEPS + 2):
+        calls.clear()
+        poll(step)
+    assert len(calls) == 1 and engine.held_records() == 0  # known: once, at the poll's end
+    assert engine.offset_ns("j", 3) == 0
+    for step in range(MIN_STEPS + 2, 3 * MIN_STEPS + 4):  # rank 3's clock jumps 30 s ahead
+        calls.clear()
+        poll(step, jumped=True)
+        assert len(calls) == 1
+    assert abs(engine.offset_ns("j", 3) - jump_ns) < 10_000_000
+    calls.clear()
+    engine.add_steps(steps_of(0, 200, 1, 0, rng))  # outside a poll: at once, as before
+    assert len(calls) == 1
+
+
 # -- over the real broker -----------------------------------------------------------------
 
 SKEWED, SLOW = 3, 5

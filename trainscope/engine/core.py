@@ -348,11 +348,17 @@ class StreamCore:
     def _ingest_sources(self, by_source: dict[Hashable, list[tuple[Message, list[Record]]]]
                         ) -> None:
         """Window a poll's accepted messages, source by source, then check the early flags."""
-        for source, accepted in by_source.items():
-            failed = self._ingest([r for _, records in accepted for r in records], source,
-                                  flag_early=False)
-            if not failed:
-                continue
+        with self.engine.one_poll():
+            for source, accepted in by_source.items():
+                self._ingest_source(source, accepted)
+        if by_source:
+            self._flag_early()
+
+    def _ingest_source(self, source: Hashable, accepted: list[tuple[Message, list[Record]]]
+                       ) -> None:
+        failed = self._ingest([r for _, records in accepted for r in records], source,
+                              flag_early=False)
+        if failed:
             # Validated records should never make the engine raise. If they do, every message
             # of this poll with records of that job is set aside, loudly; other jobs go on.
             for message, records in accepted:
@@ -363,8 +369,6 @@ class StreamCore:
                     self._reject(message, f"window engine raised {type(exc).__name__}: {exc} "
                                           f"on job {job_id!r} (its records of this poll may be "
                                           "partly windowed)")
-        if by_source:
-            self._flag_early()
 
     def _validate(self, messages: list[list[Record]]) -> list[str | None]:
         """Per message, ``None`` or why it is rejected; a check that raises rejects only the

@@ -23,9 +23,10 @@ the interval it ends (:func:`metric_window`). The parts, each in a module of its
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,6 +155,8 @@ class WindowEngine:
         self._clock = clock
         self._jobs: dict[str, JobState] = {}
         self._watermarks = Watermarks(self.lateness_ns, source_idle_s, clock)
+        # Inside one_poll(): jobs whose clock estimates are owed at the poll's end.
+        self._calibrate_at_poll_end: set[str] | None = None
 
     def _job(self, job_id: str) -> JobState:
         job = self._jobs.get(job_id)
@@ -454,8 +457,37 @@ class WindowEngine:
             job = self._job(job_id)
             if self.clock_tolerance_ns is not None:
                 job.clocks.note_steps(batch)
-                self._calibrate(job_id, job)
+                deferred = self._calibrate_at_poll_end
+                if deferred is not None and job.clocks.lookup(batch.column("rank"))[0].all():
+                    # Every rank known: a move of its clock is taken at the poll's end, once
+                    # for all the poll's sources (a rank not known yet is estimated now, so
+                    # that its records need not wait in the hold).
+                    deferred.add(job_id)
+                else:
+                    self._calibrate(job_id, job)
             self._file_steps(job, self._admit(job, [batch], source), source)
+
+    @contextlib.contextmanager
+    def one_poll(self) -> Iterator[None]:
+        """Records added inside are one poll's: the clock estimates of ranks already known are
+        taken again once, at its end, rather than for each source's step records (each taking
+        costs the medians of the steps kept, a quarter of a millisecond at 10,000 ranks)."""
+        if self._calibrate_at_poll_end is not None:  # nested: the outer poll's end
+            yield
+            return
+        self._calibrate_at_poll_end = deferred = set()
+        try:
+            yield
+        finally:
+            self._calibrate_at_poll_end = None
+            for job_id in sorted(deferred):
+                job = self._jobs.get(job_id)
+                if job is None:
+                    continue
+                try:
+                    self._calibrate(job_id, job)
+                except Exception:  # as it would have for the records that owed it: logged
+                    log.exception("clock estimates of job %s failed", job_id)
 
     def _file_steps(self, job: JobState, batches: list[Any], source: Hashable) -> None:
         for batch in batches:
