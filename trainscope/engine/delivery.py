@@ -24,7 +24,8 @@ Source = tuple[str, int]  # (topic, partition)
 
 
 class PendingOffsets:
-    """Per partition, the messages whose windows are not all written yet, in offset order."""
+    """Per partition, the messages whose windows are not all written yet, in offset order
+    (a run of messages that fed the same windows as one: the first of them)."""
 
     def __init__(self) -> None:
         # (offset, {job_id: newest window index the message fed}) per partition
@@ -61,7 +62,15 @@ class PendingOffsets:
             self._restarted.clear()
         self._next[source] = offset + 1
         if windows:
-            self._pending.setdefault(source, deque()).append((offset, windows))
+            queue = self._pending.get(source)
+            if queue is None:
+                queue = self._pending[source] = deque()
+            elif queue and queue[-1][1] == windows:
+                # Let go of together with the message before it: only that one's offset can
+                # be a position. Most do (a poll's steps of many ranks feed the same window):
+                # one entry per run, not per message (millions at 100,000 ranks).
+                return newly
+            queue.append((offset, windows))
         return newly
 
     def positions(self, closed_before: Callable[[str], int]) -> dict[Source, int]:
@@ -92,6 +101,7 @@ class PendingOffsets:
         return {s: o for s, o in self._next.items() if s not in self._suspect}
 
     def pending(self) -> int:
+        """Runs of messages waiting (see :meth:`add`)."""
         return sum(len(q) for q in self._pending.values())
 
 
@@ -131,8 +141,8 @@ class SeenBatches:
 
     def resent(self, producer_id: int, seq: int, digest: int) -> bool:
         """True when the same batch (stamp and payload digest) fed a window still kept."""
-        seen = self._digests.get(producer_id)
-        return seen is not None and producer_id != 0 and seen.get(seq) == digest
+        seen = self._digests.get(producer_id)  # never unstamped ones (id 0): see keep
+        return seen is not None and seen.get(seq) == digest
 
     def keep(self, producer_id: int, seq: int, digest: int, windows: dict[str, int]) -> None:
         """Remember a batch that fed ``windows`` (per job, the newest window index it fed)
