@@ -9,6 +9,7 @@ import zlib
 import numpy as np
 import pandas as pd
 
+from trainscope.engine.core import PipelineStats
 from trainscope.engine.delivery import PendingOffsets, SeenBatches
 from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.engine.windows import WindowEngine
@@ -214,7 +215,8 @@ def test_the_stream_job_keeps_stamps_only_for_open_windows_and_merges_no_batch_t
     them is dropped as a duplicate, a later one is counted late, and no window holds a row
     twice (the same totals as without re-sends)."""
 
-    def run(polls: list[list[Message]], checkpoint_at: int = -1) -> tuple[dict, int, object]:
+    def run(polls: list[list[Message]], checkpoint_at: int = -1
+            ) -> tuple[dict[int, int], int, PipelineStats]:
         totals: dict[int, int] = {}
         job = EmbeddedStreamJob(detectors=[], window_s=1.0, lateness_s=0.0,
                                 on_window=lambda v, _: totals.__setitem__(
