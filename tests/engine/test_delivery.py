@@ -165,6 +165,7 @@ def test_stamps_survive_a_checkpoint_with_the_windows_they_wait_for() -> None:
     for kept in (seen, restored):
         kept.forget_closed(closed.__getitem__)
     assert restored._digests == seen._digests and len(seen) == 51  # seqs 50 to 100
+    assert len(restored) == 51 == sum(len(d) for d in seen._digests.values())
     assert restored.resent(5, 50, 150) and not restored.resent(5, 49, 147)
     assert not restored.resent(6, 1, 99)
 
@@ -225,6 +226,8 @@ def test_the_stream_job_keeps_stamps_only_for_open_windows_and_merges_no_batch_t
         for i, poll in enumerate(polls):
             job.process_messages(poll)
             most = max(most, len(job.seen))
+            assert job.stats().stamps_kept == len(job.seen) == sum(
+                len(d) for d in job.seen._digests.values())
             if i == checkpoint_at:  # a restart from a checkpoint keeps what was kept
                 job.seen = pickle.loads(pickle.dumps(job.seen))
         job.finish()

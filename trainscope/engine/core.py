@@ -124,6 +124,8 @@ class PipelineStats:
     detector_over_budget: dict[str, int] = field(default_factory=dict)
     # Findings raised from step records before their window closed (detectors/early.py).
     early_flags: int = 0
+    # Producer stamps kept now to drop re-sent batches: those of the open windows' batches.
+    stamps_kept: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -680,6 +682,7 @@ class StreamCore:
         """Close the windows of jobs that stopped sending (``job_idle_s``)."""
         if self.job_idle_s is not None:
             self._handle(self.engine.close_idle(self.job_idle_s))
+            self.seen.forget_closed(self.engine.closed_before)
 
     def request_stop(self, timeout_s: float = 30.0) -> None:
         """Stop soon: retries give up after ``timeout_s`` (safe to call from a signal handler)."""
@@ -701,6 +704,7 @@ class StreamCore:
         self._stats.window.rejected = engine.rejected
         self._stats.window.dropped = engine.late_events
         self._stats.replayed_events = engine.replayed
+        self._stats.stamps_kept = len(self.seen)
         return self._stats
 
 

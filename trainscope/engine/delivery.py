@@ -138,6 +138,9 @@ class SeenBatches:
         self._holders: dict[tuple[int, int], int] = {}
         # (producer id, seq, digest) read from an older checkpoint: see file_unfiled
         self._unfiled: list[tuple[int, int, int]] = []
+        # Kept as stamps come and go: read by the metrics endpoint's thread, where iterating
+        # the dicts could meet them changing.
+        self._count = 0
 
     def resent(self, producer_id: int, seq: int, digest: int) -> bool:
         """True when the same batch (stamp and payload digest) fed a window still kept."""
@@ -156,6 +159,7 @@ class SeenBatches:
         elif seq in seen:  # a different batch under a stamp kept: the first one's is kept
             return
         seen[seq] = digest
+        self._count += 1
         for job_id, index in windows.items():
             by_index = self._until.get(job_id)
             if by_index is None:
@@ -195,13 +199,14 @@ class SeenBatches:
                         continue
                     del holders[(producer_id, seq)]
             seen = digests.get(producer_id)
-            if seen is not None:
-                seen.pop(seq, None)
+            if seen is not None and seen.pop(seq, None) is not None:
+                self._count -= 1
                 if not seen:
                     del digests[producer_id]
 
     def __len__(self) -> int:
-        return sum(len(seen) for seen in self._digests.values())
+        """Stamps kept now."""
+        return self._count
 
     # A checkpoint stores the stamps as arrays per window: one pickle of a few arrays, not of
     # a dict per producer.
@@ -237,6 +242,8 @@ class SeenBatches:
         seen = self._digests.setdefault(producer_id, {})
         if seq in seen:  # filed under another job too
             self._holders[(producer_id, seq)] = self._holders.get((producer_id, seq), 1) + 1
+        else:
+            self._count += 1
         seen[seq] = digest
         self._until.setdefault(job_id, {}).setdefault(index, []).extend((producer_id, seq))
 

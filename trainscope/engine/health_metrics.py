@@ -116,6 +116,9 @@ class PipelineCollector:
         else:
             yield GaugeMetricFamily(PREFIX + "open_windows", "Windows open now.",
                                     value=open_windows)
+        yield GaugeMetricFamily(PREFIX + "stamps_kept",
+                                "Producer stamps kept to drop re-sent batches (those of the "
+                                "open windows' batches).", value=stats.stamps_kept)
         if self.notifier_stats is not None:
             yield from _notifier_metrics(self.notifier_stats())
         if self.auto_profile_counts is not None:
