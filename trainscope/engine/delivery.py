@@ -234,18 +234,14 @@ class SeenBatches:
                 for seq, digest in seen.items()
             ]
             return
+        # Each stamp with every window it was filed under (several for a batch of several
+        # jobs' records), kept again as it was kept the first time.
+        fed: dict[tuple[int, int], tuple[int, dict[str, int]]] = {}
         for job_id, index, stamps, kept in state["windows"]:
             for (producer_id, seq), digest in zip(stamps.tolist(), kept.tolist(), strict=True):
-                self._refile(int(producer_id), int(seq), int(digest), job_id, index)
-
-    def _refile(self, producer_id: int, seq: int, digest: int, job_id: str, index: int) -> None:
-        seen = self._digests.setdefault(producer_id, {})
-        if seq in seen:  # filed under another job too
-            self._holders[(producer_id, seq)] = self._holders.get((producer_id, seq), 1) + 1
-        else:
-            self._count += 1
-        seen[seq] = digest
-        self._until.setdefault(job_id, {}).setdefault(index, []).extend((producer_id, seq))
+                fed.setdefault((producer_id, seq), (digest, {}))[1][job_id] = index
+        for (producer_id, seq), (digest, windows) in fed.items():
+            self.keep(producer_id, seq, digest, windows)
 
     def file_unfiled(self, windows: dict[str, int]) -> None:
         """Stamps of an older checkpoint, which did not say which windows their batches fed:
