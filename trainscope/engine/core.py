@@ -295,7 +295,6 @@ class StreamCore:
         self._ingest_sources(by_source)
         self._flush_dead_letters()
         self._handle(self.engine.close_ready())
-        self.seen.forget_closed(self.engine.closed_before)
         if self._capped:
             self._report_capped()
 
@@ -640,6 +639,8 @@ class StreamCore:
                     self._stats.sink.emitted += 1
             if self.on_window is not None:
                 self.on_window(view, findings)
+        if views:  # however they closed: the stamps of batches that fed only closed windows go
+            self.seen.forget_closed(self.engine.closed_before)
 
     def _write(self, action: Callable[[], None]) -> bool:
         """Write, retrying with backoff; False (counted, logged) if it had to give up."""
@@ -682,7 +683,6 @@ class StreamCore:
         """Close the windows of jobs that stopped sending (``job_idle_s``)."""
         if self.job_idle_s is not None:
             self._handle(self.engine.close_idle(self.job_idle_s))
-            self.seen.forget_closed(self.engine.closed_before)
 
     def request_stop(self, timeout_s: float = 30.0) -> None:
         """Stop soon: retries give up after ``timeout_s`` (safe to call from a signal handler)."""
