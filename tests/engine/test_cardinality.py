@@ -26,7 +26,7 @@ from pipeline_procs import PipelineProcess, publish
 
 from trainscope.detectors.budget import OverBudget, time_budget
 from trainscope.detectors.registry import DetectorRunner
-from trainscope.engine.caps import CapGuard, Caps, Refusal
+from trainscope.engine.caps import CapGuard, Caps, Refusal, _pairs
 from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.schemas.codec import encode_batch
 from trainscope.schemas.records import (
@@ -56,11 +56,14 @@ NORMAL_JOB = ["--job-id", "normal", "--dp", "2", "--pp", "2", "--tp", "2", "--st
               "--window-s", str(WINDOW_S), "--fault", "slow-gpu:rank=5,factor=1.5"]
 
 
-def summaries(job: str, rank: int, names: list[str], window_start_ns: int) -> SummaryBatch:
-    n = len(names)
+def summaries(job: str, rank: int, names: list[str], window_start_ns: int,
+              fn: np.ndarray | None = None) -> SummaryBatch:
+    """``fn``: the rows' functions (default: each of ``names`` once, in order)."""
+    fn = np.arange(len(names)) if fn is None else fn
+    n = len(fn)
     return SummaryBatch.from_arrays(
         job_id=job, window_start_ns=window_start_ns, window_end_ns=window_start_ns + WINDOW_NS,
-        layers=["torch_op"] * n, names=names, rank=[rank] * n, fn=np.arange(n),
+        layers=["torch_op"] * len(names), names=names, rank=[rank] * n, fn=fn,
         count=np.ones(n), total_ns=np.full(n, 1_000_000), min_ns=np.full(n, 1_000_000),
         max_ns=np.full(n, 1_000_000),
     )
@@ -469,24 +472,27 @@ class GeneralPathOnly(CapGuard):
 
 
 def test_a_message_of_one_step_or_sample_is_admitted_as_the_general_path_would() -> None:
-    """Nine in ten messages are a rank's one step of a sender round; they take a path of
-    their own. Mixed with summaries, over windows that close and a cap of 4 open windows
-    (some one-row messages would open a fifth, some come for windows closed already), it
-    admits and refuses exactly what the general path does and leaves the same state."""
+    """Nine in ten messages are a rank's one step of a sender round, and most others a rank's
+    summaries under a function dictionary it sent before; both take paths of their own. Mixed
+    with several ranks' samples over several windows, over windows that close and a cap of 4
+    open windows (some one-row messages would open a fifth, some come for windows closed
+    already), they admit and refuse exactly what the general path does and leave the same
+    state."""
     rng = np.random.default_rng(5)
     closed_before = {"j": 0}
-    guards = [cls(Caps(functions_per_rank=15, functions_per_job=50, open_windows=4),
+    guards = [cls(Caps(functions_per_rank=15, functions_per_job=36, open_windows=4),
                   WINDOW_NS, lambda job: closed_before.get(job, 0))
               for cls in (CapGuard, GeneralPathOnly)]
     verdicts: list[list[Refusal | None]] = [[], []]
-    for poll in range(600):
+    dictionaries = [[f"f{i}" for i in rng.choice(120, n, replace=False)] for n in (3, 6, 11, 16)]
+    for poll in range(900):
         if poll % 60 == 59:
             closed_before["j"] += 1
             for guard in guards:
                 guard.closed("j", (closed_before["j"] - 1) * WINDOW_NS)
         window = closed_before["j"] + int(rng.integers(-1, 6))
         rank = int(rng.integers(0, 8))
-        kind = rng.integers(0, 3)
+        kind = rng.integers(0, 4)
         if kind == 0:
             message: list = [StepBatch.from_records([StepRecord(
                 job_id="j", rank=rank, step=poll, start_ns=window * WINDOW_NS + 1,
@@ -495,9 +501,21 @@ def test_a_message_of_one_step_or_sample_is_admitted_as_the_general_path_would()
             message = [MetricBatch.from_records([MetricSample(
                 job_id="j", rank=rank, host="h", ts_ns=window * WINDOW_NS + 1, name="sm",
                 value=1.0)])]
+        elif kind == 2:  # several ranks' samples over neighbouring windows (a host's)
+            message = [MetricBatch.from_records([MetricSample(
+                job_id="j", rank=int(r), host="h", ts_ns=(window + int(w)) * WINDOW_NS + 1,
+                name="sm", value=1.0) for r, w in zip(rng.integers(0, 8, 6),
+                                                      rng.integers(-1, 2, 6), strict=True)])]
         else:
-            names = [f"f{i}" for i in rng.choice(120, int(rng.integers(1, 12)), replace=False)]
-            message = [summaries("j", rank, names, window * WINDOW_NS)]
+            # Half the ranks send a dictionary they sent before (the usual case, whose ids
+            # are known), half one new to the job.
+            names = (dictionaries[int(rng.integers(0, len(dictionaries)))]
+                     if rng.random() < 0.5 else
+                     [f"f{i}" for i in rng.choice(120, int(rng.integers(1, 12)), replace=False)])
+            # A third with rows in another order, some functions twice, some not at all.
+            fn = (rng.integers(0, len(names), len(names) + 1) if rng.random() < 0.33
+                  else None)
+            message = [summaries("j", rank, names, window * WINDOW_NS, fn)]
         for guard, seen in zip(guards, verdicts, strict=True):
             seen.append(guard.admit(message))
     assert verdicts[0] == verdicts[1]
@@ -513,3 +531,17 @@ def test_a_message_of_one_step_or_sample_is_admitted_as_the_general_path_would()
         assert np.array_equal(window.named, other.named)
         assert {r: f.tolist() for r, f in window.ranks.items()} == {
             r: f.tolist() for r, f in other.ranks.items()}
+
+
+def test_distinct_window_rank_pairs_are_those_numpy_finds() -> None:
+    """A batch's (window, rank) pairs, packed one int64 each: the same as numpy's unique over
+    pairs, for windows before the epoch, windows far apart (unpacked) and the largest ranks."""
+    rng = np.random.default_rng(11)
+    for trial in range(300):
+        n = int(rng.integers(1, 40))
+        low = int(rng.integers(-5, 10**9))
+        span = [3, 2**31 + 5][trial % 2 and trial % 3 == 0]
+        index = low + rng.integers(0, span, n)
+        rank = rng.integers(0, [8, 2**31 - 1][trial % 5 == 0], n)
+        expected = [tuple(p) for p in np.unique(np.stack([index, rank]), axis=1).T.tolist()]
+        assert _pairs(index, rank) == expected

@@ -40,6 +40,7 @@ from trainscope.schemas.records import (
 )
 
 FunctionKey = tuple[str, str, int]  # layer, name, call path
+_DictionaryKey = tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -85,16 +86,19 @@ class _Window:
         known = fids < len(self.named)
         return len(fids) - int(np.count_nonzero(self.named[fids[known]]))
 
-    def name(self, fids: np.ndarray) -> None:
-        """``fids`` (distinct) are named in the window."""
+    def name(self, fids: np.ndarray, added: int | None = None, top: int | None = None
+             ) -> None:
+        """``fids`` (distinct) are named in the window; ``added``, how many of them are new
+        to it, and ``top``, their largest, where the caller knows them already."""
         if not len(fids):
             return
-        top = int(fids.max())
+        if top is None:
+            top = int(fids.max())
         if top >= len(self.named):
             grown = np.zeros(max(2 * len(self.named), top + 1, 64), dtype=bool)
             grown[: len(self.named)] = self.named
             self.named = grown
-        self.functions += self.new_among(fids)
+        self.functions += self.new_among(fids) if added is None else added
         self.named[fids] = True
 
 
@@ -105,12 +109,24 @@ class _Job:
     ids: dict[FunctionKey, int] = field(default_factory=dict)
     # Ids of the batches' function dictionaries seen lately: each rank sends the same one
     # window after window, so a message costs one lookup instead of one per function.
-    dictionaries: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]], np.ndarray] = (
-        field(default_factory=dict))
+    dictionaries: dict[_DictionaryKey, np.ndarray] = field(default_factory=dict)
+    # The ids a dictionary names, sorted and distinct, and their largest: what a batch names
+    # when its rows are the dictionary's functions in order (the producers' batches).
+    in_order: dict[_DictionaryKey, tuple[np.ndarray, int]] = field(default_factory=dict)
     windows: dict[int, _Window] = field(default_factory=dict)
+
+    def named_in_order(self, key: _DictionaryKey, table: np.ndarray) -> tuple[np.ndarray, int]:
+        known = self.in_order.get(key)
+        if known is None:
+            if len(self.in_order) >= _MAX_DICTIONARIES:
+                self.in_order.clear()
+            fids = _distinct(table)
+            known = self.in_order[key] = (fids, int(fids.max()) if len(fids) else -1)
+        return known
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_UNDECIDED = object()  # a fast path's "take the general path"
 _MAX_DICTIONARIES = 4096
 # Per window, per rank: the function ids the message names there (arrays, maybe repeating).
 _Named = dict[int, dict[int, list[np.ndarray]]]
@@ -193,10 +209,63 @@ class CapGuard:
     def admit(self, records: list[Record]) -> Refusal | None:
         """Record what the message's records name and return None, or return why not (and
         record nothing): the message goes over a cap."""
-        if len(records) == 1 and type(records[0]) in (StepBatch, MetricBatch) and len(
-                records[0]) == 1:
-            return self._admit_one_row(records[0])
+        if len(records) == 1:
+            record = records[0]
+            kind = type(record)
+            if kind in (StepBatch, MetricBatch) and len(record) == 1:
+                return self._admit_one_row(record)
+            if kind is SummaryBatch:
+                verdict = self._admit_summaries(record)
+                if verdict is not _UNDECIDED:
+                    return verdict
         return self._admit_named(records)
+
+    def _admit_summaries(self, batch: SummaryBatch) -> Refusal | object | None:
+        """:meth:`admit` for the usual summary message — one rank's batch for one window, its
+        function dictionary known to the job (each rank sends the same one window after
+        window) — without the general path's per-message tables; ``_UNDECIDED`` for any
+        other, left to the general path."""
+        job = self._jobs.get(batch.job_id)
+        raw_rank = batch.rank
+        first = raw_rank[:4]
+        # One rank's rows (a bytes comparison: numpy's per call costs more on 60 values).
+        if job is None or len(first) < 4 or raw_rank != first * (len(raw_rank) // 4):
+            return _UNDECIDED
+        rank = int.from_bytes(first, "little", signed=True)
+        key = (tuple(batch.layers), tuple(batch.names), tuple(batch.callpaths))
+        table = job.dictionaries.get(key)
+        if table is None:
+            return _UNDECIDED  # names new to the job: their ids are given in _named
+        index = batch.window_start_ns // self.window_ns
+        closed_before = self._closed_before(batch.job_id)
+        if index < closed_before:
+            return None  # late: the window engine counts it
+        window = job.windows.get(index)
+        if window is None:
+            _forget_closed(job, closed_before)
+            if len(job.windows) + 1 > self.caps.open_windows:
+                return self._over_open_windows(batch.job_id, job, index, rank, len(batch))
+        if batch.fn == _in_order(len(batch)):
+            fids, top = job.named_in_order(key, table)
+        else:
+            fids, top = _distinct(table[batch.column("fn")]), None
+        old = window.ranks.get(rank) if window is not None else None
+        if old is not None and len(old):  # the rank named functions in the window already
+            refusal = self._check(batch.job_id, window, index, {rank: fids}, len(batch))
+            if refusal is not None:
+                return refusal
+            _name(window, rank, fids)  # type: ignore[arg-type]
+            return None
+        added = window.new_among(fids) if window is not None else len(fids)
+        known = window.functions if window is not None else 0
+        if len(fids) > self.caps.functions_per_rank or (
+                known + added > self.caps.functions_per_job):
+            return self._check(batch.job_id, window, index, {rank: fids}, len(batch))
+        if window is None:
+            window = job.windows[index] = _Window()
+        window.ranks[rank] = fids
+        window.name(fids, added, top)
+        return None
 
     def _admit_named(self, records: list[Record]) -> Refusal | None:
         """:meth:`admit` for any message."""
@@ -228,12 +297,7 @@ class CapGuard:
             window = job.windows.get(index)
             if window is None:
                 window = job.windows[index] = _Window()
-            old = window.ranks.get(rank)
-            if old is None or not len(old):
-                window.ranks[rank] = fids
-            elif len(fids):
-                window.ranks[rank] = _distinct(np.concatenate([old, fids]))
-            window.name(fids)
+            _name(window, rank, fids)
         return None
 
     def _admit_one_row(self, record: StepBatch | MetricBatch) -> Refusal | None:
@@ -244,18 +308,22 @@ class CapGuard:
             index = int(record.column("start_ns")[0]) // self.window_ns
         else:
             index = (int(record.column("ts_ns")[0]) - 1) // self.window_ns
-        job = self._jobs.get(record.job_id)
+        return self.admit_row(record.job_id, index, int(record.column("rank")[0]))
+
+    def admit_row(self, job_id: str, index: int, rank: int) -> Refusal | None:
+        """:meth:`admit` for a message of one step record or metric sample of ``rank`` in
+        window ``index`` (its producer's clock), its values read already."""
+        job = self._jobs.get(job_id)
         if job is None:
-            job = self._jobs[record.job_id] = _Job()
-        closed_before = self._closed_before(record.job_id)
+            job = self._jobs[job_id] = _Job()
+        closed_before = self._closed_before(job_id)
         if index < closed_before:
             return None  # late: the window engine counts it
-        rank = int(record.column("rank")[0])
         window = job.windows.get(index)
         if window is None:
             _forget_closed(job, closed_before)
             if len(job.windows) + 1 > self.caps.open_windows:
-                return self._over_open_windows(record.job_id, job, index, rank, 0)
+                return self._over_open_windows(job_id, job, index, rank, 0)
             window = job.windows[index] = _Window()
         window.ranks.setdefault(rank, _EMPTY)
         return None
@@ -330,8 +398,7 @@ class CapGuard:
                 if index.min() == index.max() and rank.min() == rank.max():  # one of each
                     message.add(int(index[0]), int(rank[0]), _EMPTY)
                     continue
-                opened = np.unique(np.stack([index, rank]), axis=1)
-                for window, one in opened.T.tolist():
+                for window, one in _pairs(index, rank):
                     message.add(window, one, _EMPTY)
         return messages
 
@@ -356,6 +423,29 @@ class CapGuard:
         message.rows += len(batch)
 
 
+def _in_order(rows: int) -> bytes:
+    """The ``fn`` column of a batch whose rows are its dictionary's functions in order."""
+    column = _IN_ORDER.get(rows)
+    if column is None:
+        if len(_IN_ORDER) >= _MAX_DICTIONARIES:
+            _IN_ORDER.clear()
+        column = _IN_ORDER[rows] = np.arange(rows, dtype="<i4").tobytes()
+    return column
+
+
+_IN_ORDER: dict[int, bytes] = {}
+
+
+def _name(window: _Window, rank: int, fids: np.ndarray) -> None:
+    """``rank`` named ``fids`` (distinct, sorted) in ``window``."""
+    old = window.ranks.get(rank)
+    if old is None or not len(old):
+        window.ranks[rank] = fids
+    elif len(fids):
+        window.ranks[rank] = _distinct(np.concatenate([old, fids]))
+    window.name(fids)
+
+
 def _forget_closed(job: _Job, closed_before: int) -> None:
     """The job's windows below ``closed_before`` closed: what their ranks named goes."""
     for index in [i for i in job.windows if i < closed_before]:
@@ -372,6 +462,17 @@ def _distinct(values: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
     return ordered if keep.all() else ordered[keep]
+
+
+def _pairs(index: np.ndarray, rank: np.ndarray) -> list[tuple[int, int]]:
+    """The distinct (window, rank) pairs of a batch's rows. As one int64 each — windows from
+    the first, ranks (validated: in [0, 2**31)) below — and a sort: numpy's unique over pairs
+    cost ~10x as much."""
+    lo = int(index.min())
+    if int(index.max()) - lo >= 1 << 31 or int(rank.min()) < 0:
+        return [(w, r) for w, r in np.unique(np.stack([index, rank]), axis=1).T.tolist()]
+    keys = _distinct(((index - lo) << 32) | rank).tolist()
+    return [((key >> 32) + lo, key & 0xFFFFFFFF) for key in keys]
 
 
 def _busiest(ranks: dict[int, np.ndarray] | dict[int, list[np.ndarray]]) -> int:

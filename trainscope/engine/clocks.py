@@ -445,7 +445,7 @@ def corrected(record: Held, offsets_ns: dict[int, int], window_ns: int) -> Held:
     if sole is not None and not offsets_ns.get(sole, 0):
         return record  # one rank's batch, and its clock is the job's
     if isinstance(record, SpanBatch | StepBatch | MetricBatch):
-        shift = _offsets_of(rank, offsets_ns)
+        shift = offsets_of(rank, offsets_ns)
         if not shift.any():
             return record
         field = "ts_ns" if isinstance(record, MetricBatch) else "start_ns"
@@ -453,7 +453,7 @@ def corrected(record: Held, offsets_ns: dict[int, int], window_ns: int) -> Held:
         return msgspec.structs.replace(record, **{field: times.tobytes()})
     # A summary covers a whole window of its rank's clock: it moves by whole windows (the
     # nearest), as one row; a batch's ranks share a host, hence a clock (else: their median).
-    offset = int(np.median(_offsets_of(rank, offsets_ns))) if len(rank) else 0
+    offset = int(np.median(offsets_of(rank, offsets_ns))) if len(rank) else 0
     windows = round(offset / window_ns)
     if not windows:
         return record
@@ -463,7 +463,7 @@ def corrected(record: Held, offsets_ns: dict[int, int], window_ns: int) -> Held:
     )
 
 
-def _offsets_of(rank: np.ndarray, offsets_ns: dict[int, int]) -> np.ndarray:
+def offsets_of(rank: np.ndarray, offsets_ns: dict[int, int]) -> np.ndarray:
     """Each event's rank's offset, looked up once per distinct rank (of this record only: a
     pass over every rank's offset per record grows with the job's size)."""
     distinct, inverse = np.unique(rank, return_inverse=True)

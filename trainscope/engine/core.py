@@ -42,6 +42,7 @@ from trainscope.engine.clocks import DEFAULT_TOLERANCE_S as CLOCK_TOLERANCE_S
 from trainscope.engine.clocks import clock_skew_findings
 from trainscope.engine.delivery import Backoff, PendingOffsets, SeenBatches
 from trainscope.engine.sink import DeadLetterRow, Sink
+from trainscope.engine.step_rows import StepRows, one_step
 from trainscope.engine.windows import WindowEngine, metric_window
 from trainscope.schemas.codec import BadMessage, decode_envelope
 from trainscope.schemas.records import (
@@ -72,6 +73,15 @@ log = logging.getLogger(__name__)
 # The most message bytes decoded at once (see process_messages).
 POLL_CHUNK_BYTES = 16 * 2**20
 _FED_NOTHING: dict[str, int] = {}  # the windows of a message set aside (never changed)
+
+
+@dataclass
+class _SourcePart:
+    """A poll's accepted messages of one source: those taken one by one, with their records,
+    and the one-step messages by job, with their index in the poll's StepRows."""
+
+    messages: list[tuple[Message, list[Record]]] = field(default_factory=list)
+    steps: dict[str, list[tuple[Message, int]]] = field(default_factory=dict)
 
 
 class StoreLost(RuntimeError):
@@ -226,10 +236,27 @@ class StreamCore:
             self._process_part(part)
 
     def _process_part(self, messages: list[Message]) -> None:
-        # (message, records or None when set aside); kept in message order for the offsets.
+        handled, stamps, rows, lane = self._decode_part(messages)
+        fed = self._admit_part(handled, stamps, rows, lane)
+        self._ingest_sources(self._by_source(handled, fed, rows, lane), rows)
+        self._flush_dead_letters()
+        self._handle(self.engine.close_ready())
+        if self._capped:
+            self._report_capped()
+
+    def _decode_part(self, messages: list[Message]) -> tuple[
+            list[tuple[Message, list[Record] | None]], dict[int, tuple[int, int, int]],
+            StepRows, dict[int, int]]:
+        """Each message with its records (None: set aside), its batch's producer id, sequence
+        and payload digest (see SeenBatches), and the messages of one step record, taken as
+        columns (:mod:`~trainscope.engine.step_rows`; message's place -> its index there).
+        A part that declares a topology is taken message by message: the world size it
+        declares must count only for the messages after it."""
         handled: list[tuple[Message, list[Record] | None]] = []
-        # Producer id, sequence and payload digest of each decoded batch (see SeenBatches).
         stamps: dict[int, tuple[int, int, int]] = {}
+        rows = StepRows()
+        lane: dict[int, int] = {}
+        declares = False
         stats = self._stats
         watched_only = self._only_jobs is not None
         for message in messages:
@@ -248,16 +275,41 @@ class StreamCore:
                 self._reject(message, f"decoding raised {type(exc).__name__}: {exc}")
                 handled.append((message, None))
                 continue
-            handled.append((message, batch.records))
-            stamps[len(handled) - 1] = (batch.producer_id, batch.seq, zlib.crc32(message.value))
-        decoded = [(i, records) for i, (_, records) in enumerate(handled) if records is not None]
-        errors = self._validate([records for _, records in decoded])
-        resent, keep, admit = self.seen.resent, self.seen.keep, self.caps.admit
+            records = batch.records
+            stamps[len(handled)] = (batch.producer_id, batch.seq, zlib.crc32(message.value))
+            step = one_step(records)
+            if step is not None:
+                lane[len(handled)] = rows.add(step)
+            elif not declares:
+                declares = any(type(r) is Topology for r in records)
+            handled.append((message, records))
+        if declares and lane:
+            return handled, stamps, StepRows(), {}
+        if lane:
+            rows.seal(self.engine)
+        return handled, stamps, rows, lane
+
+    def _admit_part(self, handled: list[tuple[Message, list[Record] | None]],
+                    stamps: dict[int, tuple[int, int, int]], rows: StepRows,
+                    lane: dict[int, int]) -> dict[int, dict[str, int]]:
+        """Validate, drop re-sent batches, admit against the caps, in message order; returns,
+        per message kept, the newest window it feeds per job (``handled`` is updated: None for
+        a message set aside)."""
+        stats = self._stats
+        general = [records for i, (_, records) in enumerate(handled)
+                   if records is not None and i not in lane]
+        errors = iter(self._validate(general))
+        row_errors = rows.errors(self._validate) if lane else []
+        resent, keep, admit, admit_row = (self.seen.resent, self.seen.keep, self.caps.admit,
+                                          self.caps.admit_row)
         newest_windows = self._newest_windows
         fed: dict[int, dict[str, int]] = {}  # per message kept, the newest window per job
         validated, emitted = stats.validate, 0
-        for (i, records), error in zip(decoded, errors, strict=True):
-            message = handled[i][0]
+        for i, (message, records) in enumerate(handled):
+            if records is None:
+                continue
+            j = lane.get(i)
+            error = next(errors) if j is None else row_errors[j]
             validated.received += len(records)
             if error is not None:
                 validated.rejected += len(records)
@@ -270,33 +322,48 @@ class StreamCore:
                 stats.duplicate_batches += 1
                 handled[i] = (message, None)
                 continue
-            refusal = admit(records)
+            refusal = (admit(records) if j is None
+                       else admit_row(rows.job_ids[j], rows.raw_window[j], rows.rank[j]))
             if refusal is not None:
                 self._cap_refused(message, refusal)
                 handled[i] = (message, None)
                 continue
             emitted += 1
-            records = _events_as_batches(records)
-            handled[i] = (message, records)
+            if j is None:
+                records = _events_as_batches(records)
+                handled[i] = (message, records)
+                windows = fed[i] = newest_windows(records)
+            else:
+                windows = fed[i] = {rows.job_ids[j]: rows.newest[j]}
             # Only a batch windowed counts as seen: a copy damaged on the way is dead-lettered
             # and does not shadow the intact re-send, nor does a batch refused over a cap.
-            windows = fed[i] = newest_windows(records)
             keep(*stamps[i], windows)
         stats.decode.emitted += emitted
-        by_source: dict[Hashable, list[tuple[Message, list[Record]]]] = {}
+        return fed
+
+    def _by_source(self, handled: list[tuple[Message, list[Record] | None]],
+                   fed: dict[int, dict[str, int]], rows: StepRows, lane: dict[int, int]
+                   ) -> dict[Hashable, _SourcePart]:
+        """Every message's position kept with the windows it feeds; the messages kept, by the
+        source they are windowed under (in the order sources first appear)."""
+        by_source: dict[Hashable, _SourcePart] = {}
         add_offset = self.offsets.add
         for i, (message, records) in enumerate(handled):
             source = (message.topic, message.partition)
             replaced = add_offset(source, message.offset, fed.get(i, _FED_NOTHING))
             if replaced:
                 self.logs_replaced(replaced)
-            if records is not None:
-                by_source.setdefault(self.window_source(message), []).append((message, records))
-        self._ingest_sources(by_source)
-        self._flush_dead_letters()
-        self._handle(self.engine.close_ready())
-        if self._capped:
-            self._report_capped()
+            if records is None:
+                continue
+            part = by_source.get(source := self.window_source(message))
+            if part is None:
+                part = by_source[source] = _SourcePart()
+            j = lane.get(i)
+            if j is None:
+                part.messages.append((message, records))
+            else:
+                part.steps.setdefault(rows.job_ids[j], []).append((message, j))
+        return by_source
 
     def _cap_refused(self, message: Message, refusal: Refusal) -> None:
         """A valid message over a cap: counted, dead-lettered with the reason, and reported
@@ -346,30 +413,34 @@ class StreamCore:
             for rank, (messages, rows, functions, _) in sorted(capped.items())
         ]
 
-    def _ingest_sources(self, by_source: dict[Hashable, list[tuple[Message, list[Record]]]]
-                        ) -> None:
+    def _ingest_sources(self, by_source: dict[Hashable, _SourcePart], rows: StepRows) -> None:
         """Window a poll's accepted messages, source by source, then check the early flags."""
         with self.engine.one_poll():
-            for source, accepted in by_source.items():
-                self._ingest_source(source, accepted)
+            for source, part in by_source.items():
+                self._ingest_source(source, part, rows)
         if by_source:
             self._flag_early()
 
-    def _ingest_source(self, source: Hashable, accepted: list[tuple[Message, list[Record]]]
-                       ) -> None:
-        failed = self._ingest([r for _, records in accepted for r in records], source,
-                              flag_early=False)
-        if failed:
-            # Validated records should never make the engine raise. If they do, every message
-            # of this poll with records of that job is set aside, loudly; other jobs go on.
-            for message, records in accepted:
-                job_id = next((r.job_id for r in records if r.job_id in failed), None)
-                if job_id is not None:
-                    exc = failed[job_id]
-                    self._stats.decode.emitted -= 1
-                    self._reject(message, f"window engine raised {type(exc).__name__}: {exc} "
-                                          f"on job {job_id!r} (its records of this poll may be "
-                                          "partly windowed)")
+    def _ingest_source(self, source: Hashable, part: _SourcePart, rows: StepRows) -> None:
+        records = [r for _, message_records in part.messages for r in message_records]
+        records += [rows.take(job_id, [j for _, j in entries])
+                    for job_id, entries in part.steps.items()]
+        failed = self._ingest(records, source, flag_early=False)
+        if not failed:
+            return
+        # Validated records should never make the engine raise. If they do, every message
+        # of this poll with records of that job is set aside, loudly; other jobs go on.
+        set_aside = [(message, next((r.job_id for r in message_records if r.job_id in failed),
+                                    None)) for message, message_records in part.messages]
+        set_aside += [(message, job_id) for job_id, entries in part.steps.items()
+                      if job_id in failed for message, _ in entries]
+        for message, job_id in set_aside:
+            if job_id is not None:
+                exc = failed[job_id]
+                self._stats.decode.emitted -= 1
+                self._reject(message, f"window engine raised {type(exc).__name__}: {exc} "
+                                      f"on job {job_id!r} (its records of this poll may be "
+                                      "partly windowed)")
 
     def _validate(self, messages: list[list[Record]]) -> list[str | None]:
         """Per message, ``None`` or why it is rejected; a check that raises rejects only the

@@ -41,6 +41,7 @@ from trainscope.engine.clocks import (
     Held,
     RankClocks,
     corrected,
+    offsets_of,
     rows_of,
 )
 from trainscope.engine.frames import metric_frame, step_frame, summary_frame
@@ -679,6 +680,13 @@ class WindowEngine:
         """The known clock offset of the job's rank (0 when not known)."""
         job = self._jobs.get(job_id)
         return 0 if job is None else job.clocks.offsets_ns.get(rank, 0)
+
+    def offsets_of(self, job_id: str, rank: np.ndarray) -> np.ndarray | None:
+        """Each of ``rank``'s known clock offset in the job, or None when none is known."""
+        job = self._jobs.get(job_id)
+        if job is None or not job.clocks.offsets_ns:
+            return None
+        return offsets_of(rank, job.clocks.offsets_ns)
 
     def held_records(self) -> int:
         """Records held while their ranks' clock offsets are estimated (each step record and
