@@ -12,7 +12,7 @@ import pytest
 import trainscope.engine.core as core
 from trainscope.engine.caps import Caps
 from trainscope.engine.embedded_job import EmbeddedStreamJob
-from trainscope.engine.step_rows import one_step
+from trainscope.engine.step_rows import StepRows, one_step
 from trainscope.producers.simulate import ClusterSpec, SimulatedCluster, parse_faults
 from trainscope.schemas.codec import encode_stamped
 from trainscope.schemas.records import MetricBatch, StepBatch, StepRecord
@@ -140,6 +140,20 @@ def test_one_step_messages_as_columns_do_what_the_general_path_does(
     assert sum("rank" in e for _, _, e in general["dead"]) > 5  # type: ignore[union-attr]
     assert sum("job_id" in e for _, _, e in general["dead"]) > 2  # type: ignore[union-attr]
     assert {w[0] for w in general["windows"]} == {"sim-job", "other"}  # type: ignore[union-attr]
+
+
+def test_a_poll_whose_columns_cannot_be_built_is_taken_one_by_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building the columns should never raise on decoded batches; if it does, the stream
+    job logs it and takes those messages the general way, losing nothing."""
+    messages = bus_messages(3)[:1500]
+    expected = run(messages, 3)
+
+    def broken(self: StepRows, engine: object) -> None:
+        raise RuntimeError("broken columns")
+
+    monkeypatch.setattr(StepRows, "seal", broken)
+    assert run(messages, 3) == expected
 
 
 def test_only_messages_of_exactly_one_step_record_take_the_columns() -> None:

@@ -286,7 +286,12 @@ class StreamCore:
         if declares and lane:
             return handled, stamps, StepRows(), {}
         if lane:
-            rows.seal(self.engine)
+            try:
+                rows.seal(self.engine)
+            except Exception:  # never on decoded batches; if it does, one by one as before
+                log.exception("a poll's one-step messages could not be taken as columns; "
+                              "taking them one by one")
+                return handled, stamps, StepRows(), {}
         return handled, stamps, rows, lane
 
     def _admit_part(self, handled: list[tuple[Message, list[Record] | None]],
