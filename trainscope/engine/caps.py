@@ -237,14 +237,10 @@ class CapGuard:
         if table is None:
             return _UNDECIDED  # names new to the job: their ids are given in _named
         index = batch.window_start_ns // self.window_ns
-        closed_before = self._closed_before(batch.job_id)
-        if index < closed_before:
-            return None  # late: the window engine counts it
+        late, refusal = self._late_or_over(batch.job_id, job, index, rank, len(batch))
+        if late or refusal is not None:
+            return refusal
         window = job.windows.get(index)
-        if window is None:
-            _forget_closed(job, closed_before)
-            if len(job.windows) + 1 > self.caps.open_windows:
-                return self._over_open_windows(batch.job_id, job, index, rank, len(batch))
         if batch.fn == _in_order(len(batch)):
             fids, top = job.named_in_order(key, table)
         else:
@@ -316,17 +312,28 @@ class CapGuard:
         job = self._jobs.get(job_id)
         if job is None:
             job = self._jobs[job_id] = _Job()
-        closed_before = self._closed_before(job_id)
-        if index < closed_before:
-            return None  # late: the window engine counts it
+        late, refusal = self._late_or_over(job_id, job, index, rank, 0)
+        if late or refusal is not None:
+            return refusal
         window = job.windows.get(index)
         if window is None:
-            _forget_closed(job, closed_before)
-            if len(job.windows) + 1 > self.caps.open_windows:
-                return self._over_open_windows(job_id, job, index, rank, 0)
             window = job.windows[index] = _Window()
         window.ranks.setdefault(rank, _EMPTY)
         return None
+
+    def _late_or_over(self, job_id: str, job: _Job, index: int, rank: int, rows: int
+                      ) -> tuple[bool, Refusal | None]:
+        """Whether the job's window ``index`` is closed (its rows are late: the window engine
+        counts them, nothing to admit), and else the refusal if opening it would pass the
+        open-windows cap (None: admit)."""
+        closed_before = self._closed_before(job_id)
+        if index < closed_before:
+            return True, None
+        if index not in job.windows:
+            _forget_closed(job, closed_before)
+            if len(job.windows) + 1 > self.caps.open_windows:
+                return False, self._over_open_windows(job_id, job, index, rank, rows)
+        return False, None
 
     def _over_open_windows(self, job_id: str, job: _Job, index: int, rank: int, rows: int
                            ) -> Refusal:
