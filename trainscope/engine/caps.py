@@ -86,10 +86,9 @@ class _Window:
         known = fids < len(self.named)
         return len(fids) - int(np.count_nonzero(self.named[fids[known]]))
 
-    def name(self, fids: np.ndarray, added: int | None = None, top: int | None = None
-             ) -> None:
-        """``fids`` (distinct) are named in the window; ``added``, how many of them are new
-        to it, and ``top``, their largest, where the caller knows them already."""
+    def name(self, fids: np.ndarray, top: int | None = None) -> None:
+        """``fids`` (distinct) are named in the window; ``top``, their largest, where the
+        caller knows it already."""
         if not len(fids):
             return
         if top is None:
@@ -98,7 +97,7 @@ class _Window:
             grown = np.zeros(max(2 * len(self.named), top + 1, 64), dtype=bool)
             grown[: len(self.named)] = self.named
             self.named = grown
-        self.functions += self.new_among(fids) if added is None else added
+        self.functions += self.new_among(fids)
         self.named[fids] = True
 
 
@@ -245,22 +244,12 @@ class CapGuard:
             fids, top = job.named_in_order(key, table)
         else:
             fids, top = _distinct(table[batch.column("fn")]), None
-        old = window.ranks.get(rank) if window is not None else None
-        if old is not None and len(old):  # the rank named functions in the window already
-            refusal = self._check(batch.job_id, window, index, {rank: fids}, len(batch))
-            if refusal is not None:
-                return refusal
-            _name(window, rank, fids)  # type: ignore[arg-type]
-            return None
-        added = window.new_among(fids) if window is not None else len(fids)
-        known = window.functions if window is not None else 0
-        if len(fids) > self.caps.functions_per_rank or (
-                known + added > self.caps.functions_per_job):
-            return self._check(batch.job_id, window, index, {rank: fids}, len(batch))
+        refusal = self._check(batch.job_id, window, index, {rank: fids}, len(batch))
+        if refusal is not None:
+            return refusal
         if window is None:
             window = job.windows[index] = _Window()
-        window.ranks[rank] = fids
-        window.name(fids, added, top)
+        _name(window, rank, fids, top)
         return None
 
     def _admit_named(self, records: list[Record]) -> Refusal | None:
@@ -443,14 +432,15 @@ def _in_order(rows: int) -> bytes:
 _IN_ORDER: dict[int, bytes] = {}
 
 
-def _name(window: _Window, rank: int, fids: np.ndarray) -> None:
-    """``rank`` named ``fids`` (distinct, sorted) in ``window``."""
+def _name(window: _Window, rank: int, fids: np.ndarray, top: int | None = None) -> None:
+    """``rank`` named ``fids`` (distinct, sorted; ``top`` their largest if known) in
+    ``window``."""
     old = window.ranks.get(rank)
     if old is None or not len(old):
         window.ranks[rank] = fids
     elif len(fids):
         window.ranks[rank] = _distinct(np.concatenate([old, fids]))
-    window.name(fids)
+    window.name(fids, top)
 
 
 def _forget_closed(job: _Job, closed_before: int) -> None:

@@ -47,10 +47,8 @@ class StepRows:
         self.raw_window: list[int] = []  # by the producer's clock (as the caps count windows)
         self.newest: list[int] = []  # on the job's clock (the window it feeds)
         self._jobs: dict[str, StepBatch] = {}  # each job's rows, in message order
+        self._indices: dict[str, list[int]] = {}  # each job's messages (indices here)
         self._row_of = np.zeros(0, dtype=np.int64)  # each message's row in its job's batch
-
-    def __len__(self) -> int:
-        return len(self.batches)
 
     def add(self, batch: StepBatch) -> int:
         """A one-step message's batch; returns its index here."""
@@ -60,7 +58,7 @@ class StepRows:
     def seal(self, engine: WindowEngine) -> None:
         """Each job's rows as one batch, and each message's windows and rank from it, with the
         clock offsets the engine knows now (as each message's would be read before filing)."""
-        by_job: dict[str, list[int]] = {}
+        by_job = self._indices
         for index, batch in enumerate(self.batches):
             by_job.setdefault(batch.job_id, []).append(index)
         count = len(self.batches)
@@ -96,7 +94,7 @@ class StepRows:
         for job_id, joined in self._jobs.items():
             if validate([[joined]])[0] is None:
                 continue
-            indices = [i for i, j in enumerate(self.job_ids) if j == job_id]
+            indices = self._indices[job_id]
             for i, error in zip(indices, validate([[self.batches[i]] for i in indices]),
                                 strict=True):
                 errors[i] = error
