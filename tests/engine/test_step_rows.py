@@ -88,8 +88,10 @@ def bus_messages(seed: int) -> list[Message]:
     return messages
 
 
-def run(messages: list[Message], seed: int) -> dict[str, object]:
-    """Everything the stream job did with ``messages``, polled in random sizes."""
+def run(messages: list[Message], seed: int, sizes: list[int] | None = None
+        ) -> dict[str, object]:
+    """Everything the stream job did with ``messages``, polled in random sizes (or in
+    ``sizes``, then the rest)."""
     windows: list[tuple] = []
     early: list[tuple] = []
     dead: list[tuple[int, int, str]] = []
@@ -113,7 +115,7 @@ def run(messages: list[Message], seed: int) -> dict[str, object]:
     positions, stamps = [], []
     at = 0
     while at < len(messages):
-        size = int(rng.integers(1, 90))
+        size = sizes.pop(0) if sizes else int(rng.integers(1, 90))
         job.process_messages(messages[at:at + size])
         at += size
         positions.append(job.offsets.positions(job.engine.closed_before))
@@ -164,3 +166,38 @@ def test_only_messages_of_exactly_one_step_record_take_the_columns() -> None:
     assert one_step([one]) is one
     assert one_step([two]) is None and one_step([one, one]) is None and one_step([]) is None
     assert one_step([StepRecord(job_id="j", rank=0, step=1, start_ns=1, duration_ns=1)]) is None
+
+
+def test_batches_under_one_stamp_keep_the_first_whichever_way_they_are_taken(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One-step messages into open windows are admitted apart from the poll's order; a stamp
+    that another message of the poll also carries (a producer that reused one, or two that
+    drew the same id) must still keep the first batch under it, so that a later re-send of
+    that batch is dropped, not windowed twice."""
+    start = 1_700_000_000 * 10**9
+
+    def step(rank: int, number: int, extra_ns: int = 0) -> StepBatch:
+        return StepBatch.from_records([StepRecord(
+            job_id="j", rank=rank, step=number, start_ns=start + number * 10**9 + extra_ns,
+            duration_ns=900_000_000)])
+
+    opening = [encode_stamped([step(r, n)], 1 + r, n) for n in range(6) for r in range(4)]
+    # Into window 2 (steps 4 and 5), open since the first poll.
+    two_steps = encode_stamped([StepBatch.concat([step(0, 4, 1), step(0, 5, 1)])], 77, 1)
+    one_step_under_77 = encode_stamped([step(1, 5, 2)], 77, 1)
+    first_under_88 = encode_stamped([step(2, 5, 3)], 88, 1)
+    colliding = [two_steps, one_step_under_77, first_under_88,
+                 encode_stamped([step(2, 5, 4)], 88, 1), first_under_88]
+    later = [two_steps, one_step_under_77]  # re-sent a poll later
+    closing = [encode_stamped([step(r, n)], 1 + r, n) for n in range(6, 12) for r in range(4)]
+    payloads = opening + colliding + later + closing
+    messages = [Message("events", 0, i, None, p) for i, p in enumerate(payloads)]
+    sizes = [len(opening), len(colliding), len(later)]
+    lane = run(messages, 7, list(sizes))
+    monkeypatch.setattr(core, "one_step", lambda records: None)
+    general = run(messages, 7, list(sizes))
+    assert lane == general
+    stats = general["stats"]
+    # The re-sends of two_steps and of the first batch under (88, 1); one_step_under_77 is
+    # windowed both times (its stamp holds two_steps' digest).
+    assert isinstance(stats, dict) and stats["duplicate_batches"] == 2

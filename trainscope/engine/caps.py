@@ -310,6 +310,28 @@ class CapGuard:
         window.ranks.setdefault(rank, _EMPTY)
         return None
 
+    def opens_nothing(self, job_id: str, indices: list[int]) -> set[int]:
+        """Of windows ``indices`` of the job (its producers' clock), those a row is admitted
+        into without opening a window: closed (its rows are late) or open already. Such rows
+        pass the caps whatever else a poll admits, so they may be admitted together
+        (:meth:`note_ranks`)."""
+        job = self._jobs.get(job_id)
+        closed_before = self._closed_before(job_id)
+        return {index for index in indices
+                if index < closed_before or (job is not None and index in job.windows)}
+
+    def note_ranks(self, job_id: str, index: int, ranks: list[int]) -> None:
+        """What :meth:`admit_row` records of rows of ``ranks`` admitted into window ``index``
+        of :meth:`opens_nothing`."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            job = self._jobs[job_id] = _Job()
+        if index < self._closed_before(job_id):
+            return  # closed: late rows name nothing
+        setdefault = job.windows[index].ranks.setdefault
+        for rank in ranks:
+            setdefault(rank, _EMPTY)
+
     def _late_or_over(self, job_id: str, job: _Job, index: int, rank: int, rows: int
                       ) -> tuple[bool, Refusal | None]:
         """Whether the job's window ``index`` is closed (its rows are late: the window engine

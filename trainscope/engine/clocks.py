@@ -137,6 +137,8 @@ class RankClocks:
                     cache.pop(step, None)
         noted = np.unique(rank)
         self.ranks.update(noted.tolist())
+        if len(noted):  # not a field (see _step_diffs): the highest rank, for _dense_diffs
+            vars(self)["_top_rank"] = max(int(noted[-1]), vars(self).get("_top_rank", -1))
         # Not a field (see _step_diffs): the ranks whose estimates the next calibrate() owes.
         vars(self).setdefault("_noted", []).append(noted.astype(np.int64))
         if len(self.ends) > KEPT_STEPS:
@@ -195,13 +197,19 @@ class RankClocks:
             return empty, empty, empty
         if 2 * len(due) >= len(self.ranks):
             return self._estimate_arrays(world_size)
-        columns = []
+        dense = []
         for step in steps:
             column = self._dense_diffs(step)
             if column is None:
                 return self._estimate_arrays(world_size)
-            inside = (due >= 0) & (due < len(column))
-            columns.append(np.where(inside, column[np.where(inside, due, 0)], _MISSING))
+            dense.append(column)
+        if int(due[0]) >= 0 and int(due[-1]) < min(len(column) for column in dense):
+            columns = [column[due] for column in dense]  # the usual: every due rank inside
+        else:
+            columns = []
+            for column in dense:
+                inside = (due >= 0) & (due < len(column))
+                columns.append(np.where(inside, column[np.where(inside, due, 0)], _MISSING))
         return _table_medians(np.stack(columns, axis=1), due)
 
     def _dense_diffs(self, step: int) -> np.ndarray | None:
@@ -228,7 +236,10 @@ class RankClocks:
         size = int(ranks.max()) + 1 if len(ranks) else 0
         if len(ranks) and int(ranks.min()) >= 0 and _dense_enough(size, len(ranks)):
             # Room for the step's ranks to come (the job's ranks so far), so it grows in place.
-            size = max(size, max(self.ranks, default=-1) + 1)
+            top = vars(self).get("_top_rank")  # a job pickled by an older version lacks it
+            if top is None:
+                top = vars(self)["_top_rank"] = max(self.ranks, default=-1)
+            size = max(size, top + 1)
             column = np.full(size, _MISSING, dtype=np.int64)
             column[ranks] = diffs
         dense[step] = (diffs, column, take)

@@ -41,6 +41,7 @@ from trainscope.engine.caps import CapGuard, Caps, Refusal
 from trainscope.engine.clocks import DEFAULT_TOLERANCE_S as CLOCK_TOLERANCE_S
 from trainscope.engine.clocks import clock_skew_findings
 from trainscope.engine.delivery import Backoff, PendingOffsets, SeenBatches
+from trainscope.engine.gc_pause import collector_paused
 from trainscope.engine.sink import DeadLetterRow, Sink
 from trainscope.engine.step_rows import StepRows, one_step
 from trainscope.engine.windows import WindowEngine, metric_window
@@ -70,8 +71,11 @@ from trainscope.transport.bus import (
 
 log = logging.getLogger(__name__)
 
-# The most message bytes decoded at once (see process_messages).
+# The most message bytes, and messages, decoded at once (see process_messages). A consumer
+# catching up delivers polls of 20,000 messages; parts of a few thousand took a tenth less
+# CPU than whole polls (bench_pipeline.py at 10,240 ranks: 1,000 to 8,000 alike).
 POLL_CHUNK_BYTES = 16 * 2**20
+POLL_CHUNK_MESSAGES = 4096
 _FED_NOTHING: dict[str, int] = {}  # the windows of a message set aside (never changed)
 
 
@@ -231,9 +235,11 @@ class StreamCore:
         (partition), and every message's offset is recorded with the windows it feeds.
 
         A poll of many large messages is handled a part at a time, as if polled apart: what
-        is decoded at once (Python objects, several times the bytes) stays bounded."""
-        for part in _parts(messages, POLL_CHUNK_BYTES):
-            self._process_part(part)
+        is decoded at once (Python objects, several times the bytes) stays bounded. Python's
+        cycle collector is paused meanwhile (:func:`collector_paused`)."""
+        with collector_paused():
+            for part in _parts(messages, POLL_CHUNK_BYTES, POLL_CHUNK_MESSAGES):
+                self._process_part(part)
 
     def _process_part(self, messages: list[Message]) -> None:
         handled, stamps, rows, lane = self._decode_part(messages)
@@ -276,23 +282,35 @@ class StreamCore:
                 handled.append((message, None))
                 continue
             records = batch.records
-            stamps[len(handled)] = (batch.producer_id, batch.seq, zlib.crc32(message.value))
+            place = len(handled)
+            stamp = (batch.producer_id, batch.seq, zlib.crc32(message.value))
             step = one_step(records)
             if step is not None:
-                lane[len(handled)] = rows.add(step)
-            elif not declares:
-                declares = any(type(r) is Topology for r in records)
+                lane[place] = rows.add(step, place, stamp)
+            else:
+                stamps[place] = stamp
+                if not declares:
+                    declares = any(type(r) is Topology for r in records)
             handled.append((message, records))
         if declares and lane:
-            return handled, stamps, StepRows(), {}
+            return self._one_by_one(handled, stamps, rows)
         if lane:
             try:
                 rows.seal(self.engine)
             except Exception:  # never on decoded batches; if it does, one by one as before
                 log.exception("a poll's one-step messages could not be taken as columns; "
                               "taking them one by one")
-                return handled, stamps, StepRows(), {}
+                return self._one_by_one(handled, stamps, rows)
         return handled, stamps, rows, lane
+
+    @staticmethod
+    def _one_by_one(handled: list[tuple[Message, list[Record] | None]],
+                    stamps: dict[int, tuple[int, int, int]], rows: StepRows) -> tuple[
+            list[tuple[Message, list[Record] | None]], dict[int, tuple[int, int, int]],
+            StepRows, dict[int, int]]:
+        """:meth:`_decode_part`'s result with its one-step messages taken one by one."""
+        stamps.update(zip(rows.places, rows.stamps, strict=True))
+        return handled, stamps, StepRows(), {}
 
     def _admit_part(self, handled: list[tuple[Message, list[Record] | None]],
                     stamps: dict[int, tuple[int, int, int]], rows: StepRows,
@@ -304,17 +322,28 @@ class StreamCore:
         general = [records for i, (_, records) in enumerate(handled)
                    if records is not None and i not in lane]
         errors = iter(self._validate(general))
-        row_errors = rows.errors(self._validate) if lane else []
+        fed: dict[int, dict[str, int]] = {}  # per message kept, the newest window per job
+        apart: list[bool] = []
+        row_errors: list[str | None] = []
+        emitted = 0
+        if lane:
+            row_errors = rows.errors(self._validate)
+            apart, emitted = self._admit_apart(handled, stamps, rows, row_errors, fed)
         resent, keep, admit, admit_row = (self.seen.resent, self.seen.keep, self.caps.admit,
                                           self.caps.admit_row)
         newest_windows = self._newest_windows
-        fed: dict[int, dict[str, int]] = {}  # per message kept, the newest window per job
-        validated, emitted = stats.validate, 0
+        validated = stats.validate
         for i, (message, records) in enumerate(handled):
             if records is None:
                 continue
             j = lane.get(i)
-            error = next(errors) if j is None else row_errors[j]
+            if j is None:
+                error = next(errors)
+                stamp = stamps[i]
+            elif apart[j]:
+                continue
+            else:
+                error, stamp = row_errors[j], rows.stamps[j]
             validated.received += len(records)
             if error is not None:
                 validated.rejected += len(records)
@@ -322,7 +351,7 @@ class StreamCore:
                 handled[i] = (message, None)
                 continue
             validated.emitted += len(records)
-            if resent(*stamps[i]):
+            if resent(*stamp):
                 stats.decode.dropped += 1
                 stats.duplicate_batches += 1
                 handled[i] = (message, None)
@@ -342,9 +371,40 @@ class StreamCore:
                 windows = fed[i] = {rows.job_ids[j]: rows.newest[j]}
             # Only a batch windowed counts as seen: a copy damaged on the way is dead-lettered
             # and does not shadow the intact re-send, nor does a batch refused over a cap.
-            keep(*stamps[i], windows)
+            keep(*stamp, windows)
         stats.decode.emitted += emitted
         return fed
+
+    def _admit_apart(self, handled: list[tuple[Message, list[Record] | None]],
+                     stamps: dict[int, tuple[int, int, int]], rows: StepRows,
+                     errors: list[str | None], fed: dict[int, dict[str, int]]
+                     ) -> tuple[list[bool], int]:
+        """The one-step messages whose admission does not depend on the poll's order, at once
+        (:meth:`StepRows.admit_apart`); returns which were taken so, and how many kept."""
+        others = {stamp[:2] for stamp in stamps.values()}
+        apart, kept = rows.admit_apart(errors, self.caps, self.seen, others)
+        taken = apart.count(True)
+        stats = self._stats
+        stats.validate.received += taken
+        stats.validate.emitted += taken
+        stats.decode.dropped += taken - len(kept)
+        stats.duplicate_batches += taken - len(kept)
+        places = rows.places
+        if taken > len(kept):  # re-sends: set aside
+            fresh = set(kept)
+            for j in range(len(apart)):
+                if apart[j] and j not in fresh:
+                    handled[places[j]] = (handled[places[j]][0], None)
+        # Messages feeding the same window share one mapping (never changed once made).
+        shared: dict[tuple[str, int], dict[str, int]] = {}
+        job_ids, newest = rows.job_ids, rows.newest
+        for j in kept:
+            key = (job_ids[j], newest[j])
+            windows = shared.get(key)
+            if windows is None:
+                windows = shared[key] = {key[0]: key[1]}
+            fed[places[j]] = windows
+        return apart, len(kept)
 
     def _by_source(self, handled: list[tuple[Message, list[Record] | None]],
                    fed: dict[int, dict[str, int]], rows: StepRows, lane: dict[int, int]
@@ -812,12 +872,15 @@ class ProfileParts:
         return None
 
 
-def _parts(messages: list[Message], max_bytes: int) -> list[list[Message]]:
-    """``messages`` in order, cut into parts of at most ``max_bytes`` (or one message)."""
+def _parts(messages: list[Message], max_bytes: int, max_messages: int
+           ) -> list[list[Message]]:
+    """``messages`` in order, cut into parts of at most ``max_bytes`` (or one message) and
+    ``max_messages``."""
     parts: list[list[Message]] = [[]]
     size = 0
     for message in messages:
-        if parts[-1] and size + len(message.value) > max_bytes:
+        if parts[-1] and (size + len(message.value) > max_bytes
+                          or len(parts[-1]) >= max_messages):
             parts.append([])
             size = 0
         parts[-1].append(message)

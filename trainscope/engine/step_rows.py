@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from trainscope.engine.caps import CapGuard
+from trainscope.engine.delivery import SeenBatches
 from trainscope.engine.windows import WindowEngine
 from trainscope.schemas.records import Record, StepBatch
 
@@ -42,6 +44,8 @@ class StepRows:
 
     def __init__(self) -> None:
         self.batches: list[StepBatch] = []
+        self.places: list[int] = []  # each message's place in the poll's part
+        self.stamps: list[tuple[int, int, int]] = []  # producer id, sequence, payload digest
         self.job_ids: list[str] = []
         self.rank: list[int] = []
         self.raw_window: list[int] = []  # by the producer's clock (as the caps count windows)
@@ -50,9 +54,12 @@ class StepRows:
         self._indices: dict[str, list[int]] = {}  # each job's messages (indices here)
         self._row_of = np.zeros(0, dtype=np.int64)  # each message's row in its job's batch
 
-    def add(self, batch: StepBatch) -> int:
-        """A one-step message's batch; returns its index here."""
+    def add(self, batch: StepBatch, place: int, stamp: tuple[int, int, int]) -> int:
+        """A one-step message's batch, its place in the part and its stamp (see
+        :class:`~trainscope.engine.delivery.SeenBatches`); returns its index here."""
         self.batches.append(batch)
+        self.places.append(place)
+        self.stamps.append(stamp)
         return len(self.batches) - 1
 
     def seal(self, engine: WindowEngine) -> None:
@@ -99,6 +106,39 @@ class StepRows:
                                 strict=True):
                 errors[i] = error
         return errors
+
+    def admit_apart(self, errors: list[str | None], caps: CapGuard, seen: SeenBatches,
+                    others: set[tuple[int, int]]) -> tuple[list[bool], list[int]]:
+        """Admit, at once, the messages whose verdict does not depend on the poll's order:
+        valid, into a window that is open or closed already (:meth:`CapGuard.opens_nothing`:
+        no cap can refuse them, whatever the poll's other messages open), under a stamp no
+        message of ``others`` (the stamps of the poll's other messages) has, so that which
+        of two batches under one stamp is kept stays the first's. Returns, per message here,
+        whether it was taken apart, and the indices of those that were not re-sends (kept
+        and noted with the caps); the rest go through the poll one by one, in order."""
+        count = len(self.batches)
+        candidate = [e is None for e in errors]
+        for job_id, indices in self._indices.items():
+            raw = self.raw_window
+            opens_nothing = caps.opens_nothing(job_id, list({raw[i] for i in indices}))
+            for i in indices:
+                if raw[i] not in opens_nothing:
+                    candidate[i] = False
+        stamps = self.stamps
+        others = others | {stamps[i][:2] for i in range(count) if not candidate[i]}
+        apart = [candidate[i] and stamps[i][:2] not in others for i in range(count)]
+        taken = [i for i in range(count) if apart[i]]
+        job_ids, newest = self.job_ids, self.newest
+        new = seen.keep_new([stamps[i] for i in taken], [job_ids[i] for i in taken],
+                            [newest[i] for i in taken])
+        kept = [i for i, fresh in zip(taken, new, strict=True) if fresh]
+        by_window: dict[tuple[str, int], list[int]] = {}
+        rank, raw = self.rank, self.raw_window
+        for i in kept:
+            by_window.setdefault((job_ids[i], raw[i]), []).append(rank[i])
+        for (job_id, index), ranks in by_window.items():
+            caps.note_ranks(job_id, index, ranks)
+        return apart, kept
 
     def take(self, job_id: str, indices: Sequence[int]) -> StepBatch:
         """The rows of messages ``indices`` (all of job ``job_id``), as one batch."""
