@@ -94,7 +94,7 @@ def test_one_bad_record_rejects_its_whole_message() -> None:
 
 
 def test_an_unexpected_exception_while_decoding_dead_letters_the_message(monkeypatch) -> None:
-    from trainscope.engine import core as module
+    from trainscope.engine import intake as module
 
     real = module.decode_envelope
 

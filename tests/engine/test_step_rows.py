@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import trainscope.engine.core as core
+import trainscope.engine.intake as intake
 from trainscope.engine.caps import Caps
 from trainscope.engine.embedded_job import EmbeddedStreamJob
 from trainscope.engine.step_rows import StepRows, one_step
@@ -130,7 +130,7 @@ def test_one_step_messages_as_columns_do_what_the_general_path_does(
         seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     messages = bus_messages(seed)
     lane = run(messages, seed)
-    monkeypatch.setattr(core, "one_step", lambda records: None)  # every message one by one
+    monkeypatch.setattr(intake, "one_step", lambda records: None)  # every message one by one
     general = run(messages, seed)
     for key in ("stats", "dead", "positions", "stamps", "windows", "early"):
         assert lane[key] == general[key], key
@@ -194,7 +194,7 @@ def test_batches_under_one_stamp_keep_the_first_whichever_way_they_are_taken(
     messages = [Message("events", 0, i, None, p) for i, p in enumerate(payloads)]
     sizes = [len(opening), len(colliding), len(later)]
     lane = run(messages, 7, list(sizes))
-    monkeypatch.setattr(core, "one_step", lambda records: None)
+    monkeypatch.setattr(intake, "one_step", lambda records: None)
     general = run(messages, 7, list(sizes))
     assert lane == general
     stats = general["stats"]

@@ -161,15 +161,7 @@ class SeenBatches:
         seen[seq] = digest
         self._count += 1
         for job_id, index in windows.items():
-            by_index = self._until.get(job_id)
-            if by_index is None:
-                by_index = self._until[job_id] = {}
-            stamps = by_index.get(index)
-            if stamps is None:
-                by_index[index] = [producer_id, seq]
-            else:
-                stamps.append(producer_id)
-                stamps.append(seq)
+            self._file(job_id, index, producer_id, seq)
         if len(windows) > 1:
             self._holders[(producer_id, seq)] = len(windows)
 
@@ -179,7 +171,7 @@ class SeenBatches:
         for batches of one job each (``newest``: the window of ``job_ids`` each fed): whether
         each is new. The same verdicts and stamps as those calls; one loop for a poll's
         one-step messages, where two calls a message cost more than their dict operations."""
-        digests, until = self._digests, self._until
+        digests, file = self._digests, self._file
         new: list[bool] = []
         kept = 0
         for (producer_id, seq, digest), job_id, index in zip(stamps, job_ids, newest,
@@ -202,18 +194,22 @@ class SeenBatches:
                     continue
             seen[seq] = digest
             kept += 1
-            by_index = until.get(job_id)
-            if by_index is None:
-                by_index = until[job_id] = {}
-            filed = by_index.get(index)
-            if filed is None:
-                by_index[index] = [producer_id, seq]
-            else:
-                filed.append(producer_id)
-                filed.append(seq)
+            file(job_id, index, producer_id, seq)
             new.append(True)
         self._count += kept
         return new
+
+    def _file(self, job_id: str, index: int, producer_id: int, seq: int) -> None:
+        """Keep the stamp until the job's window ``index`` is closed (and the one after)."""
+        by_index = self._until.get(job_id)
+        if by_index is None:
+            by_index = self._until[job_id] = {}
+        stamps = by_index.get(index)
+        if stamps is None:
+            by_index[index] = [producer_id, seq]
+        else:
+            stamps.append(producer_id)
+            stamps.append(seq)
 
     def forget_closed(self, closed_before: Callable[[str], int]) -> None:
         """Forget the stamps of batches whose windows are closed, and the window after them."""
