@@ -22,7 +22,8 @@ Two workloads, each produced first (not timed as pipeline work), then processed 
 
 Every message is handed to the stream job as the bus delivers it (``process_messages``: topic,
 partition and offset; the partition its key picks, keyed by job and rank as the producers key
-them; 256 messages a poll), so decoding, de-duplication, the caps and the positions kept per
+them; polls of 20,000 messages, partition by partition, as a consumer behind a backlog gets
+them, ``--poll-records``), so decoding, de-duplication, the caps and the positions kept per
 message are measured with the windowing. Until 2026-12-07 the records were decoded here and
 handed over as records (``process_records``), which skipped that per-message work and
 measured 2.5-6x the rate ``trainscope pipeline`` reaches.
@@ -33,7 +34,7 @@ time for the window engine and the detectors, and the whole process's for the si
 embedded store works in threads of its own.
 
 Run:  python benchmarks/bench_pipeline.py [--quick] [--only spans|summaries] [--ranks 1024,10240]
-      [--baselines-up-to 10240] [--step-messages round|window]
+      [--baselines-up-to 10240] [--step-messages round|window] [--poll-records 20000]
 """
 
 from __future__ import annotations
@@ -102,7 +103,10 @@ SOURCE = (8, 8, 2)  # dp, pp, tp of the simulated job the summaries workload is 
 PARTS = (0.35, 0.25, 0.15, 0.10, 0.10, 0.05)
 WINDOW_S = 15.0
 WINDOW_NS = int(WINDOW_S * 1e9)
-CHUNK = 256  # messages per poll, as the bus pipeline hands them over
+# Messages per poll: `trainscope pipeline` polls up to 20,000 (BusStreamJob.poll_once), and a
+# consumer behind a backlog gets them (60,000 queued one-step messages on the real broker came
+# in 3 polls of 20,000); --poll-records 256 gives the small polls of a job that keeps up.
+POLL_RECORDS = 20_000
 PRODUCER_ROUND_NS = 500_000_000  # the PyTorch producer's sender round (Sender flush_interval_s)
 # CPU seconds: other work sharing the machine does not inflate them, as it does wall-clock
 # time. The pipeline thread's own for its work (the embedded store's background merges run in
@@ -131,13 +135,21 @@ def produce(ranks: int, steps: int) -> tuple[list[Message], int, float]:
     return payloads, events, (end_ns - cluster.spec.start_ns) / 1e9
 
 
+def polls(messages: list[Message]) -> Iterator[list[Message]]:
+    """``messages`` (in the order they were published) as the consumer hands them over: polls
+    of ``POLL_RECORDS``, each poll's messages partition by partition, in offset order (as
+    KafkaConsumer.poll flattens the fetch's per-partition lists)."""
+    for i in range(0, len(messages), POLL_RECORDS):
+        yield sorted(messages[i : i + POLL_RECORDS], key=lambda m: (m.topic, m.partition))
+
+
 def window_pass(messages: list[Message]) -> tuple[list, float]:
     """Decode + window + close, through the pipeline's own routing, with no detectors."""
     views: list = []
     pipeline = EmbeddedStreamJob([], window_s=15.0, on_window=lambda v, f: views.append(v))
     started = clock()
-    for i in range(0, len(messages), CHUNK):
-        pipeline.process_messages(messages[i : i + CHUNK])
+    for poll in polls(messages):
+        pipeline.process_messages(poll)
     pipeline.finish()
     return views, clock() - started
 
@@ -340,8 +352,8 @@ def engine_rate(window: Window, repeats: int = 1) -> float:
         pipeline = EmbeddedStreamJob([], window_s=WINDOW_S)
         messages = BusLog().messages(window)
         started = clock()
-        for i in range(0, len(messages), CHUNK):
-            pipeline.process_messages(messages[i : i + CHUNK])
+        for poll in polls(messages):
+            pipeline.process_messages(poll)
         pipeline.finish()
         elapsed = clock() - started
         best = max(best, window.records / elapsed)
@@ -399,8 +411,8 @@ def summaries_pass(windows: Iterator[Window], sink: ClickHouseSink) -> SummaryRu
         polled = log.messages(window)
         run.records += window.records
         started = clock()
-        for i in range(0, len(polled), CHUNK):
-            pipeline.process_messages(polled[i : i + CHUNK])
+        for poll in polls(polled):
+            pipeline.process_messages(poll)
         total_s += clock() - started
         # Not held while the next window's are made (1.5 GB a window at 100,000 ranks).
         del window, polled
@@ -504,7 +516,13 @@ def main() -> None:
                              "as the PyTorch producer sends them (default); window: with the "
                              "rank's summaries, one message per rank and window (this "
                              "benchmark's workload before 2026-12-06)")
+    parser.add_argument("--poll-records", type=int, default=20_000, metavar="N",
+                        help="messages per poll (default: a consumer catching up; 256: the "
+                             "small polls of a job keeping up, this benchmark's polls before "
+                             "2026-12-07)")
     args = parser.parse_args()
+    global POLL_RECORDS  # the polls of every pass of this run
+    POLL_RECORDS = args.poll_records
     steps_per_round = args.step_messages == "round"
     sizes = [int(r) for r in args.ranks.split(",")]
     for ranks in sizes:
@@ -515,7 +533,7 @@ def main() -> None:
     pa.set_io_thread_count(1)
     # As `trainscope pipeline` does (TRAINSCOPE_KEEP_FREED_MEMORY=0 measures without it).
     print(f"allocator keeps freed memory: {keep_freed_memory()}; step records sent per "
-          f"{args.step_messages}")
+          f"{args.step_messages}; {POLL_RECORDS} messages a poll")
     if args.only != "spans":
         workload = simulate_sources(steps=20 if args.quick else 60)
         baselines = summary_baselines(
