@@ -128,6 +128,31 @@ def test_resent_batches_are_recognised_by_their_stamp_and_bytes() -> None:
     assert len(seen) == 1
 
 
+def test_keeping_a_polls_one_job_batches_at_once_is_resent_then_keep_in_turn() -> None:
+    """SeenBatches.keep_new (a poll's one-step messages) must give the verdicts and keep the
+    stamps that resent() then keep() give batch by batch: re-sends, another batch under a stamp
+    kept, unstamped batches (id 0) and stamps out of range included."""
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        one, other = SeenBatches(), SeenBatches()
+        for seen in (one, other):  # stamps kept by earlier polls
+            seen.keep(3, 1, 30, {"a": 4})
+            seen.keep(5, 2, 52, {"b": 5})
+        stamps = [(int(rng.choice([0, 3, 5, 7, 1 << 63, -1])),
+                   int(rng.choice([1, 2, 3, -4, 1 << 63])), int(rng.integers(0, 4)))
+                  for _ in range(int(rng.integers(1, 30)))]
+        jobs = [str(rng.choice(["a", "b"])) for _ in stamps]
+        newest = [int(rng.integers(3, 7)) for _ in stamps]
+        expected = []
+        for (producer_id, seq, digest), job_id, index in zip(stamps, jobs, newest, strict=True):
+            fresh = not other.resent(producer_id, seq, digest)
+            if fresh:
+                other.keep(producer_id, seq, digest, {job_id: index})
+            expected.append(fresh)
+        assert one.keep_new(stamps, jobs, newest) == expected
+        assert pickle.dumps(one) == pickle.dumps(other) and len(one) == len(other)
+
+
 def test_a_stamp_is_kept_until_the_window_after_the_newest_it_fed_is_closed() -> None:
     seen = SeenBatches()
     closed = {"a": 0, "b": 0}

@@ -117,23 +117,21 @@ class StepRows:
         whether it was taken apart, and the indices of those that were not re-sends (kept
         and noted with the caps); the rest go through the poll one by one, in order."""
         count = len(self.batches)
+        raw, rank, job_ids, newest, stamps = (self.raw_window, self.rank, self.job_ids,
+                                              self.newest, self.stamps)
         candidate = [e is None for e in errors]
         for job_id, indices in self._indices.items():
-            raw = self.raw_window
             opens_nothing = caps.opens_nothing(job_id, list({raw[i] for i in indices}))
             for i in indices:
                 if raw[i] not in opens_nothing:
                     candidate[i] = False
-        stamps = self.stamps
         others = others | {stamps[i][:2] for i in range(count) if not candidate[i]}
         apart = [candidate[i] and stamps[i][:2] not in others for i in range(count)]
         taken = [i for i in range(count) if apart[i]]
-        job_ids, newest = self.job_ids, self.newest
         new = seen.keep_new([stamps[i] for i in taken], [job_ids[i] for i in taken],
                             [newest[i] for i in taken])
         kept = [i for i, fresh in zip(taken, new, strict=True) if fresh]
         by_window: dict[tuple[str, int], list[int]] = {}
-        rank, raw = self.rank, self.raw_window
         for i in kept:
             by_window.setdefault((job_ids[i], raw[i]), []).append(rank[i])
         for (job_id, index), ranks in by_window.items():
