@@ -161,7 +161,15 @@ class SeenBatches:
         seen[seq] = digest
         self._count += 1
         for job_id, index in windows.items():
-            self._file(job_id, index, producer_id, seq)
+            by_index = self._until.get(job_id)
+            if by_index is None:
+                by_index = self._until[job_id] = {}
+            stamps = by_index.get(index)
+            if stamps is None:
+                by_index[index] = [producer_id, seq]
+            else:
+                stamps.append(producer_id)
+                stamps.append(seq)
         if len(windows) > 1:
             self._holders[(producer_id, seq)] = len(windows)
 
@@ -169,47 +177,16 @@ class SeenBatches:
                  newest: list[int]) -> list[bool]:
         """:meth:`resent` then, for a batch that is not, :meth:`keep`, batch by batch in order,
         for batches of one job each (``newest``: the window of ``job_ids`` each fed): whether
-        each is new. The same verdicts and stamps as those calls; one loop for a poll's
-        one-step messages, where two calls a message cost more than their dict operations."""
-        digests, file = self._digests, self._file
+        each is new."""
+        resent, keep = self.resent, self.keep
         new: list[bool] = []
-        kept = 0
         for (producer_id, seq, digest), job_id, index in zip(stamps, job_ids, newest,
                                                              strict=True):
-            seen = digests.get(producer_id)
-            if seen is None:
-                if not (0 < producer_id < _STAMP_LIMIT and 0 <= seq < _STAMP_LIMIT):
-                    new.append(True)  # unstamped: never taken for a re-send, never kept
-                    continue
-                seen = digests[producer_id] = {}
-            else:
-                had = seen.get(seq)
-                if had is not None:
-                    # The same batch again is a re-send; another under a stamp kept is new,
-                    # and the first one's digest stays (as keep does).
-                    new.append(had != digest)
-                    continue
-                if not 0 <= seq < _STAMP_LIMIT:
-                    new.append(True)
-                    continue
-            seen[seq] = digest
-            kept += 1
-            file(job_id, index, producer_id, seq)
-            new.append(True)
-        self._count += kept
+            fresh = not resent(producer_id, seq, digest)
+            if fresh:
+                keep(producer_id, seq, digest, {job_id: index})
+            new.append(fresh)
         return new
-
-    def _file(self, job_id: str, index: int, producer_id: int, seq: int) -> None:
-        """Keep the stamp until the job's window ``index`` is closed (and the one after)."""
-        by_index = self._until.get(job_id)
-        if by_index is None:
-            by_index = self._until[job_id] = {}
-        stamps = by_index.get(index)
-        if stamps is None:
-            by_index[index] = [producer_id, seq]
-        else:
-            stamps.append(producer_id)
-            stamps.append(seq)
 
     def forget_closed(self, closed_before: Callable[[str], int]) -> None:
         """Forget the stamps of batches whose windows are closed, and the window after them."""

@@ -231,15 +231,9 @@ class MessageIntake:
             for j in range(len(apart)):
                 if apart[j] and j not in fresh:
                     handled[places[j]] = (handled[places[j]][0], None)
-        # Messages feeding the same window share one mapping (never changed once made).
-        shared: dict[tuple[str, int], dict[str, int]] = {}
         job_ids, newest = rows.job_ids, rows.newest
         for j in kept:
-            key = (job_ids[j], newest[j])
-            windows = shared.get(key)
-            if windows is None:
-                windows = shared[key] = {key[0]: key[1]}
-            fed[places[j]] = windows
+            fed[places[j]] = {job_ids[j]: newest[j]}
         return apart, len(kept)
 
     def _by_source(self, handled: list[tuple[Message, list[Record] | None]],
