@@ -129,3 +129,45 @@ def test_a_forward_that_raises_leaves_the_timing_of_later_ones_intact(
     # The failed call is timed too (it ran until it raised), then every later one.
     assert _forwards(records) == 8
     assert att.stats()["errors"] == 0
+
+
+class TokenModel(torch.nn.Module):
+    """A language model's shape of input: integer token ids, batch × sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Flatten(),
+                                        torch.nn.Linear(8 * 6, 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.body(ids)
+
+
+def test_the_wrapped_and_the_hooked_forward_count_the_same_samples_and_tokens(attach) -> None:
+    """A model class of the user's is timed by its wrapped class forward, one of torch's own at
+    the top by module hooks: both give each step its samples and tokens (integer inputs: batch
+    × sequence), time every forward and leave the model's results alone."""
+    from trainscope.transport.memory import MemoryBus
+
+    ids = torch.randint(0, 50, (4, 6))
+    steps = {}
+    for name in ("wrapped", "hooked"):
+        torch.manual_seed(0)
+        model = TokenModel()
+        model = model if name == "wrapped" else model.body  # Sequential: one of torch's own
+        expected = model(ids)
+        bus = MemoryBus()
+        att = attach(bus=bus)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the model stays as it is
+        for _ in range(5):
+            out = model(ids)
+            assert torch.equal(out, expected)
+            out.sum().backward()
+            optimizer.step()
+        assert (model._forward_pre_hooks != {}) == (name == "hooked")
+        att.detach()
+        assert att.stats()["errors"] == 0
+        records = read_records(bus)
+        assert _forwards(records) == 5
+        steps[name] = [(r.step, r.samples, r.tokens) for r in steps_of(records)]
+    assert steps["wrapped"] == steps["hooked"] == [(i, 4, 24) for i in range(5)]
