@@ -144,6 +144,25 @@ def diagnose_store(store: Path, job_id: str, detector: str = "") -> dict:
     return json.loads(done.stdout)
 
 
+_DASHBOARD_FINDINGS = r"""
+import json, sys
+from trainscope.detectors.base import ALERT_THRESHOLD
+from trainscope.store.client import connect
+from trainscope.ui.queries import DashboardQueries
+queries = DashboardQueries(connect(sys.argv[1], None, readonly=True, create=False),
+                           threshold=ALERT_THRESHOLD)
+print(json.dumps(queries.findings(sys.argv[2]), default=str))
+"""
+
+
+def dashboard_findings(store: Path, job_id: str) -> list[dict]:
+    """The alerts of one job as the dashboard's job page lists them, each with its call path."""
+    done = subprocess.run([sys.executable, "-c", _DASHBOARD_FINDINGS, str(store), job_id],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 def host_contention(finding: dict) -> bool:
     """A job-level ``cpu-contention`` finding: the job's ranks take turns waiting for a CPU,
     measured (their run-queue wait explains what they wait on each other). On a 2-core machine

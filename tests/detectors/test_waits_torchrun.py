@@ -6,8 +6,9 @@ process. In the first, rank 2 sleeps 30 ms per step inside a ``record_function("
 block in the loop body — outside ``forward`` and every other hooked function, so none of its
 measured functions grows; its peers wait for it in DDP's all-reduce. The ``waits`` detector
 must name rank 2 as ``host`` (outside instrumented code) at alert level, and the closed loop,
-profiling rank 2 against a peer on that finding, must name the block and the sleep in it; in the
-second job, the same code without the sleep, the detector must raise nothing.
+profiling rank 2 against a peer on its first alert, must name the block and the sleep in it,
+shown by the dashboard beside the host finding; in the second job, the same code without the
+sleep, the detector must raise nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from pipeline_procs import PipelineProcess, diagnose_store, dump_tables
+from pipeline_procs import PipelineProcess, dashboard_findings, diagnose_store, dump_tables
 
 from trainscope.detectors.base import ALERT_THRESHOLD
 
@@ -191,11 +192,17 @@ def test_a_straggler_outside_the_hooks_is_named_and_a_healthy_job_is_not(
                for w in healthy_waits if w[1] == -1 or w[3] >= ALERT_THRESHOLD), waits
     assert all(s["category"] == "cpu-contention" and s["rank"] == -1
                for s in healthy["suspects"]), healthy
-    # The closed loop profiled rank 2 against a healthy peer on the host finding: the call
-    # path that differs names the block and the sleep in it, at ~30 ms per step.
-    profiled = [(r[16], r[-1]) for r in paths if r[1] == slow_job and r[4] == "waits"]
+    # The closed loop profiled rank 2 against a healthy peer on its first alert - the host
+    # finding, or on a busy machine another detector's view of the same rank (its run-queue
+    # wait as cpu-contention) a window earlier: the call path that differs names the block
+    # and the sleep in it, at ~30 ms per step.
+    profiled = [(r[16], r[-1]) for r in paths if r[1] == slow_job and r[5] == SLOW_RANK]
     assert profiled, tables["finding_call_paths"]
     path, message = profiled[0]
     assert path[0].startswith("train.py(") and "preprocess" in path, profiled
     assert "sleep" in path[-1] and message.startswith("rank 2 spends +"), profiled
+    # And the dashboard shows it beside the host finding, whichever finding it was asked for.
+    shown = [f["call_path"] for f in dashboard_findings(store, slow_job)
+             if (f["rank"], f["category"]) == (SLOW_RANK, "host")]
+    assert shown and shown[0] is not None and shown[0]["path"] == path, (shown, profiled)
     assert 20 <= float(message.split("+")[1].split(" ms/step")[0]) <= 40, profiled

@@ -128,7 +128,7 @@ LIMIT 100
 # the finding (trainscope pipeline --auto-profile); none until a profile came back, or when
 # the newest profile showed no excess (an empty path).
 FINDING_CALL_PATHS = """
-SELECT rank, category,
+SELECT rank, category, max(profiled_to_ns) AS newest_ns,
        argMax(path, profiled_to_ns) AS path,
        argMax(path_layers, profiled_to_ns) AS path_layers,
        argMax(delta_ns, profiled_to_ns) AS delta_ns,
@@ -322,14 +322,24 @@ class DashboardQueries:
 
     def findings(self, job_id: str) -> list[dict[str, Any]]:
         """The job's findings at or above the threshold, each with the call path that explains
-        it (``call_path``: None until the automatic profile of its rank came back)."""
+        it (``call_path``: None until the automatic profile of its rank came back;
+        ``call_path["profiled_for"]``: the category of the finding the profile was asked for)."""
         findings = self._rows(FINDINGS, job=job_id, threshold=self.threshold)
-        paths = {(p.pop("rank"), p.pop("category")): p for p in self._call_paths(job_id)}
+        paths: dict[tuple[int, str], dict[str, Any]] = {}
+        newest: dict[int, dict[str, Any]] = {}  # by rank, whatever finding it was asked for
+        for p in self._call_paths(job_id):
+            p["profiled_for"] = p.pop("category")
+            paths[(p.pop("rank"), p["profiled_for"])] = p
+        for (rank, _), p in paths.items():
+            if rank not in newest or p["newest_ns"] > newest[rank]["newest_ns"]:
+                newest[rank] = p
         for f in findings:
-            # A profile the early flag started (detectors/early.py) explains the same rank's
-            # finding once its window says why.
+            # The loop profiles a rank on the first alert that names it and not again for a
+            # while (loop/policy.py), so the rank's other findings - the window that says why
+            # after an early flag, another detector's view of the same rank - show the rank's
+            # newest call path, and which finding it was asked for.
             f["call_path"] = paths.get((f["rank"], f["category"])) or (
-                paths.get((f["rank"], "straggler")) if f["rank"] >= 0 else None)
+                newest.get(f["rank"]) if f["rank"] >= 0 else None)
         return findings
 
     def _call_paths(self, job_id: str) -> list[dict[str, Any]]:

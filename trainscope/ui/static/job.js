@@ -118,11 +118,12 @@ async function openBreakdown(rank, fromMs, toMs) {
 }
 
 // The call path the automatic profile of the finding's rank and a peer found, if one came back.
-function callPath(p) {
+function callPath(p, category) {
   if (!p) return "";
   const ms = (p.delta_ns / 1e6).toFixed(1);
   const unit = p.per_step ? " ms/step" : ` ms over ${p.steps} steps`;
-  return `<div class="callpath">call path (vs rank ${p.peer_rank}): ` +
+  const asked = p.profiled_for === category ? "" : `, profiled on its ${escapeHtml(p.profiled_for)} finding`;
+  return `<div class="callpath">call path (vs rank ${p.peer_rank}${asked}): ` +
     `<code>${escapeHtml(p.path.join(" → "))}</code> +${ms}${unit}</div>`;
 }
 
@@ -136,7 +137,7 @@ function drawFindings(findings) {
     <td>${f.rank >= 0 ? f.rank : (f.pp_stage >= 0 ? "stage " + f.pp_stage : "job")}</td>
     <td>${escapeHtml(f.category)}</td><td>${escapeHtml(f.function_name)}</td><td>${f.max_score}</td>
     <td>${f.windows}</td><td>${f.first}<br>${f.last}</td><td>${escapeHtml(f.all_victims.join(", "))}</td>
-    <td>${escapeHtml(f.top_message)}${callPath(f.call_path)}<div class="evidence">${escapeHtml(f.detectors)}: ${escapeHtml(JSON.stringify(f.top_evidence))}</div></td></tr>`);
+    <td>${escapeHtml(f.top_message)}${callPath(f.call_path, f.category)}<div class="evidence">${escapeHtml(f.detectors)}: ${escapeHtml(JSON.stringify(f.top_evidence))}</div></td></tr>`);
   box.innerHTML = `<table><thead><tr><th>rank</th><th>category</th><th>function</th><th>score</th>
     <th>windows</th><th>first / last</th><th>victims</th><th>message and evidence</th></tr></thead>
     <tbody>${rows.join("")}</tbody></table>`;
