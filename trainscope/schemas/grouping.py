@@ -21,7 +21,9 @@ SKETCH_RADIX = 2048
 class Partials:
     """Summary statistics per group key; the sketch as (group index, bucket key, count) rows."""
 
-    group: np.ndarray  # int64 group key, sorted (unique unless reduced per unit)
+    # int64 group key: sorted where reduce_events or merge_partials made the partials
+    # (unique unless reduced per unit), in the order sent for a summary batch's rows
+    group: np.ndarray
     count: np.ndarray
     total_ns: np.ndarray
     m2_ns2: np.ndarray
@@ -85,7 +87,8 @@ def _sketch_rows(
     starts = _runs(composite)
     counts = np.add.reduceat(count[order], starts) if len(starts) else count[:0]
     unique = composite[starts]
-    return unique // SKETCH_RADIX, unique % SKETCH_RADIX, counts
+    # The keys keep their type (32 bits on the wire): the frames hand them on as they are.
+    return unique // SKETCH_RADIX, (unique % SKETCH_RADIX).astype(key.dtype, copy=False), counts
 
 
 def reduce_events(
