@@ -133,8 +133,10 @@ def test_a_straggler_or_a_stall_is_flagged_while_the_job_runs(
                 flagged_while_running = job.poll() is None
                 break
             time.sleep(0.2)
-        # The flag starts the closed loop: rank 2 profiled against a peer, the call path stored.
-        while (fault == "straggler" and f"CALL PATH {job_id}" not in pipeline.out_text()
+        # The flag starts the closed loop: rank 2 profiled against a peer, the call path stored
+        # (its own line: a busy host may get another rank profiled too).
+        while (fault == "straggler"
+               and f"CALL PATH {job_id}: rank {SLOW_RANK} " not in pipeline.out_text()
                and job.poll() is None and time.monotonic() < deadline):
             time.sleep(0.5)
         stop.touch()

@@ -127,8 +127,8 @@ def test_a_straggler_outside_the_hooks_is_named_and_a_healthy_job_is_not(
     try:
         # One after the other: side by side, 8 busy ranks on a 2-core machine make one of the
         # healthy job's ranks really late (CPU contention), and this test is about the sleep.
-        # The slow job runs until the closed loop has profiled rank 2 (its CALL PATH line),
-        # the healthy one for TRAIN_S.
+        # The slow job runs until the closed loop has profiled rank 2 (its CALL PATH line; a
+        # busy host may get another rank profiled first), the healthy one for TRAIN_S.
         for job_id, slow_rank, train_s in ((slow_job, SLOW_RANK, MAX_TRAIN_S),
                                            (healthy_job, -1, TRAIN_S)):
             stop = tmp_path / f"{job_id}.stop"
@@ -136,7 +136,7 @@ def test_a_straggler_outside_the_hooks_is_named_and_a_healthy_job_is_not(
                                   tmp_path / f"{job_id}.out"))
             if job_id == slow_job:
                 deadline = time.monotonic() + MAX_TRAIN_S
-                while (f"CALL PATH {slow_job}" not in pipeline.out_text()
+                while (f"CALL PATH {slow_job}: rank {SLOW_RANK} " not in pipeline.out_text()
                        and jobs[-1].poll() is None and time.monotonic() < deadline):
                     time.sleep(0.5)
                 stop.touch()
