@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 TABLES = ("function_summaries", "step_records", "metric_samples", "findings", "topologies")
 
@@ -92,12 +93,18 @@ print(json.dumps(out))
 """
 
 
-def dump_tables(store: Path, tables: tuple[str, ...] = TABLES) -> dict[str, list[str]]:
-    """Every row of every table, plain and ``FINAL``, as exact text, in a canonical order."""
-    done = subprocess.run([sys.executable, "-c", _DUMP, str(store), *tables],
+def _run_json(script: str, *args: str) -> Any:
+    """What ``script`` prints as JSON, run in a process of its own (chDB holds one store per
+    process: the pipeline's, or a test's own)."""
+    done = subprocess.run([sys.executable, "-c", script, *args],
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+def dump_tables(store: Path, tables: tuple[str, ...] = TABLES) -> dict[str, list[str]]:
+    """Every row of every table, plain and ``FINAL``, as exact text, in a canonical order."""
+    return _run_json(_DUMP, str(store), *tables)
 
 
 _QUERY = r"""
@@ -110,10 +117,7 @@ print(json.dumps(connect(sys.argv[1]).query(sys.argv[2]).result_rows, default=st
 def query_store(store: Path, sql: str) -> list[list]:
     """The rows of one query on a store the pipeline wrote (from its own process: chDB holds
     one store per process)."""
-    done = subprocess.run([sys.executable, "-c", _QUERY, str(store), sql],
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    return _run_json(_QUERY, str(store), sql)
 
 
 _DIAGNOSE = r"""
@@ -138,10 +142,7 @@ print(json.dumps({"findings": len(findings),
 def diagnose_store(store: Path, job_id: str, detector: str = "") -> dict:
     """The diagnosis of one job from the findings in a store (of one detector, if given), as
     ``trainscope demo`` gives it."""
-    done = subprocess.run([sys.executable, "-c", _DIAGNOSE, str(store), job_id, detector],
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    return _run_json(_DIAGNOSE, str(store), job_id, detector)
 
 
 _DASHBOARD_FINDINGS = r"""
@@ -157,10 +158,7 @@ print(json.dumps(queries.findings(sys.argv[2]), default=str))
 
 def dashboard_findings(store: Path, job_id: str) -> list[dict]:
     """The alerts of one job as the dashboard's job page lists them, each with its call path."""
-    done = subprocess.run([sys.executable, "-c", _DASHBOARD_FINDINGS, str(store), job_id],
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    return _run_json(_DASHBOARD_FINDINGS, str(store), job_id)
 
 
 def host_contention(finding: dict) -> bool:

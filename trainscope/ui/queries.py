@@ -328,9 +328,8 @@ class DashboardQueries:
         paths: dict[tuple[int, str], dict[str, Any]] = {}
         newest: dict[int, dict[str, Any]] = {}  # by rank, whatever finding it was asked for
         for p in self._call_paths(job_id):
-            p["profiled_for"] = p.pop("category")
-            paths[(p.pop("rank"), p["profiled_for"])] = p
-        for (rank, _), p in paths.items():
+            rank, p["profiled_for"] = p.pop("rank"), p.pop("category")
+            paths[(rank, p["profiled_for"])] = p
             if rank not in newest or p["newest_ns"] > newest[rank]["newest_ns"]:
                 newest[rank] = p
         for f in findings:
