@@ -39,6 +39,17 @@ def test_spread_out(analyse_spec):
     assert SPREAD in text and WORKERS not in text and STAGES not in text
 
 
+def test_one_pipeline_stage_is_never_called_a_stage_imbalance(analyse_spec):
+    """With one stage, the last stage is the whole job (M_S is 100% whatever happened): a slow
+    data-parallel rank is named as such, not as the stages' partitioning."""
+    r = analyse_spec(JobSpec(dp_size=4, pp_size=1, steps=4, worker_factor={(2, 0): 1.5}, seed=36))
+    text = render(r)
+    assert r.M_S == 1.0 and r.M_W > 0.5
+    assert WORKERS in text and STAGES not in text and SPREAD not in text
+    assert "the job has one pipeline stage, so there is no stage imbalance to weigh" in text
+    assert "(M_S)" not in text
+
+
 def test_no_negative_zero_percent(analyse_spec):
     for seed in range(3):
         text = render(analyse_spec(JobSpec(dp_size=2, pp_size=2, steps=2, seed=seed)))

@@ -76,6 +76,17 @@ def _characterisation(result: WhatIf) -> str:
         return "There is no slowdown over the ideal run to attribute."
     n_top = len(result.top_workers)
     who = "the slowest worker" if n_top == 1 else f"the {n_top} slowest workers (top 3%)"
+    if len(result.S_stage) <= 1:
+        # One pipeline stage: the last stage is the whole job, so M_S is 100% by construction
+        # and says nothing about partitioning.
+        text = (f"Fixing {who} removes {_pct(result.M_W)} of the excess over ideal (M_W); the "
+                "job has one pipeline stage, so there is no stage imbalance to weigh.")
+        if result.M_W > 1.0:
+            text += (" Over 100% means fixing it alone beats the ideal run, whose typical "
+                     "durations average the slow ops in.")
+        if result.M_W >= DOMINANT_SHARE:
+            return text + " Individual slow workers are the main cause."
+        return text + " The slowdown is spread out: a few workers do not explain most of it."
     text = (
         f"Fixing {who} removes {_pct(result.M_W)} of the excess over ideal (M_W); "
         f"fixing the last pipeline stage removes {_pct(result.M_S)} (M_S)."
