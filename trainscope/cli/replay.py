@@ -12,13 +12,11 @@ from trainscope.config.env import DEFAULT_WINDOW_S
 from trainscope.transport.bus import BusError, open_bus
 
 
+# `replay kineto` is added to this group by trainscope.cli.traces, because it also writes to
+# the store.
 @click.group("replay")
 def replay() -> None:
-    """Publish existing traces (torch.profiler/Kineto, what-if op traces) on the bus.
-
-    ``replay kineto`` is added to this group by :mod:`trainscope.cli.traces`, because it also
-    writes to the store.
-    """
+    """Publish existing traces (torch.profiler/Kineto, what-if op traces) on the bus."""
 
 
 @replay.command("optrace")
