@@ -8,7 +8,9 @@ Alertmanager, whose webhook the test serves; ``trainscope ui`` serves the dashbo
 store the pipeline owns, through the pipeline's read-only endpoint. While ``torchrun`` still
 runs: the alert arrives naming rank 2, headless Chromium opens the alert's ``dashboard`` link
 and the page shows the job running with rank 2 as the suspect, and ``trainscope sql`` returns
-rank 2's finding. Then the job ends, exits 0, and the page says it ended.
+rank 2's finding. Then the job ends, exits 0, and the page says it ended; the job sent its op
+trace (``TRAINSCOPE_OPTRACE=1``), and ``trainscope whatif --job`` on the store the pipeline still
+owns puts the job's straggler slowdown on rank 2's forward.
 """
 
 from __future__ import annotations
@@ -176,6 +178,7 @@ def test_an_operators_day(fresh_kafka_broker, tmp_path: Path) -> None:
 
             env = {**os.environ, "TRAINSCOPE_BUS": fresh_kafka_broker.url,
                    "TRAINSCOPE_WINDOW_S": str(WINDOW_S), "OMP_NUM_THREADS": "1",
+                   "TRAINSCOPE_OPTRACE": "1",
                    # A rank that dies of a signal prints its threads' stacks.
                    "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
             job_out = (tmp_path / "torchrun.out").open("wb")
@@ -260,9 +263,33 @@ def test_an_operators_day(fresh_kafka_broker, tmp_path: Path) -> None:
                     assert errors == [], errors
                 finally:
                     browser.close()
+
+            # 5. The what-if of the job's own op trace, from the store the pipeline owns.
+            _check_what_if(store, job_id)
             print(f"seconds from job start: alert {to_alert_s:.1f}, dashboard "
                   f"{to_dashboard_s:.1f}, sql {to_sql_s:.1f}, ended page "
                   f"{time.monotonic() - started:.1f}")
         finally:
             for step in reversed(cleanup):
                 step()
+
+
+def _check_what_if(store: Path, job_id: str) -> None:
+    def analysed() -> dict | None:
+        done = subprocess.run(
+            [sys.executable, "-m", "trainscope.cli.main", "whatif", "--job", job_id, "--store",
+             str(store), "--json"], capture_output=True, text=True, timeout=120, check=False)
+        if done.returncode != 0:
+            assert "no op trace in the store" in done.stderr, done.stderr  # not stored yet
+            return None
+        assert "result not stored: process" in done.stderr, done.stderr  # the pipeline owns it
+        return json.loads(done.stdout)
+
+    result = _wait(analysed, 60, f"the op trace of {job_id} in the store")
+    worst = result["S_worker"][0]
+    print(f"what-if: S {result['S']:.2f}, most suspect {worst}, by op type "
+          f"{result['S_optype']}")
+    assert result["workers"] == WORLD and result["fit"] == 0, result
+    assert (worst["dp_rank"], worst["stage"]) == (SLOW_RANK, 0), result["S_worker"]
+    assert result["S"] > 1.5  # 50 ms a step of sleep on one rank of four
+    assert max(result["S_optype"], key=result["S_optype"].get) == "forward-compute"

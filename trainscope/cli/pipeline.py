@@ -161,6 +161,9 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     the last commit. SIGTERM or Ctrl-C checkpoints, commits and exits 0 (--drain-on-stop
     writes the open windows first); --idle-exit-s, the end of the stream, writes them.
 
+    What-if op traces that jobs send (attach(optrace=True), `trainscope replay optrace`) are
+    stored as they come, for `trainscope whatif --job JOB`.
+
     \f
     Long because each option is a parameter; the work is in the helpers below.
     """
@@ -177,6 +180,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     from trainscope.engine.allocator import keep_freed_memory
     from trainscope.engine.bus_job import INPUT_TOPICS, BusStreamJob, summaries_lateness_s
     from trainscope.engine.core import StoreLost
+    from trainscope.schemas.topics import OPTRACE_TOPIC
     from trainscope.transport.bus import BusError, GroupHeldElsewhere
     from trainscope.transport.logonce import quiet_repeats
 
@@ -201,7 +205,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
                                auto_profile_max_pending) if auto_profile else None)
     try:
         job = BusStreamJob(
-            bus, group=group, topics=INPUT_TOPICS[input_kind], window_s=window_s,
+            bus, group=group, topics=(*INPUT_TOPICS[input_kind], OPTRACE_TOPIC), window_s=window_s,
             lateness_s=lateness_s, sink=sink, on_window=_on_findings(notifier, profiler),
             on_early=_on_findings(notifier, profiler, early=True),
             commit_interval_s=commit_interval_s,

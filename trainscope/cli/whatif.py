@@ -101,14 +101,18 @@ def _run(
         raise click.UsageError("give either --store DIR or --url URL, not both")
 
     client = None
+    owner: int | None = None  # of the store, when another process owns it
     if job_id is not None:
         settings = from_context()
         # Only a store someone named: the what-if tables do not go into the demo's default one.
         store_dir, url = settings.store(store_dir, url, default_dir=False)
         if store_dir is None and url is None:
             raise click.UsageError("--job needs a store: --store DIR or --url URL")
-        # Importing a trace may start a store; reading a job needs an existing one.
-        client = _connect(st, store_dir, url, create=trace_path is not None, settings=settings)
+        # Importing a trace may start a store; reading a job needs an existing one. A store a
+        # running pipeline owns is read through its read endpoint, and the result not stored.
+        owner = _owner(store_dir) if trace_path is None else None
+        client = _connect(st, store_dir, url, create=trace_path is not None, settings=settings,
+                          read_only=owner is not None)
 
     with err.status("loading the trace", spinner="dots") as status:
         if trace_path is not None:
@@ -128,7 +132,11 @@ def _run(
         result = analyse(layout, progress=status.update)
     for warning in result.warnings:
         err.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
-    if client is not None:
+    if client is not None and owner is not None:
+        err.print(f"result not stored: process {owner} owns store {store_dir} (a running "
+                  "`trainscope pipeline`), which other processes can only read; run again "
+                  "once it has stopped to keep the result in whatif_results", highlight=False)
+    elif client is not None:
         st.write_result(client, job_id, result)
         err.print(f"result stored in whatif_results for job {job_id!r}", highlight=False)
     if heatmap is not None:
@@ -149,13 +157,28 @@ def _run(
         click.echo(render(result))
 
 
+def _owner(store_dir: Path | None) -> int | None:
+    """The pid of another process that owns the embedded store ``store_dir``, else None."""
+    from trainscope.store.access import other_owner
+    from trainscope.store.client import StoreError, store_path
+
+    if store_dir is None:
+        return None
+    try:
+        return other_owner(store_path(store_dir, create=False))
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def _connect(
-    st: Any, store_dir: Path | None, url: str | None, create: bool, settings: Settings
+    st: Any, store_dir: Path | None, url: str | None, create: bool, settings: Settings, *,
+    read_only: bool = False,
 ) -> Any:
     from trainscope.store.client import StoreError
 
     try:
-        return st.connect(store_dir=store_dir, url=url, create=create, settings=settings)
+        return st.connect(store_dir=store_dir, url=url, create=create, settings=settings,
+                          read_only=read_only)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from None
     except Exception as exc:  # the client raises many types; the user needs one line

@@ -44,6 +44,7 @@ from trainscope.engine.clocks import DEFAULT_TOLERANCE_S as CLOCK_TOLERANCE_S
 from trainscope.engine.clocks import clock_skew_findings
 from trainscope.engine.delivery import Backoff, PendingOffsets, SeenBatches
 from trainscope.engine.intake import MessageIntake, SourcePart
+from trainscope.engine.op_traces import OpTraceCounts, OpTraceIntake
 from trainscope.engine.sink import DeadLetterRow, Sink
 from trainscope.engine.step_rows import StepRows
 from trainscope.engine.windows import WindowEngine
@@ -124,6 +125,8 @@ class PipelineStats:
     early_flags: int = 0
     # Producer stamps kept now to drop re-sent batches: those of the open windows' batches.
     stamps_kept: int = 0
+    # Ops of what-if op traces (engine/op_traces.py); their messages count in decode.
+    op_traces: OpTraceCounts = field(default_factory=OpTraceCounts)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -205,6 +208,7 @@ class StreamCore(MessageIntake):
         self.write_failed = False  # a window was dropped: positions must not move past it
         self._stop_deadline: float | None = None
         self._stats = PipelineStats()
+        self._op_traces = OpTraceIntake(self._stats.op_traces)
 
     # -- input ------------------------------------------------------------------------------
 
@@ -471,6 +475,21 @@ class StreamCore(MessageIntake):
             self._dead_letters.append(
                 (message.topic, message.partition, message.offset, reason, message.value)
             )
+
+    def _write_op_traces(self) -> None:
+        """The poll part's op traces, one write per job (see :mod:`~trainscope.engine.op_traces`),
+        before any position after them can be committed."""
+        counts = self._stats.op_traces
+        for job, frame, messages in self._op_traces.validated(self._reject):
+            self._stats.decode.emitted += messages
+            sink = self.sink
+            if sink is None:
+                counts.dropped += len(frame)
+                continue
+            if self._write(lambda sink=sink, job=job, frame=frame: sink.write_op_trace(job, frame)):
+                counts.emitted += len(frame)
+            else:
+                counts.dropped += len(frame)
 
     def _flush_dead_letters(self) -> None:
         """One insert per call rather than per message: a burst of garbage stays cheap."""

@@ -35,6 +35,7 @@ from trainscope.schemas.records import (
     SummaryBatch,
     Topology,
 )
+from trainscope.schemas.topics import OPTRACE_TOPIC
 from trainscope.transport.bus import Message
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class MessageIntake:
         handled, stamps, rows, lane = self._decode_part(messages)
         fed = self._admit_part(handled, stamps, rows, lane)
         self._ingest_sources(self._by_source(handled, fed, rows, lane), rows)
+        if self._op_traces:
+            self._write_op_traces()
         self._flush_dead_letters()
         self._handle(self.engine.close_ready())
         if self._capped:
@@ -107,6 +110,12 @@ class MessageIntake:
                 handled.append((message, None))
                 continue
             stats.decode.received += 1
+            if message.topic == OPTRACE_TOPIC:  # a what-if op trace: written, never windowed
+                refused = self._op_traces.take(message)
+                if refused is not None:
+                    self._reject(message, refused)
+                handled.append((message, None))
+                continue
             try:
                 batch = decode_envelope(message.value)
             except BadMessage as exc:

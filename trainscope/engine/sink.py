@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import pandas as pd
+
 from trainscope.schemas.records import Finding, ProfileCallPaths, Topology
+from trainscope.schemas.whatif import OpTraceJob
 from trainscope.schemas.window import WindowView
 
 # A message set aside: (topic, partition, offset, reason, payload); topic "" and partition and
@@ -36,6 +39,10 @@ class Sink(Protocol):
 
     def write_profile(self, parts: Sequence[ProfileCallPaths]) -> None:
         """One on-demand profile session's call-path tree, all of its parts."""
+
+    def write_op_trace(self, job: OpTraceJob, frame: pd.DataFrame) -> None:
+        """Ops of a job's what-if op trace, validated (``trainscope.schemas.optrace.validate``),
+        and the job's sizes."""
 
     def write_checkpoint(self, group: str, state: bytes) -> None:
         """The bus-fed job's checkpoint, stored before the positions it covers are committed."""

@@ -121,11 +121,14 @@ def load_trace(path: str | Path, meta: JobMeta) -> pd.DataFrame:
     return validate(read_table(path), meta, str(path))
 
 
-def validate(df: pd.DataFrame, meta: JobMeta, source: str = "trace") -> pd.DataFrame:
+def validate(df: pd.DataFrame, meta: JobMeta, source: str = "trace", *,
+             whole: bool = True) -> pd.DataFrame:
     """Check columns, types, op types and worker coordinates; return a normalised frame.
 
     The result has the required columns with fixed dtypes, ``optype`` replaced by an integer
-    code column ``op`` and the optional columns filled with -1 where absent.
+    code column ``op`` and the optional columns filled with -1 where absent. ``whole``: the
+    trace of the whole job, so every worker the metadata counts must be in it (a part, such as
+    one rank's message on the bus, need not hold them all).
     """
     missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
     if missing:
@@ -158,7 +161,7 @@ def validate(df: pd.DataFrame, meta: JobMeta, source: str = "trace") -> pd.DataF
             f"of {', '.join(OPTYPES)}"
         )
     out["op"] = codes.astype(np.int8)
-    _check_ranges(out, meta, source)
+    _check_ranges(out, meta, source, whole)
     return pd.DataFrame(out)
 
 
@@ -171,7 +174,7 @@ def _optype_codes(column: pd.Series) -> np.ndarray:
     return lookup[column.cat.codes.to_numpy()]
 
 
-def _check_ranges(cols: dict[str, np.ndarray], meta: JobMeta, source: str) -> None:
+def _check_ranges(cols: dict[str, np.ndarray], meta: JobMeta, source: str, whole: bool) -> None:
     for name, limit, size_key in (
         ("dp_rank", meta.dp_size, "dp_size"),
         ("stage", meta.pp_size, "pp_size"),
@@ -188,6 +191,8 @@ def _check_ranges(cols: dict[str, np.ndarray], meta: JobMeta, source: str) -> No
     if (cols["duration"] < 0).any():
         row = int(np.flatnonzero(cols["duration"] < 0)[0])
         raise TraceError(f"{source}: negative duration {cols['duration'][row]!r} (row {row})")
+    if not whole:
+        return
     worker_ids = np.unique(cols["stage"].astype(np.int64) * meta.dp_size + cols["dp_rank"])
     if len(worker_ids) != meta.workers:
         raise TraceError(
@@ -199,5 +204,3 @@ def _check_ranges(cols: dict[str, np.ndarray], meta: JobMeta, source: str) -> No
 def optype_name(code: int) -> str:
     return OPTYPES[code]
 
-
-__all__ = ["CODE", "JobMeta", "TraceError", "load_trace", "read_meta", "read_table", "validate"]

@@ -14,7 +14,9 @@ double it.
 from __future__ import annotations
 
 import msgspec
+import pandas as pd
 
+from trainscope.schemas.optypes import OPTYPES
 from trainscope.schemas.topics import rank_key
 
 SCHEMA_VERSION = 1
@@ -128,12 +130,37 @@ ENGINE = ReplacingMergeTree
 ORDER BY (job_id, analysed_at_ns)""",
 }
 
+# What makes a store ready for the what-if tables: each table, and the columns added since
+# (stores created before the model-fit flag existed get it, 0 = fits).
+SETUP_SQL: tuple[str, ...] = (
+    *DDL.values(),
+    "ALTER TABLE whatif_results ADD COLUMN IF NOT EXISTS `fit` UInt8",
+)
+
 # Which struct each table stores (one column per field, same order).
 TABLE_STRUCTS: dict[str, type[msgspec.Struct]] = {
     "op_traces": OpTraceRecord,
     "op_trace_jobs": OpTraceJob,
     "whatif_results": WhatIfResultRecord,
 }
+
+# The columns of op_traces after its version and job id, in order.
+TRACE_COLUMNS: tuple[str, ...] = tuple(
+    name for name in OpTraceRecord.__struct_fields__ if name not in ("v", "job_id"))
+
+
+def stored_trace_rows(job_id: str, frame: pd.DataFrame) -> pd.DataFrame:
+    """A validated trace (:func:`trainscope.schemas.optrace.validate`: op types as the codes
+    of column ``op``) as rows of ``op_traces``."""
+    return pd.DataFrame(
+        {
+            "v": SCHEMA_VERSION,
+            "job_id": job_id,
+            **{c: frame[c].to_numpy() for c in TRACE_COLUMNS if c != "optype"},
+            "optype": pd.Categorical.from_codes(frame["op"].to_numpy(), list(OPTYPES)).astype(str),
+        }
+    )[["v", "job_id", *TRACE_COLUMNS]]
+
 
 # -- on the bus -------------------------------------------------------------------------------
 # Op traces travel on OPTRACE_TOPIC in this envelope, one message per rank and chunk, each

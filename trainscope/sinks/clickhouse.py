@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pandas as pd
 import pyarrow as pa
 
@@ -29,6 +30,8 @@ from trainscope.schemas.records import (
     Topology,
 )
 from trainscope.schemas.untrusted import bounded_payload
+from trainscope.schemas.whatif import SETUP_SQL as WHATIF_SETUP_SQL
+from trainscope.schemas.whatif import OpTraceJob, stored_trace_rows
 from trainscope.schemas.window import WindowView
 from trainscope.sinks.arrow_insert import EmbeddedArrowInserts
 from trainscope.sinks.narrow import SKETCH_TYPES, narrow_lists
@@ -121,6 +124,7 @@ class ClickHouseSink:
         self.watch = StoreWatch(client, where, embedded_path(client), WATCHED_TABLES)
         self._lost: str | None = None
         self._marked: set[str] = set()  # groups whose marks this sink stored
+        self._whatif_tables = False  # made (write_op_trace)
         path = embedded_path(client)
         # Arrow read in place by the embedded engine; a server takes it over HTTP as it is.
         self._in_memory = EmbeddedArrowInserts(path) if path is not None else None
@@ -231,6 +235,25 @@ class ClickHouseSink:
             columns = TABLES["finding_call_paths"].insert_columns
             self._insert("finding_call_paths",
                          pd.DataFrame({c: [getattr(r, c) for r in rows] for c in columns}))
+
+    def write_op_trace(self, job: OpTraceJob, frame: pd.DataFrame) -> None:
+        """Ops of a job's what-if op trace (validated: ``trainscope.schemas.optrace.validate``)
+        and the job's sizes, for ``trainscope whatif --job``; the what-if tables are made with
+        the first."""
+        self._guard()
+        rows = stored_trace_rows(job.job_id, frame)
+        try:
+            if not self._whatif_tables:
+                for sql in WHATIF_SETUP_SQL:
+                    self.client.command(sql)
+                self._whatif_tables = True
+            self.client.insert_df("op_traces", rows)
+            self.client.insert("op_trace_jobs", [list(msgspec.structs.astuple(job))],
+                               column_names=list(OpTraceJob.__struct_fields__))
+        except Exception as exc:
+            self.stats.errors += 1
+            raise StoreError(f"insert into op_traces failed: {_first_line(exc)}") from None
+        self.stats.rows_written += len(rows) + 1
 
     def write_topology(self, topology: Topology) -> None:
         w = topology.workers

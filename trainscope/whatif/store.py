@@ -15,15 +15,11 @@ import pandas as pd
 
 from trainscope.config.settings import Settings
 from trainscope.schemas.optrace import JobMeta, TraceError
-from trainscope.schemas.optypes import OPTYPES
-from trainscope.schemas.whatif import DDL, SCHEMA_VERSION, TABLE_STRUCTS
+from trainscope.schemas.whatif import SCHEMA_VERSION, SETUP_SQL, TRACE_COLUMNS, stored_trace_rows
 from trainscope.whatif.analysis import WhatIf
 
 # Rows per insert: big enough to amortise the per-insert cost, small enough to bound memory.
 INSERT_CHUNK_ROWS = 2_000_000
-TRACE_COLUMNS = [
-    name for name in TABLE_STRUCTS["op_traces"].__struct_fields__ if name not in ("v", "job_id")
-]
 
 
 def connect(
@@ -32,34 +28,29 @@ def connect(
     *,
     create: bool = True,
     settings: Settings | None = None,
+    read_only: bool = False,
 ) -> Any:
     """A clickhouse-connect client with the what-if tables created.
 
     Without ``create`` the store directory must already exist (reading a job from a mistyped
-    path must not leave an empty store behind).
+    path must not leave an empty store behind). ``read_only``: a client that only reads (an
+    embedded store another process owns is read through its read endpoint); the tables are
+    left as they are.
     """
     from trainscope.store.client import connect as connect_store
 
     if (store_dir is None) == (url is None):
         raise ValueError("give exactly one of a store directory or a ClickHouse URL")
-    client = connect_store(store_dir, url, create=create, settings=settings)
-    for ddl in DDL.values():
-        client.command(ddl)
-    # Stores created before the model-fit flag existed get the column (0 = fits).
-    client.command("ALTER TABLE whatif_results ADD COLUMN IF NOT EXISTS `fit` UInt8")
+    client = connect_store(store_dir, url, create=create, readonly=read_only, settings=settings)
+    if not read_only:
+        for sql in SETUP_SQL:
+            client.command(sql)
     return client
 
 
 def write_trace(client: Any, job_id: str, frame: pd.DataFrame, meta: JobMeta) -> int:
     """Store a validated trace (see :func:`optrace.validate`) and its metadata; returns rows."""
-    out = pd.DataFrame(
-        {
-            "v": SCHEMA_VERSION,
-            "job_id": job_id,
-            **{c: frame[c].to_numpy() for c in TRACE_COLUMNS if c != "optype"},
-            "optype": pd.Categorical.from_codes(frame["op"].to_numpy(), list(OPTYPES)).astype(str),
-        }
-    )[["v", "job_id", *TRACE_COLUMNS]]
+    out = stored_trace_rows(job_id, frame)
     for lo in range(0, len(out), INSERT_CHUNK_ROWS):
         client.insert_df("op_traces", out.iloc[lo : lo + INSERT_CHUNK_ROWS])
     job = {"v": SCHEMA_VERSION, "job_id": job_id, **meta.to_dict()}
@@ -69,13 +60,17 @@ def write_trace(client: Any, job_id: str, frame: pd.DataFrame, meta: JobMeta) ->
 
 def read_trace(client: Any, job_id: str) -> tuple[pd.DataFrame, JobMeta]:
     """The raw trace of a job (columns as in a trace file) and its metadata."""
+    made = client.query("SELECT count() FROM system.tables WHERE database = currentDatabase() "
+                        "AND name IN ('op_traces', 'op_trace_jobs')")
+    if made.result_rows[0][0] < 2:  # no op trace ever stored (a read-only client made none)
+        raise TraceError(_no_trace(job_id))
     jobs = client.query(
         "SELECT dp_size, pp_size, tp_size, dsp_size, vpp_size, world_size "
         "FROM op_trace_jobs FINAL WHERE job_id = {job:String}",
         parameters={"job": job_id},
     )
     if not jobs.result_rows:
-        raise TraceError(f"job {job_id!r}: no op trace in the store")
+        raise TraceError(_no_trace(job_id))
     meta = JobMeta.from_mapping(
         dict(zip(jobs.column_names, jobs.result_rows[-1], strict=True)), f"job {job_id!r} metadata"
     )
@@ -87,6 +82,12 @@ def read_trace(client: Any, job_id: str) -> tuple[pd.DataFrame, JobMeta]:
     if frame.empty:
         raise TraceError(f"job {job_id!r}: the store has its metadata but no op rows")
     return frame, meta
+
+
+def _no_trace(job_id: str) -> str:
+    return (f"job {job_id!r}: no op trace in the store (a job sends one with "
+            "attach(optrace=True) or TRAINSCOPE_OPTRACE=1 to a `trainscope pipeline` that writes "
+            "this store; a trace file is imported with --trace FILE --meta FILE --job JOB)")
 
 
 def write_result(

@@ -5,11 +5,14 @@ slowdown in pipeline stage 3) is published with ``trainscope replay optrace`` ov
 broker, and ``trainscope pipeline`` runs as its own process. The stream job must name stage 3
 as a stage imbalance, alert no rank beside it (the ranks of that stage, and those waiting for
 it, are the same fault), and give the stage's compute per step within 5% of the trace's own.
+The same run stores the op trace: ``trainscope whatif --job ST`` on the pipeline's store then
+gives the what-if of the trace file.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import statistics
 import subprocess
 import sys
@@ -60,12 +63,19 @@ def test_the_st_trace_replayed_names_stage_3_once_with_its_own_cost(
         while "stage-imbalance" not in pipeline.out_text() and time.monotonic() < deadline:
             time.sleep(0.5)
         time.sleep(5)
+        # While the pipeline runs, and owns the store: read through its read endpoint.
+        live, note = _what_if("--job", "ST", "--store", str(store))
+        assert "result not stored: process" in note, note
         assert pipeline.terminate() == 0, pipeline.err_text()[-3000:]
     finally:
         if pipeline.process.poll() is None:
             pipeline.kill()
     stats = pipeline.stats()
     assert stats["validate"]["rejected"] == 0 and stats["window"]["dropped"] == 0, stats
+    ops = len(pd.read_parquet(DATA / "trace-ST.parquet"))
+    assert stats["op_traces"] == {"received": ops, "emitted": ops, "rejected": 0,
+                                  "dropped": 0}, stats
+    _check_what_if_from_the_store(store, live)
 
     diagnosis = diagnose_store(store, "ST")
     print(f"\n{diagnosis}")
@@ -90,3 +100,25 @@ def test_the_st_trace_replayed_names_stage_3_once_with_its_own_cost(
     for value_ms, reference_ms in measured:
         assert abs(value_ms / trace_ms[3] - 1) <= 0.05, (value_ms, trace_ms)
         assert abs(reference_ms / others_ms - 1) <= 0.05, (reference_ms, trace_ms)
+
+
+def _what_if(*args: str) -> tuple[dict, str]:
+    """``trainscope whatif ... --json``: its figures, and what it said on stderr."""
+    done = subprocess.run([sys.executable, "-m", "trainscope.cli.main", "whatif", *args,
+                           "--json"], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    return {k: result[k] for k in ("S", "M_W", "M_S", "S_stage", "S_dp_rank", "S_worker",
+                                   "steps", "workers", "fit")}, done.stderr
+
+
+def _check_what_if_from_the_store(store: Path, live: dict) -> None:
+    """The what-if from the store the pipeline wrote, while it ran (``live``) and after, is
+    the trace file's; after, it is kept in whatif_results."""
+    from_store, note = _what_if("--job", "ST", "--store", str(store))
+    assert "result stored in whatif_results for job 'ST'" in note, note
+    from_file, _ = _what_if("--trace", str(DATA / "trace-ST.parquet"), "--meta",
+                            str(DATA / "meta-ST.yaml"))
+    print(f"what-if S: from the pipeline's store {from_store['S']:.4f} (while it ran "
+          f"{live['S']:.4f}), from the file {from_file['S']:.4f}")
+    assert from_store == from_file == live

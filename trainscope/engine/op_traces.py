@@ -1,0 +1,137 @@
+"""Op traces from the bus, taken in by the stream job and written to the store, so that
+``trainscope whatif --job J`` can analyse a job that sent its trace live.
+
+The PyTorch producer (``attach(optrace=True)``) and ``trainscope replay optrace`` send a job's
+what-if op trace on a topic of its own (:data:`~trainscope.schemas.topics.OPTRACE_TOPIC`): a
+rank's ops of some steps per message, each message with the job's sizes. ``trainscope
+pipeline`` reads that topic beside its input. The ops feed no window: a poll part's messages are
+validated together and written with the part, before any position after them can be committed
+(as dead letters are), one insert per job. A message read again after a restart is stored once:
+``op_traces`` replaces rows of the same op and is read with FINAL.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import msgspec
+import pandas as pd
+
+from trainscope.schemas.optrace import JobMeta, TraceError, validate
+from trainscope.schemas.whatif import TRACE_COLUMNS, OpTraceBatch, OpTraceJob, decode_optrace
+from trainscope.transport.bus import Message
+
+# Jobs whose declared sizes are remembered, to refuse a message that contradicts them: a
+# long-running stream job sees jobs come and go, so the least recently seen are let go.
+MAX_JOBS_REMEMBERED = 4096
+
+
+@dataclass
+class OpTraceCounts:
+    """Ops: ``received`` in decoded messages, ``emitted`` written to the store, ``rejected``
+    in messages set aside as dead letters, ``dropped`` read with no store to write them to."""
+
+    received: int = 0
+    emitted: int = 0
+    rejected: int = 0
+    dropped: int = 0
+
+
+@dataclass
+class _JobPart:
+    job: OpTraceJob
+    meta: JobMeta
+    batches: list[tuple[Message, OpTraceBatch]] = field(default_factory=list)
+
+
+class OpTraceIntake:
+    """A poll part's op-trace messages: decoded and checked as they come (:meth:`take`), then
+    validated by job, together (:meth:`validated`)."""
+
+    def __init__(self, counts: OpTraceCounts) -> None:
+        self.counts = counts
+        self._parts: dict[str, _JobPart] = {}
+        self._sizes: OrderedDict[str, OpTraceJob] = OrderedDict()
+
+    def __bool__(self) -> bool:
+        return bool(self._parts)
+
+    def take(self, message: Message) -> str | None:
+        """Keep ``message`` for this part's write; the reason it is refused, if it is."""
+        try:
+            batch = decode_optrace(message.value)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return f"op trace: {exc}"
+        job = batch.job
+        self.counts.received += len(batch.records)
+        error = self._check_job(batch)
+        if error is not None:
+            self.counts.rejected += len(batch.records)
+            return f"op trace of job {job.job_id!r}: {error}"
+        part = self._parts.get(job.job_id)
+        if part is None:
+            meta = JobMeta.from_mapping(msgspec.structs.asdict(job))  # checked in _check_job
+            part = self._parts[job.job_id] = _JobPart(job, meta)
+        part.batches.append((message, batch))
+        return None
+
+    def _check_job(self, batch: OpTraceBatch) -> str | None:
+        job = batch.job
+        if not job.job_id:
+            return "an empty job id"
+        other = next((r.job_id for r in batch.records if r.job_id != job.job_id), None)
+        if other is not None:
+            return f"an op of job {other!r} in its message"
+        try:
+            JobMeta.from_mapping(msgspec.structs.asdict(job), "its sizes")
+        except TraceError as exc:
+            return str(exc)
+        known = self._sizes.get(job.job_id)
+        if known is not None and known != job:
+            return (f"its sizes {_sizes(job)} differ from its earlier messages' "
+                    f"{_sizes(known)}")
+        self._sizes[job.job_id] = job
+        self._sizes.move_to_end(job.job_id)
+        if len(self._sizes) > MAX_JOBS_REMEMBERED:
+            self._sizes.popitem(last=False)
+        return None
+
+    def validated(self, reject: Callable[[Message, str], None]
+                  ) -> Iterator[tuple[OpTraceJob, pd.DataFrame, int]]:
+        """Each job's ops of this part as one validated frame, with the number of messages it
+        holds; a message whose ops do not validate goes to ``reject`` with the reason, the
+        others are kept. Empties the part."""
+        parts, self._parts = self._parts, {}
+        for job_id, part in parts.items():
+            where = f"op trace of job {job_id!r}"
+            try:
+                frame = validate(_frame(part.batches), part.meta, where, whole=False)
+                messages = len(part.batches)
+            except TraceError:
+                frame, messages = self._message_by_message(part, where, reject)
+            if messages:
+                yield part.job, frame, messages
+
+    def _message_by_message(self, part: _JobPart, where: str,
+                            reject: Callable[[Message, str], None]) -> tuple[pd.DataFrame, int]:
+        kept = []
+        for message, batch in part.batches:
+            try:
+                kept.append(validate(_frame([(message, batch)]), part.meta, where, whole=False))
+            except TraceError as exc:
+                self.counts.rejected += len(batch.records)
+                reject(message, str(exc))
+        return (pd.concat(kept, ignore_index=True) if kept else pd.DataFrame()), len(kept)
+
+
+def _frame(batches: list[tuple[Message, OpTraceBatch]]) -> pd.DataFrame:
+    """The ops of ``batches`` as a trace table (the columns of a trace file)."""
+    rows = [msgspec.structs.astuple(r)[2:] for _, b in batches for r in b.records]
+    return pd.DataFrame.from_records(rows, columns=list(TRACE_COLUMNS))
+
+
+def _sizes(job: OpTraceJob) -> str:
+    return (f"dp {job.dp_size} × pp {job.pp_size} × tp {job.tp_size} × dsp {job.dsp_size} "
+            f"(vpp {job.vpp_size}, world {job.world_size})")
