@@ -44,7 +44,7 @@ from trainscope.engine.clocks import DEFAULT_TOLERANCE_S as CLOCK_TOLERANCE_S
 from trainscope.engine.clocks import clock_skew_findings
 from trainscope.engine.delivery import Backoff, PendingOffsets, SeenBatches
 from trainscope.engine.intake import MessageIntake, SourcePart
-from trainscope.engine.op_traces import OpTraceCounts, OpTraceIntake
+from trainscope.engine.op_traces import OpTraceIntake
 from trainscope.engine.sink import DeadLetterRow, Sink
 from trainscope.engine.step_rows import StepRows
 from trainscope.engine.windows import WindowEngine
@@ -125,8 +125,10 @@ class PipelineStats:
     early_flags: int = 0
     # Producer stamps kept now to drop re-sent batches: those of the open windows' batches.
     stamps_kept: int = 0
-    # Ops of what-if op traces (engine/op_traces.py); their messages count in decode.
-    op_traces: OpTraceCounts = field(default_factory=OpTraceCounts)
+    # Ops of what-if op traces (engine/op_traces.py): received in decoded messages, emitted
+    # (written), rejected (in messages set aside), dropped (no store, or its write failed);
+    # their messages count in decode.
+    op_traces: StageCounts = field(default_factory=StageCounts)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import pandas as pd
@@ -23,20 +24,12 @@ from trainscope.schemas.optrace import JobMeta, TraceError, validate
 from trainscope.schemas.whatif import TRACE_COLUMNS, OpTraceBatch, OpTraceJob, decode_optrace
 from trainscope.transport.bus import Message
 
+if TYPE_CHECKING:
+    from trainscope.engine.core import StageCounts
+
 # Jobs whose declared sizes are remembered, to refuse a message that contradicts them: a
 # long-running stream job sees jobs come and go, so the least recently seen are let go.
 MAX_JOBS_REMEMBERED = 4096
-
-
-@dataclass
-class OpTraceCounts:
-    """Ops: ``received`` in decoded messages, ``emitted`` written to the store, ``rejected``
-    in messages set aside as dead letters, ``dropped`` read with no store to write them to."""
-
-    received: int = 0
-    emitted: int = 0
-    rejected: int = 0
-    dropped: int = 0
 
 
 @dataclass
@@ -48,9 +41,10 @@ class _JobPart:
 
 class OpTraceIntake:
     """A poll part's op-trace messages: decoded and checked as they come (:meth:`take`), then
-    validated by job, together (:meth:`validated`)."""
+    validated by job, together (:meth:`validated`). ``counts`` counts ops: ``received`` in
+    decoded messages, ``rejected`` in messages set aside (the stream job counts the rest)."""
 
-    def __init__(self, counts: OpTraceCounts) -> None:
+    def __init__(self, counts: StageCounts) -> None:
         self.counts = counts
         self._parts: dict[str, _JobPart] = {}
         self._sizes: OrderedDict[str, OpTraceJob] = OrderedDict()
@@ -128,6 +122,7 @@ class OpTraceIntake:
 
 def _frame(batches: list[tuple[Message, OpTraceBatch]]) -> pd.DataFrame:
     """The ops of ``batches`` as a trace table (the columns of a trace file)."""
+    # An op's fields are v, job_id, then TRACE_COLUMNS in order (schemas/whatif.py).
     rows = [msgspec.structs.astuple(r)[2:] for _, b in batches for r in b.records]
     return pd.DataFrame.from_records(rows, columns=list(TRACE_COLUMNS))
 
