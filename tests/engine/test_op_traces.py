@@ -6,6 +6,7 @@ reason while the others of its poll are kept; a message read twice is stored onc
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import msgspec
@@ -14,9 +15,21 @@ import pytest
 
 from trainscope.engine.bus_job import BusStreamJob
 from trainscope.producers.replay.optrace import encode_optrace, read_optrace
-from trainscope.schemas.optrace import TraceError, load_trace, read_meta, validate
+from trainscope.schemas.optrace import (
+    STORED_INT_RANGE,
+    TraceError,
+    load_trace,
+    read_meta,
+    validate,
+)
 from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, OPTRACE_TOPIC
-from trainscope.schemas.whatif import OpTraceBatch, OpTraceJob, OpTraceRecord, encode_records
+from trainscope.schemas.whatif import (
+    DDL,
+    OpTraceBatch,
+    OpTraceJob,
+    OpTraceRecord,
+    encode_records,
+)
 from trainscope.sinks.clickhouse import ClickHouseSink, run_query
 from trainscope.transport.memory import MemoryBus
 from trainscope.whatif import store as whatif_store
@@ -132,3 +145,36 @@ def test_a_store_the_pipeline_wrote_without_op_traces_says_how_to_get_one(sink) 
     with pytest.raises(TraceError, match=r"job 'J': no op trace in the store \(a job sends one "
                                          r"with attach\(optrace=True\)"):
         whatif_store.read_trace(sink.client, "J")
+
+
+def test_extreme_values_never_stop_the_stream_job(sink) -> None:
+    """Values at the ends of their wire types, in fields the store narrows: each message is
+    stored or a dead letter, and the job goes on to the next message."""
+    bus = MemoryBus(partitions=1)
+    job = OpTraceJob(job_id="X", dp_size=1, pp_size=1, world_size=1)
+    extremes = [dict(rank=2**63 - 1), dict(rank=-(2**63)), dict(dp_rank=2**40),
+                dict(seq_id=2**62), dict(step=2**64 - 1), dict(start_ts=float("inf")),
+                dict(duration=float("nan")), dict(mb_id=-(2**63)), dict(optype="")]
+    huge = OpTraceJob(job_id="X", dp_size=2**40, pp_size=1, world_size=2**40)
+    for change in extremes:
+        bus.publish(OPTRACE_TOPIC, encode_records(job, _ops("X", 1, **change))[0][1])
+    bus.publish(OPTRACE_TOPIC, encode_records(huge, _ops("X", 1))[0][1])
+    _publish(bus, encode_records(job, _ops("X", 2)))
+    pipeline = BusStreamJob(bus, detectors=[], sink=sink, sink_retry_s=5.0,
+                            topics=(EVENTS_TOPIC, OPTRACE_TOPIC))
+    _drain(pipeline)
+    stats = pipeline.stats()
+    # Each one a dead letter: none narrowed into another value, none failing the write.
+    assert stats.decode.received == len(extremes) + 2
+    assert stats.decode.rejected == len(extremes) + 1 and stats.decode.emitted == 1
+    assert stats.op_traces.emitted == 2 and stats.op_traces.dropped == 0
+    assert stats.sink_retries == 0 and not pipeline.write_failed
+    stored = run_query(sink.client, "SELECT rank, step, seq_id FROM op_traces FINAL "
+                                    "WHERE job_id = 'X' ORDER BY seq_id")[1]
+    assert [tuple(r) for r in stored] == [(0, 1, 0), (0, 1, 1)]
+
+
+def test_the_checked_ranges_are_the_stored_columns_types() -> None:
+    declared = dict(re.findall(r"`(\w+)` (Int32|Int64)", DDL["op_traces"]))
+    kinds = {(-(2**31), 2**31 - 1): "Int32", (-(2**63), 2**63 - 1): "Int64"}
+    assert {c: kinds[r] for c, r in STORED_INT_RANGE.items()} == declared

@@ -58,6 +58,8 @@ class OpTraceIntake:
             batch = decode_optrace(message.value)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return f"op trace: {exc}"
+        except Exception as exc:  # decoding raises only those two; never die on input
+            return f"op trace: decoding raised {type(exc).__name__}: {exc}"
         job = batch.job
         self.counts.received += len(batch.records)
         error = self._check_job(batch)
@@ -103,7 +105,7 @@ class OpTraceIntake:
             try:
                 frame = validate(_frame(part.batches), part.meta, where, whole=False)
                 messages = len(part.batches)
-            except TraceError:
+            except Exception:  # TraceError, or anything else a hostile value sets off
                 frame, messages = self._message_by_message(part, where, reject)
             if messages:
                 yield part.job, frame, messages
@@ -114,9 +116,11 @@ class OpTraceIntake:
         for message, batch in part.batches:
             try:
                 kept.append(validate(_frame([(message, batch)]), part.meta, where, whole=False))
-            except TraceError as exc:
+            except Exception as exc:
                 self.counts.rejected += len(batch.records)
-                reject(message, str(exc))
+                reason = (str(exc) if isinstance(exc, TraceError)
+                          else f"{where}: validation raised {type(exc).__name__}: {exc}")
+                reject(message, reason)
         return (pd.concat(kept, ignore_index=True) if kept else pd.DataFrame()), len(kept)
 
 

@@ -29,6 +29,14 @@ REQUIRED_COLUMNS: dict[str, str] = {
 }
 # Present in Megatron traces; only used to pair sends with receives, so they may be missing.
 OPTIONAL_COLUMNS: dict[str, str] = {"mc": "int32", "gmc": "int32", "mb_id": "float64"}
+TIME_COLUMNS = frozenset({"start_ts", "duration"})
+# The integer columns' range as the store keeps them (op_traces in trainscope.schemas.whatif).
+_INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
+STORED_INT_RANGE: dict[str, tuple[int, int]] = {
+    "dp_rank": _INT32, "stage": _INT32, "rank": _INT64, "step": _INT64, "seq_id": _INT32,
+    "mc": _INT32, "gmc": _INT32, "mb_id": _INT32,
+}
 META_KEYS: tuple[str, ...] = ("dp_size", "pp_size", "tp_size", "dsp_size", "vpp_size")
 
 
@@ -65,8 +73,9 @@ class JobMeta:
                     raise TraceError(f"{source}: missing key {key!r}")
                 continue
             raw = data[key]
-            if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
-                raise TraceError(f"{source}: {key} must be a positive integer, got {raw!r}")
+            if isinstance(raw, bool) or not isinstance(raw, int) or not 1 <= raw <= _INT32[1]:
+                raise TraceError(f"{source}: {key} must be a positive integer up to "
+                                 f"{_INT32[1]}, got {raw!r}")
             values[key] = raw
         meta = cls(**values)
         product = meta.dp_size * meta.pp_size * meta.tp_size * meta.dsp_size
@@ -152,6 +161,7 @@ def validate(df: pd.DataFrame, meta: JobMeta, source: str = "trace", *,
                 f"{source}: column {name!r} has a missing or non-numeric value "
                 f"{df[name].iloc[row]!r} (row {row})"
             )
+        _check_fits(name, column, df[name], source)
         out[name] = column.to_numpy(dtype=dtype)
     codes = _optype_codes(df["optype"])
     if (codes < 0).any():
@@ -163,6 +173,23 @@ def validate(df: pd.DataFrame, meta: JobMeta, source: str = "trace", *,
     out["op"] = codes.astype(np.int8)
     _check_ranges(out, meta, source, whole)
     return pd.DataFrame(out)
+
+
+def _check_fits(name: str, column: pd.Series, raw: pd.Series, source: str) -> None:
+    """Times must be finite, and integers fit the store's column: a value narrowed on the way
+    in would be stored as another (2**40 as dp_rank 0), and one the store refuses would fail
+    the insert of every good row beside it."""
+    values = column.to_numpy()
+    if name in TIME_COLUMNS:
+        bad = ~np.isfinite(values)
+        what = "a non-finite value"
+    else:
+        low, high = STORED_INT_RANGE[name]
+        bad = (values < low) | (values > high)
+        what = f"a value outside {low}..{high}"
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise TraceError(f"{source}: column {name!r} has {what}: {raw.iloc[row]!r} (row {row})")
 
 
 def _optype_codes(column: pd.Series) -> np.ndarray:
