@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from trainscope.engine.bus_job import BusStreamJob
+from trainscope.engine.health_metrics import PREFIX, PipelineCollector
 from trainscope.producers.replay.optrace import encode_optrace, read_optrace
 from trainscope.schemas.optrace import (
     STORED_INT_RANGE,
@@ -137,6 +138,10 @@ def test_bad_op_traces_are_dead_letters_with_their_reason_and_the_rest_is_kept(s
     assert [tuple(r) for r in rows] == [(0, 4), (1, 3)]
     letters = run_query(sink.client, "SELECT count() FROM dead_letters")[1][0][0]
     assert letters == len(bad)
+    scraped = {m.name.removeprefix(PREFIX): m.samples[0].value
+               for m in PipelineCollector(pipeline).collect() if "op_trace" in m.name}
+    assert scraped == {"op_trace_ops_written": 7, "op_trace_ops_rejected": 9,
+                       "op_trace_ops_dropped": 0}
 
 
 def test_a_store_the_pipeline_wrote_without_op_traces_says_how_to_get_one(sink) -> None:

@@ -88,6 +88,12 @@ class PipelineCollector:
                                 "--max-open-windows).", stats.capped_messages),
             "capped_rows": ("Summary rows and span events of the capped messages.",
                             stats.capped_rows),
+            "op_trace_ops_written": ("Ops of what-if op traces written to the store.",
+                                     stats.op_traces.emitted),
+            "op_trace_ops_rejected": ("Ops of op-trace messages set aside as dead letters.",
+                                      stats.op_traces.rejected),
+            "op_trace_ops_dropped": ("Ops of op traces not written (no store, or the sink kept "
+                                     "failing).", stats.op_traces.dropped),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
