@@ -73,6 +73,9 @@ def test_trace_that_does_not_fit_is_flagged(trace_files):
     assert any("does not fit the dependency model" in w for w in data["warnings"])
     report = runner.invoke(whatif, ["--trace", str(trace), "--meta", str(meta)])
     assert "warning: the trace does not fit the dependency model" in report.stdout
+    # Once on a terminal (stdout and stderr together), in the report; with --json, on stderr.
+    assert report.output.count("warning: the trace does not fit the dependency model") == 1
+    assert "warning: the trace does not fit the dependency model" in result.stderr
     assert "does NOT fit" in report.stdout
 
 

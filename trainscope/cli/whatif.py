@@ -130,8 +130,9 @@ def _run(
         layout = build_layout(frame, meta, source)
         del frame
         result = analyse(layout, progress=status.update)
-    for warning in result.warnings:
-        err.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+    if as_json:  # the readable report carries its warnings itself; printed twice on a terminal
+        for warning in result.warnings:
+            err.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
     if client is not None and owner is not None:
         err.print(f"result not stored: process {owner} owns store {store_dir} (a running "
                   "`trainscope pipeline`), which other processes can only read; run again "
