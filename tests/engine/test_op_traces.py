@@ -13,6 +13,7 @@ import msgspec
 import pandas as pd
 import pytest
 
+from trainscope.engine import op_traces
 from trainscope.engine.bus_job import BusStreamJob
 from trainscope.engine.health_metrics import PREFIX, PipelineCollector
 from trainscope.producers.replay.optrace import encode_optrace, read_optrace
@@ -48,8 +49,10 @@ def sink(tmp_path):
 
 
 def _drain(pipeline: BusStreamJob) -> None:
+    """Read everything, then commit: op traces are written before a commit."""
     while pipeline.poll_once(timeout_s=0.0):
         pass
+    assert pipeline.commit()
 
 
 def _publish(bus: MemoryBus, messages: list[tuple[bytes, bytes]]) -> None:
@@ -183,3 +186,33 @@ def test_the_checked_ranges_are_the_stored_columns_types() -> None:
     declared = dict(re.findall(r"`(\w+)` (Int32|Int64)", DDL["op_traces"]))
     kinds = {(-(2**31), 2**31 - 1): "Int32", (-(2**63), 2**63 - 1): "Int64"}
     assert {c: kinds[r] for c, r in STORED_INT_RANGE.items()} == declared
+
+
+def _stored_ops(sink: ClickHouseSink) -> int:
+    if not run_query(sink.client, "EXISTS TABLE op_traces")[1][0][0]:
+        return 0  # made with the first op trace written
+    return run_query(sink.client, "SELECT count() FROM op_traces")[1][0][0]
+
+
+def test_op_traces_are_written_before_a_commit_not_with_every_poll(sink, monkeypatch) -> None:
+    """A large job sends op traces all the time: a write per poll would give the store tens of
+    small inserts a second. They wait for the next commit (whose positions cover them), or
+    until ``MAX_PENDING_OPS`` wait."""
+    bus = MemoryBus(partitions=1)
+    job = OpTraceJob(job_id="P", dp_size=1, pp_size=1, world_size=1)
+    pipeline = BusStreamJob(bus, detectors=[], sink=sink, commit_interval_s=3600.0,
+                            topics=(EVENTS_TOPIC, OPTRACE_TOPIC))
+    for step in range(3):
+        _publish(bus, encode_records(job, _ops("P", 2, step=step)))
+        assert pipeline.poll_once(timeout_s=0.0) == 1
+    assert _stored_ops(sink) == 0 and pipeline.stats().op_traces.emitted == 0
+    assert pipeline.commit()
+    assert _stored_ops(sink) == 6 and pipeline.stats().op_traces.emitted == 6
+
+    monkeypatch.setattr(op_traces, "MAX_PENDING_OPS", 4)
+    _publish(bus, encode_records(job, _ops("P", 2, step=3)))
+    pipeline.poll_once(timeout_s=0.0)
+    assert _stored_ops(sink) == 6  # 2 wait
+    _publish(bus, encode_records(job, _ops("P", 2, step=4)))
+    pipeline.poll_once(timeout_s=0.0)
+    assert _stored_ops(sink) == 10  # 4 waited: written without a commit

@@ -395,6 +395,7 @@ class BusStreamJob(StreamCore):
         """Checkpoint, then commit the positions the checkpoint covers; False if the bus
         refused (it is retried at the next interval, with backoff)."""
         self._last_commit_s = time.monotonic()
+        self.write_op_traces()  # before the positions that cover them are committed
         if self.write_failed:
             return False  # a window was dropped: never move past it
         read = self.offsets.read_positions()

@@ -478,9 +478,11 @@ class StreamCore(MessageIntake):
                 (message.topic, message.partition, message.offset, reason, message.value)
             )
 
-    def _write_op_traces(self) -> None:
-        """The poll part's op traces, one write per job (see :mod:`~trainscope.engine.op_traces`),
-        before any position after them can be committed."""
+    def write_op_traces(self) -> None:
+        """The op traces taken so far, one write per job (:mod:`~trainscope.engine.op_traces`);
+        before a commit, so that their positions are committed only once they are written."""
+        if not self._op_traces:
+            return
         counts = self._stats.op_traces
         for job, frame, messages in self._op_traces.validated(self._reject):
             self._stats.decode.emitted += messages
@@ -492,6 +494,7 @@ class StreamCore(MessageIntake):
                 counts.emitted += len(frame)
             else:
                 counts.dropped += len(frame)
+        self._flush_dead_letters()  # the messages validation set aside
 
     def _flush_dead_letters(self) -> None:
         """One insert per call rather than per message: a burst of garbage stays cheap."""
@@ -590,8 +593,10 @@ class StreamCore(MessageIntake):
         return self._stop_deadline is not None
 
     def drain(self) -> None:
-        """Close every open window, detect and write it (the end of the stream)."""
+        """Close every open window, detect and write it (the end of the stream); write the op
+        traces taken."""
         self._handle(self.engine.close_all())
+        self.write_op_traces()
 
     def stats(self) -> PipelineStats:
         engine = self.engine.stats

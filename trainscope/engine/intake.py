@@ -82,8 +82,8 @@ class MessageIntake:
         handled, stamps, rows, lane = self._decode_part(messages)
         fed = self._admit_part(handled, stamps, rows, lane)
         self._ingest_sources(self._by_source(handled, fed, rows, lane), rows)
-        if self._op_traces:
-            self._write_op_traces()
+        if self._op_traces.full():
+            self.write_op_traces()
         self._flush_dead_letters()
         self._handle(self.engine.close_ready())
         if self._capped:

@@ -4,10 +4,11 @@
 The PyTorch producer (``attach(optrace=True)``) and ``trainscope replay optrace`` send a job's
 what-if op trace on a topic of its own (:data:`~trainscope.schemas.topics.OPTRACE_TOPIC`): a
 rank's ops of some steps per message, each message with the job's sizes. ``trainscope
-pipeline`` reads that topic beside its input. The ops feed no window: a poll part's messages are
-validated together and written with the part, before any position after them can be committed
-(as dead letters are), one insert per job. A message read again after a restart is stored once:
-``op_traces`` replaces rows of the same op and is read with FINAL.
+pipeline`` reads that topic beside its input. The ops feed no window: they are kept until the
+stream job commits (every few seconds) or ``MAX_PENDING_OPS`` wait, then validated by job and
+written, one write per job, before their positions are committed (a write per poll would give
+a large job's store tens of small inserts a second). A message read again after a restart is
+stored once: ``op_traces`` replaces rows of the same op and is read with FINAL.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from trainscope.transport.bus import Message
 if TYPE_CHECKING:
     from trainscope.engine.core import StageCounts
 
+# Ops kept before they are written whether or not a commit is due: bounds the memory they
+# hold (a decoded op is a few hundred bytes).
+MAX_PENDING_OPS = 200_000
 # Jobs whose declared sizes are remembered, to refuse a message that contradicts them: a
 # long-running stream job sees jobs come and go, so the least recently seen are let go.
 MAX_JOBS_REMEMBERED = 4096
@@ -40,17 +44,23 @@ class _JobPart:
 
 
 class OpTraceIntake:
-    """A poll part's op-trace messages: decoded and checked as they come (:meth:`take`), then
-    validated by job, together (:meth:`validated`). ``counts`` counts ops: ``received`` in
-    decoded messages, ``rejected`` in messages set aside (the stream job counts the rest)."""
+    """Op-trace messages: decoded and checked as they come (:meth:`take`), then validated by
+    job, together, when they are to be written (:meth:`validated`). ``counts`` counts ops:
+    ``received`` in decoded messages, ``rejected`` in messages set aside (the stream job counts
+    the rest)."""
 
     def __init__(self, counts: StageCounts) -> None:
         self.counts = counts
         self._parts: dict[str, _JobPart] = {}
         self._sizes: OrderedDict[str, OpTraceJob] = OrderedDict()
+        self.pending_ops = 0
 
     def __bool__(self) -> bool:
         return bool(self._parts)
+
+    def full(self) -> bool:
+        """So many ops wait that they are written now, commit or not."""
+        return self.pending_ops >= MAX_PENDING_OPS
 
     def take(self, message: Message) -> str | None:
         """Keep ``message`` for this part's write; the reason it is refused, if it is."""
@@ -71,6 +81,7 @@ class OpTraceIntake:
             meta = JobMeta.from_mapping(msgspec.structs.asdict(job))  # checked in _check_job
             part = self._parts[job.job_id] = _JobPart(job, meta)
         part.batches.append((message, batch))
+        self.pending_ops += len(batch.records)
         return None
 
     def _check_job(self, batch: OpTraceBatch) -> str | None:
@@ -96,10 +107,11 @@ class OpTraceIntake:
 
     def validated(self, reject: Callable[[Message, str], None]
                   ) -> Iterator[tuple[OpTraceJob, pd.DataFrame, int]]:
-        """Each job's ops of this part as one validated frame, with the number of messages it
-        holds; a message whose ops do not validate goes to ``reject`` with the reason, the
-        others are kept. Empties the part."""
+        """Each job's ops taken since the last call as one validated frame, with the number of
+        messages it holds; a message whose ops do not validate goes to ``reject`` with the
+        reason, the others are kept."""
         parts, self._parts = self._parts, {}
+        self.pending_ops = 0
         for job_id, part in parts.items():
             where = f"op trace of job {job_id!r}"
             try:
