@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
+import numpy as np
 import pandas as pd
 
 from trainscope.schemas.optrace import JobMeta, TraceError, validate
@@ -138,9 +139,12 @@ class OpTraceIntake:
 
 def _frame(batches: list[tuple[Message, OpTraceBatch]]) -> pd.DataFrame:
     """The ops of ``batches`` as a trace table (the columns of a trace file)."""
-    # An op's fields are v, job_id, then TRACE_COLUMNS in order (schemas/whatif.py).
+    # An op's fields are v, job_id, then TRACE_COLUMNS in order (schemas/whatif.py). Columns
+    # built apart: pandas infers each from Python objects 2x slower from rows.
     rows = [msgspec.structs.astuple(r)[2:] for _, b in batches for r in b.records]
-    return pd.DataFrame.from_records(rows, columns=list(TRACE_COLUMNS))
+    columns = zip(*rows, strict=True) if rows else [()] * len(TRACE_COLUMNS)
+    return pd.DataFrame({name: np.array(values, dtype=object if name == "optype" else None)
+                         for name, values in zip(TRACE_COLUMNS, columns, strict=True)})
 
 
 def _sizes(job: OpTraceJob) -> str:
