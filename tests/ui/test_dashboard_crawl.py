@@ -24,13 +24,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kafka_broker import TansuBroker, free_port
+from dashboard_procs import get, serve
+from kafka_broker import TansuBroker
 from pipeline_procs import PipelineProcess, publish, start_publisher
 
 CHROMIUM = "/usr/bin/chromium"
@@ -233,41 +233,6 @@ def browser():
         chromium.close()
 
 
-@contextmanager
-def serve(store: Path, log: Path) -> Iterator[str]:
-    port = free_port()
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "trainscope.cli.main", "ui", "--store", str(store), "--port",
-             str(port)], stdout=out, stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, log.read_text()
-            try:
-                urllib.request.urlopen(url + "/api/jobs", timeout=2).read()
-                break
-            except urllib.error.HTTPError:
-                break  # it answers; the crawl says what is wrong
-            except OSError:
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(10)
-
-
-def get(url: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
 def app_routes() -> list[str]:
     """Every route of the dashboard app, as path templates; static files by name."""
     from starlette.routing import Mount, Route
@@ -343,6 +308,9 @@ def visit(browser, url: str, crawl: Crawl) -> list[str]:
         for section in crawl.empty[job]:
             note = page.locator(f"#{section} > p.empty")
             assert note.count() == 1 and note.inner_text().strip(), (url, section)
+            assert "undefined" not in note.inner_text(), (url, section, note.inner_text())
+        if "whatif" in crawl.empty[job]:  # the command for this job and store
+            assert " trainscope whatif " in page.inner_text("#whatif > p.empty"), url
     else:
         assert page.locator("#jobs, #no-jobs").count() == 1, url
         assert page.locator("#dead-letters").inner_text().strip()

@@ -145,7 +145,6 @@ class _Pages:
         return self.templates.TemplateResponse(request, "job.html", {
             "job_id": job_id, "source": self.source, "threshold": threshold,
             "config": _script_json({"job_id": job_id, "threshold": threshold,
-                                    "whatif_command": _whatif_command(job_id),
                                     "refresh_s": self.refresh_s,
                                     "from_ms": _int_or_none(request, "from_ns", 10**6),
                                     "to_ms": _int_or_none(request, "to_ns", 10**6)}),
@@ -179,6 +178,9 @@ class _Pages:
             "findings": findings,
             "functions": queries.functions(job_id),
             "whatif": whatif,
+            # What would fill the what-if section: its command, for this store and job.
+            "whatif_hint": None if whatif is not None else _whatif_hint(
+                job_id, self.source, queries.op_trace_ops(job_id)),
         })
 
     def api_heatmap(self, request: Request) -> Response:
@@ -212,11 +214,18 @@ def _script_json(value: Any) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def _whatif_command(job_id: str) -> str:
-    """The command that would fill the what-if section, its job id quoted for a shell."""
+def _whatif_hint(job_id: str, source: str, ops: int) -> str:
+    """How to fill the what-if section, with the command for this store and job (quoted for
+    a shell): from the op trace the job sent, or how a job sends one."""
     import shlex
 
-    return f"trainscope whatif --trace OPS.parquet --meta META.yaml --job {shlex.quote(job_id)}"
+    flag = "--url" if source.startswith(("http://", "https://")) else "--store"
+    tail = f"--job {shlex.quote(job_id)} {flag} {shlex.quote(source)}"
+    if ops:
+        return f"the job's op trace is in the store ({ops:,} ops): trainscope whatif {tail}"
+    return ("the job sent no op trace (attach(optrace=True) or TRAINSCOPE_OPTRACE=1 sends one "
+            f"to the pipeline); from a trace file: trainscope whatif --trace OPS.parquet --meta "
+            f"META.yaml {tail}")
 
 
 def _int_or_none(request: Request, name: str, divisor: int) -> int | None:

@@ -227,6 +227,7 @@ HAVING countIf(rank = {rank:Int64}) > 0
 ORDER BY rank_ms - peer_median_ms DESC
 """
 
+OP_TRACE_OPS = "SELECT count() AS ops FROM op_traces WHERE job_id = {job:String}"
 WHATIF = """
 SELECT * FROM whatif_results WHERE job_id = {job:String}
 ORDER BY analysed_at_ns DESC LIMIT 1
@@ -368,3 +369,8 @@ class DashboardQueries:
     def whatif(self, job_id: str) -> dict[str, Any] | None:
         rows = self._rows(WHATIF, job=job_id)
         return rows[0] if rows else None
+
+    def op_trace_ops(self, job_id: str) -> int:
+        """Ops of the job's what-if op trace in the store (0: none)."""
+        rows = self._rows(OP_TRACE_OPS, job=job_id)
+        return int(rows[0]["ops"]) if rows else 0

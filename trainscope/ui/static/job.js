@@ -143,9 +143,9 @@ function drawFindings(findings) {
     <tbody>${rows.join("")}</tbody></table>`;
 }
 
-function drawWhatif(w) {
+function drawWhatif(w, hint) {
   const box = document.getElementById("whatif");
-  if (!w) { empty("whatif", `No what-if yet: ${CFG.whatif_command}`); return; }
+  if (!w) { empty("whatif", `No what-if yet: ${hint}`); return; }
   const warnings = w.warnings.length ? `<p class="alert">${w.warnings.map(escapeHtml).join("<br>")}</p>` : "";
   box.innerHTML = `<p>Analysed ${w.analysed_at}: ${w.steps} steps, ${w.workers} workers.
     Slowdown S = <b>${w.S.toFixed(3)}</b> (real ${(w.step_time_real_s * 1e3).toFixed(1)} ms/step,
@@ -205,7 +205,7 @@ async function load() {
   drawSteps(overview.steps, overview.marks);
   fillMetrics(overview.functions, overview.findings);
   drawFindings(overview.findings);
-  drawWhatif(overview.whatif);
+  drawWhatif(overview.whatif, overview.whatif_hint);
   await loadHeatmap();
   document.getElementById("refreshed").textContent = `Updated ${new Date().toLocaleTimeString()}.`;
   document.body.dataset.loaded = "1";
