@@ -162,7 +162,7 @@ def pipeline(bus_url: str, store: Path | None, url: str | None, retention_days: 
     writes the open windows first); --idle-exit-s, the end of the stream, writes them.
 
     What-if op traces that jobs send (attach(optrace=True), `trainscope replay optrace`) are
-    stored as they come, for `trainscope whatif --job JOB`.
+    stored with each commit, for `trainscope whatif --job JOB`.
 
     \f
     Long because each option is a parameter; the work is in the helpers below.
