@@ -16,12 +16,14 @@ from kafka_broker import free_port
 
 
 @contextmanager
-def serve(store: Path, log: Path) -> Iterator[str]:
+def serve(store: Path, log: Path, *args: str) -> Iterator[str]:
+    """The dashboard of ``store`` (more options in ``args``) until the block ends: its URL,
+    once it answers; its output in ``log``."""
     port = free_port()
     with log.open("wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "trainscope.cli.main", "ui", "--store", str(store), "--port",
-             str(port)], stdout=out, stderr=subprocess.STDOUT,
+             str(port), *args], stdout=out, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kafka_broker import free_port
+from dashboard_procs import serve
 
 CULPRIT = 5
 LIVE_JOB = "team/live </script>job"  # a slash, a space, and markup that must stay text
@@ -74,28 +74,9 @@ def store(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def dashboard(store: Path, tmp_path_factory) -> Iterator[str]:
-    port = free_port()
     log = tmp_path_factory.mktemp("ui-log") / "ui.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "trainscope.cli.main", "ui", "--store", str(store), "--port",
-             str(port), "--refresh-s", "1"], stdout=out, stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, log.read_text()
-            try:
-                urllib.request.urlopen(url + "/api/jobs", timeout=2).read()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
+    with serve(store, log, "--refresh-s", "1") as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def get_json(url: str):
