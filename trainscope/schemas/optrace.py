@@ -231,3 +231,5 @@ def _check_ranges(cols: dict[str, np.ndarray], meta: JobMeta, source: str, whole
 def optype_name(code: int) -> str:
     return OPTYPES[code]
 
+
+__all__ = ["CODE", "JobMeta", "TraceError", "load_trace", "read_meta", "read_table", "validate"]
