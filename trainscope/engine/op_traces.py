@@ -53,7 +53,8 @@ class OpTraceIntake:
     def __init__(self, counts: StageCounts) -> None:
         self.counts = counts
         self._parts: dict[str, _JobPart] = {}
-        self._sizes: OrderedDict[str, OpTraceJob] = OrderedDict()
+        # Per job, the sizes its first message declared, and them checked.
+        self._sizes: OrderedDict[str, tuple[OpTraceJob, JobMeta]] = OrderedDict()
         self.pending_ops = 0
 
     def __bool__(self) -> bool:
@@ -79,8 +80,7 @@ class OpTraceIntake:
             return f"op trace of job {job.job_id!r}: {error}"
         part = self._parts.get(job.job_id)
         if part is None:
-            meta = JobMeta.from_mapping(msgspec.structs.asdict(job))  # checked in _check_job
-            part = self._parts[job.job_id] = _JobPart(job, meta)
+            part = self._parts[job.job_id] = _JobPart(job, self._sizes[job.job_id][1])
         part.batches.append((message, batch))
         self.pending_ops += len(batch.records)
         return None
@@ -92,15 +92,16 @@ class OpTraceIntake:
         other = next((r.job_id for r in batch.records if r.job_id != job.job_id), None)
         if other is not None:
             return f"an op of job {other!r} in its message"
-        try:
-            JobMeta.from_mapping(msgspec.structs.asdict(job), "its sizes")
-        except TraceError as exc:
-            return str(exc)
         known = self._sizes.get(job.job_id)
-        if known is not None and known != job:
-            return (f"its sizes {_sizes(job)} differ from its earlier messages' "
-                    f"{_sizes(known)}")
-        self._sizes[job.job_id] = job
+        if known is None or known[0] != job:  # sizes not seen yet: checked once
+            try:
+                meta = JobMeta.from_mapping(msgspec.structs.asdict(job), "its sizes")
+            except TraceError as exc:
+                return str(exc)
+            if known is not None:
+                return (f"its sizes {_sizes(job)} differ from its earlier messages' "
+                        f"{_sizes(known[0])}")
+            self._sizes[job.job_id] = (job, meta)
         self._sizes.move_to_end(job.job_id)
         if len(self._sizes) > MAX_JOBS_REMEMBERED:
             self._sizes.popitem(last=False)
