@@ -76,35 +76,26 @@ def _characterisation(result: WhatIf) -> str:
         return "There is no slowdown over the ideal run to attribute."
     n_top = len(result.top_workers)
     who = "the slowest worker" if n_top == 1 else f"the {n_top} slowest workers (top 3%)"
-    if len(result.S_stage) <= 1:
-        # One pipeline stage: the last stage is the whole job, so M_S is 100% by construction
-        # and says nothing about partitioning.
-        text = (f"Fixing {who} removes {_pct(result.M_W)} of the excess over ideal (M_W); the "
-                "job has one pipeline stage, so there is no stage imbalance to weigh.")
-        if result.M_W > 1.0:
-            text += (" Over 100% means fixing it alone beats the ideal run, whose typical "
-                     "durations average the slow ops in.")
-        if result.M_W >= DOMINANT_SHARE:
-            return text + " Individual slow workers are the main cause."
-        return text + " The slowdown is spread out: a few workers do not explain most of it."
-    text = (
-        f"Fixing {who} removes {_pct(result.M_W)} of the excess over ideal (M_W); "
-        f"fixing the last pipeline stage removes {_pct(result.M_S)} (M_S)."
-    )
-    if result.M_S > 1.0 or result.M_W > 1.0:
+    # One pipeline stage: the last stage is the whole job, so M_S is 100% by construction and
+    # says nothing about partitioning; it is left out of the verdict.
+    one_stage = len(result.S_stage) <= 1
+    last_stage_share = 0.0 if one_stage else result.M_S
+    stages = ("the job has one pipeline stage, so there is no stage imbalance to weigh"
+              if one_stage else f"fixing the last pipeline stage removes {_pct(result.M_S)} (M_S)")
+    text = f"Fixing {who} removes {_pct(result.M_W)} of the excess over ideal (M_W); {stages}."
+    if last_stage_share > 1.0 or result.M_W > 1.0:
         text += (
             " Over 100% means fixing it alone beats the ideal run, whose typical durations "
             "average the slow ops in."
         )
-    if result.M_W >= DOMINANT_SHARE and result.M_W >= result.M_S:
+    if result.M_W >= DOMINANT_SHARE and last_stage_share <= result.M_W:
         return text + " Individual slow workers are the main cause."
-    if result.M_S >= DOMINANT_SHARE:
+    if last_stage_share >= DOMINANT_SHARE:
         return text + (
             " Stage partitioning imbalance is the main cause (the last stage has too much work)."
         )
-    return text + (
-        " The slowdown is spread out: neither a few workers nor the last stage explain most of it."
-    )
+    explain = "a few workers do not" if one_stage else "neither a few workers nor the last stage"
+    return text + f" The slowdown is spread out: {explain} explain most of it."
 
 
 def _pct(x: float) -> str:
