@@ -19,6 +19,7 @@ from trainscope.engine.health_metrics import PREFIX, PipelineCollector
 from trainscope.producers.replay.optrace import encode_optrace, read_optrace
 from trainscope.schemas.optrace import (
     STORED_INT_RANGE,
+    JobMeta,
     TraceError,
     load_trace,
     read_meta,
@@ -216,3 +217,19 @@ def test_op_traces_are_written_before_a_commit_not_with_every_poll(sink, monkeyp
     _publish(bus, encode_records(job, _ops("P", 2, step=4)))
     pipeline.poll_once(timeout_s=0.0)
     assert _stored_ops(sink) == 10  # 4 waited: written without a commit
+
+
+def test_two_jobs_in_one_poll_are_stored_apart_with_their_own_sizes(sink) -> None:
+    bus = MemoryBus(partitions=2)
+    a = OpTraceJob(job_id="A", dp_size=2, pp_size=1, world_size=2)
+    b = OpTraceJob(job_id="B", dp_size=1, pp_size=2, world_size=2)
+    for step in range(2):  # interleaved, as two jobs' ranks publish them
+        _publish(bus, encode_records(a, _ops("A", 2, step=step, dp_rank=1, rank=1)))
+        _publish(bus, encode_records(b, _ops("B", 3, step=step, stage=1, rank=1)))
+    pipeline = BusStreamJob(bus, detectors=[], sink=sink, topics=(EVENTS_TOPIC, OPTRACE_TOPIC))
+    _drain(pipeline)
+    assert pipeline.stats().op_traces.emitted == 10
+    for job, ops, meta in ((a, 4, JobMeta(dp_size=2, pp_size=1, world_size=2)),
+                           (b, 6, JobMeta(dp_size=1, pp_size=2, world_size=2))):
+        raw, stored_meta = whatif_store.read_trace(sink.client, job.job_id)
+        assert len(raw) == ops and stored_meta == meta
