@@ -20,6 +20,7 @@ import torch
 from device_standin import StandInGpu
 from torch_producer_helpers import by_type, read_records, steps_of, summaries_of
 
+from trainscope.engine.windows import metric_window
 from trainscope.producers.torch.device_timing import (
     DEFAULT_POOL_PAIRS,
     DEVICE_COLLECTIVE_LAYER,
@@ -186,6 +187,11 @@ def test_a_cpu_job_sends_host_times_and_says_so(attach, memory_bus) -> None:
     assert not [s for s in summaries_of(records) if s.layer == DEVICE_PHASE_LAYER]
     flags = [r for r in by_type(records, MetricSample) if r.name == PHASE_CLOCK_DEVICE]
     assert flags and {f.value for f in flags} == {0.0}
+    # Stamped at its window's end, as every window's sample: the engine files it with that
+    # window's summaries (a stamp at the start would land in the window before, closed by then).
+    window_ns = 500_000_000
+    assert {metric_window(f.ts_ns, window_ns) * window_ns for f in flags} == {
+        s.window_start_ns for s in summaries_of(records)}
 
 
 @pytest.mark.kafka
@@ -235,6 +241,7 @@ def test_both_clocks_reach_the_store_through_the_real_broker_and_pipeline(
                                 sink=sink)
         pipeline.run(idle_timeout_s=2.0, max_seconds=30)
         pipeline.finish()
+        late = pipeline.engine.stats.late_events
         _, rows = run_query(sink.client, (
             "SELECT layer, name, sum(count), sum(total_ns) FROM function_summaries "
             "WHERE job_id = 'device-clock' AND name IN ('forward', 'backward', "
@@ -245,6 +252,14 @@ def test_both_clocks_reach_the_store_through_the_real_broker_and_pipeline(
         _, step_rows = run_query(sink.client, (
             "SELECT step, collective_ns, device_collective_ns FROM step_records FINAL "
             "WHERE job_id = 'device-clock' ORDER BY step"))
+        # The windows the clock samples were stored in (a sample stamped at the end of the
+        # interval it describes), and those of the summaries.
+        _, flag_windows = run_query(sink.client, (
+            "SELECT DISTINCT intDiv(ts_ns - 1, 500000000) FROM metric_samples WHERE "
+            f"job_id = 'device-clock' AND name = '{PHASE_CLOCK_DEVICE}'"))
+        _, summary_windows = run_query(sink.client, (
+            "SELECT DISTINCT intDiv(window_start_ns, 500000000) FROM function_summaries "
+            "WHERE job_id = 'device-clock'"))
     finally:
         sink.close()
         bus.close()
@@ -255,6 +270,8 @@ def test_both_clocks_reach_the_store_through_the_real_broker_and_pipeline(
     host_count, host_total = stored[("torch_op", "forward")]
     assert host_count == steps and host_total < steps * FORWARD_NS / 2
     assert [float(v) for (v,) in flags] == [1.0]
+    assert late == 0  # every window's clock sample filed with its window, none set aside
+    assert {int(w) for (w,) in flag_windows} == {int(w) for (w,) in summary_windows}
     # Each step record with its all-reduce's time on both clocks: the device's, as queued.
     assert [(int(s), int(d)) for s, _, d in step_rows] == [
         (step, (step + 1) * WAIT_NS) for step in range(steps)]

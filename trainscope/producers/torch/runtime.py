@@ -294,8 +294,12 @@ class Attachment:
             out.extend(recorder.summaries(o.job_id, o.rank, window_start, functions))
             if window_start > self._clock_flagged_ns:  # once per window (late spans come again)
                 self._clock_flagged_ns = window_start
+                # Stamped at the window's end, as a sample of an interval is: the stream job
+                # files it with the window's summaries (at its start it would fall in the
+                # window before, closed by the time this one is sent: counted late, lost).
                 out.append(MetricSample(job_id=o.job_id, host=o.host, rank=o.rank,
-                                        ts_ns=window_start, name=PHASE_CLOCK_DEVICE, value=clock))
+                                        ts_ns=window_start + recorder.window_ns,
+                                        name=PHASE_CLOCK_DEVICE, value=clock))
         return out
 
     def check_device(self, tensor: Any) -> None:
