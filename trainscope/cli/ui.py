@@ -36,24 +36,32 @@ def ui(store: Path | None, url: str | None, port: int, bind: str, threshold: flo
     function breakdowns, findings and what-if results.
 
     The store is opened with ClickHouse's readonly=1. An embedded store that a running pipeline
-    owns is read through the pipeline's read-only endpoint, so a running job can be watched.
+    owns is read through the pipeline's read-only endpoint, so a running job can be watched;
+    when that pipeline stops or restarts, the dashboard follows the store to its next owner, or
+    opens it itself. A store the dashboard opened is handed over to a pipeline (or any
+    command that writes it) that starts on it meanwhile.
     """
     import uvicorn
 
-    from trainscope.store.client import StoreError, connect, default_store_dir, embedded_path
-    from trainscope.store.live import serve_reads
+    from trainscope.store.client import StoreError, connect, default_store_dir, store_path
+    from trainscope.store.handover import FollowedStore
     from trainscope.ui.app import create_app
     from trainscope.ui.queries import DashboardQueries
 
     if store is not None and url is not None:
         raise click.UsageError("give either --store DIR or --url URL, not both")
     _check_free(bind, port)
+    followed: FollowedStore | None = None
     try:
-        client = connect(store, url, readonly=True, create=False)
+        if url:
+            client: object = connect(None, url, readonly=True, create=False)
+        else:
+            client = followed = FollowedStore(store_path(store, create=False))
+            followed.open()
     except StoreError as exc:
         raise click.ClickException(str(exc)) from None
-    owned = embedded_path(client)
-    reads = serve_reads(owned) if owned is not None else None  # others read through us
+    if followed is not None:
+        followed.yield_on_signal()
     source = url or str(Path(store or default_store_dir()).expanduser())
     queries = DashboardQueries(client, threshold=threshold, running_s=running_s)
     app = create_app(queries, source=source, refresh_s=refresh_s)
@@ -61,8 +69,8 @@ def ui(store: Path | None, url: str | None, port: int, bind: str, threshold: flo
     try:
         uvicorn.run(app, host=bind, port=port, log_level="warning")
     finally:
-        if reads is not None:
-            reads.stop()
+        if followed is not None:
+            followed.close()
 
 
 def _check_free(bind: str, port: int) -> None:

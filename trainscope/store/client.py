@@ -15,7 +15,7 @@ from trainscope.config import env
 from trainscope.config.secrets import redact_url, scrub, url_has_password
 from trainscope.config.settings import Settings, store_dir_from
 from trainscope.schemas.errors import TrainscopeError
-from trainscope.store.access import other_owner, writes_a_file
+from trainscope.store.access import ask_owner_to_yield, other_owner, writes_a_file
 
 
 class StoreError(RuntimeError, TrainscopeError):
@@ -42,7 +42,9 @@ def connect(
     servers (``file()``, ``url()``, ``s3()``, ``remote()``, …). Without ``create`` the store
     directory must already hold a store, so a mistyped path is an error instead of a new, empty
     store. Server credentials come from ``settings`` (resolved from the environment when not
-    given), never from the URL or the code.
+    given), never from the URL or the code. A store another process owns is read through its
+    read endpoint; opened to write, it is asked for first if that process only reads it
+    (``trainscope ui``, see :mod:`trainscope.store.handover`).
     """
     import clickhouse_connect
 
@@ -54,7 +56,8 @@ def connect(
     if owner is not None:
         if readonly:
             return _connect_live(clickhouse_connect, path, owner)
-        raise StoreError(_in_use(path, owner))
+        if not ask_owner_to_yield(path, owner):
+            raise StoreError(_in_use(path, owner))
     try:
         return clickhouse_connect.get_client(dsn=f"chdb://{path}", settings=session)
     except Exception as exc:

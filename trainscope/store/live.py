@@ -81,6 +81,9 @@ class Endpoint:
     port: int
     pid: int
     token_required: bool
+    # The owner only reads (``trainscope ui``): it hands the store over to a process that
+    # must write it (trainscope.store.handover).
+    yields: bool = False
 
     @property
     def url(self) -> str:
@@ -94,7 +97,8 @@ def read_endpoint(store: Path) -> Endpoint | None:
     try:
         data = json.loads((store / ENDPOINT_FILE).read_text())
         found = Endpoint(host=str(data["host"]), port=int(data["port"]), pid=int(data["pid"]),
-                         token_required=bool(data["token_required"]))
+                         token_required=bool(data["token_required"]),
+                         yields=bool(data.get("yields", False)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return found if pid_alive(found.pid) else None
@@ -198,11 +202,14 @@ class ReadEndpoint:
     given) in a daemon thread and writes :data:`ENDPOINT_FILE`; ``stop()`` (also at interpreter
     exit) removes the file and stops serving. With a ``token`` every request must carry it as
     ClickHouse's password (basic auth, ``X-ClickHouse-Key`` or ``password=``) or a bearer token.
+    ``yields``: the owner only reads the store and hands it over to a writer that asks.
     """
 
     def __init__(self, store: Path, *, host: str = DEFAULT_BIND, port: int = 0,
-                 token: str | None = None, limits: Limits | None = None) -> None:
+                 token: str | None = None, limits: Limits | None = None,
+                 yields: bool = False) -> None:
         self.store = Path(store)
+        self.yields = yields
         self.host = host
         self.port = port
         self.token = token or None
@@ -222,7 +229,7 @@ class ReadEndpoint:
                                         name="trainscope-read-endpoint", daemon=True)
         self._thread.start()
         self.endpoint = Endpoint(host=str(host), port=int(port), pid=os.getpid(),
-                                 token_required=self.token is not None)
+                                 token_required=self.token is not None, yields=self.yields)
         self._write_file(self.endpoint)
         atexit.register(self.stop)
         return self.endpoint
@@ -293,16 +300,17 @@ def _trailing_format(sql: str) -> str | None:
 
 
 def serve_reads(store: Path | str, *, environ: dict[str, str] | None = None,
-                limits: Limits | None = None) -> ReadEndpoint | None:
+                limits: Limits | None = None, yields: bool = False) -> ReadEndpoint | None:
     """Starts the read endpoint of a store this process owns, configured from the environment
     (:data:`~trainscope.config.env.TRAINSCOPE_STORE_READ_BIND`, ``…_TOKEN``); ``None`` if
-    switched off or if it cannot start, which is logged but never stops the owner."""
+    switched off or if it cannot start, which is logged but never stops the owner. ``yields``:
+    see :class:`ReadEndpoint`."""
     e = os.environ if environ is None else environ
     host = e.get(env.TRAINSCOPE_STORE_READ_BIND, "").strip() or DEFAULT_BIND
     if host.lower() == "off":
         return None
     live = ReadEndpoint(Path(store), host=host, token=e.get(env.TRAINSCOPE_STORE_READ_TOKEN),
-                        limits=limits)
+                        limits=limits, yields=yields)
     try:
         live.start()
     except Exception as exc:  # reads are a convenience; the owner's writes go on regardless

@@ -19,11 +19,12 @@ from urllib.parse import quote, urlencode
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from trainscope.store.client import StoreError
 from trainscope.ui.queries import DashboardQueries
 
 HERE = Path(__file__).parent
@@ -100,7 +101,12 @@ def create_app(queries: DashboardQueries, *, source: str, refresh_s: float = 10.
         Route("/api/job/breakdown", pages.api_breakdown),
         Route("/static/plotly.min.js", pages.plotly_bundle),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
-    ])
+    ], exception_handlers={StoreError: _store_unavailable})
+
+
+async def _store_unavailable(request: Request, exc: Exception) -> Response:
+    """The store cannot be read right now (it is changing owners): say so, retry later."""
+    return PlainTextResponse(str(exc), status_code=503, headers={"Retry-After": "5"})
 
 
 class _Pages:

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from trainscope.store.handover import FollowedStore
+
 MAX_POINTS = 1500
 MAX_COLUMNS = 240
 RUNNING_WITHIN_S = 120  # a job that sent a step this recently is shown as running
@@ -246,20 +248,22 @@ HEATMAP_STEPS_AXIS, HEATMAP_FUNCTION_AXIS = _axis(HEATMAP_STEPS), _axis(HEATMAP_
 
 
 class DashboardQueries:
-    """The dashboard's queries on one read-only client. chDB is not safe to call from several
-    threads at once, and a web server answers on several: one query at a time."""
+    """The dashboard's queries on one read-only client, or on an embedded store whoever owns
+    it (:class:`~trainscope.store.handover.FollowedStore`). chDB is not safe to call from
+    several threads at once, and a web server answers on several: one query at a time."""
 
-    def __init__(self, client: Any, *, threshold: float,
+    def __init__(self, client: Any | FollowedStore, *, threshold: float,
                  running_s: float = RUNNING_WITHIN_S) -> None:
         """``running_s``: a job whose last step record is younger than this is shown as
         running, an older one as ended."""
-        self.client = client
+        self._run: Callable[[Callable[[Any], Any]], Any] = (
+            client.run if isinstance(client, FollowedStore) else lambda query: query(client))
         self.threshold = threshold
         self.running_s = running_s
         self._lock = threading.Lock()
 
     def _rows(self, sql: str, **parameters: Any) -> list[dict[str, Any]]:
-        result = self._query(lambda: self.client.query(sql, parameters=parameters))
+        result = self._query(lambda client: client.query(sql, parameters=parameters))
         if result is None:
             return []
         names: Sequence[str] = result.column_names
@@ -268,18 +272,18 @@ class DashboardQueries:
     def _json_columns(self, sql: str, columns: int, **parameters: Any) -> bytes:
         """The result as JSON columns, serialised by ClickHouse: a rank × time matrix has
         ~250k cells, and building them as Python objects would cost more than the query."""
-        raw = self._query(lambda: self.client.raw_query(sql, parameters=parameters,
-                                                        fmt="JSONCompactColumns"))
+        raw = self._query(lambda client: client.raw_query(sql, parameters=parameters,
+                                                          fmt="JSONCompactColumns"))
         return b"[" + b",".join([b"[]"] * columns) + b"]" if raw is None else bytes(raw)
 
-    def _query(self, run: Callable[[], Any]) -> Any:
-        """``run()`` under the lock; None when it reads a table the store does not have. Each
-        writer creates its own tables (the pipeline's, ``trainscope whatif``'s), so a store
-        lacks those of the writers that never ran on it, and this reader may not create them:
-        a missing table holds no rows."""
+    def _query(self, query: Callable[[Any], Any]) -> Any:
+        """``query(client)`` under the lock; None when it reads a table the store does not
+        have. Each writer creates its own tables (the pipeline's, ``trainscope whatif``'s), so
+        a store lacks those of the writers that never ran on it, and this reader may not create
+        them: a missing table holds no rows."""
         try:
             with self._lock:
-                return run()
+                return self._run(query)
         except Exception as exc:
             if "UNKNOWN_TABLE" in str(exc) or "doesn't exist" in str(exc):
                 return None

@@ -216,7 +216,8 @@ async function load() {
 async function refreshLoop() {
   let status = "unknown";
   try { status = await load(); } catch (error) { console.error(error); document.getElementById("refreshed").textContent = String(error); }
-  if (status === "running") setTimeout(refreshLoop, CFG.refresh_s * 1000);
+  // A failed load (the store changing owners: 503) is tried again, as a running job is.
+  if (status === "running" || status === "unknown") setTimeout(refreshLoop, CFG.refresh_s * 1000);
 }
 
 window.openBreakdown = openBreakdown;
