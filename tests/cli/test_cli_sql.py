@@ -171,8 +171,9 @@ def test_a_store_whose_owner_serves_no_reads_gives_one_line_that_says_what_to_do
         pipeline.terminate()
         pipeline.wait(timeout=30)
     assert line == (
-        f"Error: store {store.resolve()} is in use by process {pipeline.pid}, which serves no "
-        f"read endpoint (an embedded store has a single owner; `trainscope pipeline` and "
+        f"Error: store {store.resolve()} is in use by process {pipeline.pid} "
+        f"(`trainscope pipeline`), which serves no read endpoint (an embedded store has a "
+        f"single owner; `trainscope pipeline` and "
         f"`trainscope ui` serve reads to other commands unless "
         f"{env.TRAINSCOPE_STORE_READ_BIND}=off): restart it with that unset, query a ClickHouse "
         f"server with --url, or stop that process and retry"

@@ -149,11 +149,11 @@ def _connect_live(clickhouse_connect: Any, path: Path, owner: int) -> Any:
 
 
 def _in_use(path: Path, pid: int, *, serves: bool = True) -> str:
-    who = f"process {pid}" if pid else "another process"
+    who = f"process {pid}{_command_of(pid)}" if pid else "another process"
     if serves:
         return (
-            f"store {path} is in use by {who} (an embedded store has a single owner, e.g. a "
-            f"running `trainscope pipeline`): other processes can only read it; stop that "
+            f"store {path} is in use by {who}: an embedded store has a single owner (e.g. a "
+            f"running `trainscope pipeline`), and other processes can only read it; stop that "
             f"process and retry"
         )
     return (
@@ -162,6 +162,22 @@ def _in_use(path: Path, pid: int, *, serves: bool = True) -> str:
         f"commands unless {env.TRAINSCOPE_STORE_READ_BIND}=off): restart it with that unset, "
         f"query a ClickHouse server with --url, or stop that process and retry"
     )
+
+
+def _command_of(pid: int) -> str:
+    """`` (`trainscope pipeline`)`` for a trainscope command, else the start of the process's
+    command line in parentheses; empty when it cannot be read (another OS, a process gone)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return ""
+    args = [a for a in args if a]
+    for i, arg in enumerate(args[:-1]):
+        if arg == "trainscope.cli.main" or Path(arg).name == "trainscope":
+            command = next((a for a in args[i + 1:] if not a.startswith("-")), "")
+            return f" (`trainscope {command}`)" if command else " (`trainscope`)"
+    line = " ".join(args)
+    return f" ({line[:60]}{'…' if len(line) > 60 else ''})" if line else ""
 
 
 def _first_line(exc: BaseException, secrets: list[str] | None = None) -> str:
