@@ -100,11 +100,11 @@ client.command("INSERT INTO findings SELECT * REPLACE ({name:String} AS function
 """
 
 
-def whatif_trace(root: Path) -> tuple[Path, Path]:
+def whatif_trace(root: Path, pp_size: int = 2) -> tuple[Path, Path]:
     from trainscope.whatif.generate import JobSpec, generate, write
 
-    df, meta = generate(JobSpec(dp_size=2, pp_size=2, microbatches=2, steps=3))
-    trace, meta_path = root / "ops.parquet", root / "ops.yaml"
+    df, meta = generate(JobSpec(dp_size=2, pp_size=pp_size, microbatches=2, steps=3))
+    trace, meta_path = root / f"ops-pp{pp_size}.parquet", root / f"ops-pp{pp_size}.yaml"
     write(df, meta, trace, meta_path)
     return trace, meta_path
 
@@ -123,11 +123,13 @@ def stores(tmp_path_factory) -> dict[str, Store]:
     made["pipeline"] = Store(root / "pipeline", {"demo-job": {"whatif", "breakdown"}})
     demo(made["pipeline"].path, "demo-job")
 
-    trace, meta = whatif_trace(root)
     made["whatif-only"] = Store(root / "whatif-only",
-                                {"wi-job": {"steps", "heatmap", "breakdown", "findings"}})
-    trainscope("whatif", "--trace", str(trace), "--meta", str(meta), "--job", "wi-job",
-               "--store", str(made["whatif-only"].path))
+                                {job: {"steps", "heatmap", "breakdown", "findings"}
+                                 for job in ("wi-job", "wi-one-stage")})
+    for job, pp_size in (("wi-job", 2), ("wi-one-stage", 1)):
+        trace, meta = whatif_trace(root, pp_size)
+        trainscope("whatif", "--trace", str(trace), "--meta", str(meta), "--job", job,
+                   "--store", str(made["whatif-only"].path))
 
     for kind, code in (("no-tables", NO_TABLES), ("no-rows", NO_ROWS),
                        ("dead-letters", DEAD_LETTERS)):
@@ -394,3 +396,20 @@ def test_text_from_producers_never_becomes_markup(stores, browser, tmp_path) -> 
     assert any(f"% of time in torch_op/{HOSTILE_FUNCTION}" in t for t in plotly_labels), shown
     assert any(t == f"torch_op/{HOSTILE_FUNCTION}" for t in plotly_labels), shown  # a bar
     assert any("<a href=x>HOSTILE-A</a>" in text for text in labels)
+
+
+def test_the_whatif_section_blames_a_stage_only_where_there_are_stages(
+        stores, browser, tmp_path) -> None:
+    """M_S, the share of the last pipeline stage, is the whole job when there is one stage:
+    the section says so instead of printing 1.00 as if that stage were to blame."""
+    said = {}
+    with serve(stores["whatif-only"].path, tmp_path / "ui.log") as url:
+        for job in ("wi-job", "wi-one-stage"):
+            page = browser.new_page()
+            page.goto(f"{url}/jobs/{job}")
+            page.wait_for_selector("body[data-loaded='1']", timeout=30_000)
+            said[job] = page.inner_text("#whatif")
+            page.close()
+    assert "(last stage)" in said["wi-job"] and "one pipeline stage" not in said["wi-job"]
+    assert "M_S: one pipeline stage, no stage to blame" in said["wi-one-stage"]
+    assert "(last stage)" not in said["wi-one-stage"]

@@ -147,11 +147,14 @@ function drawWhatif(w, hint) {
   const box = document.getElementById("whatif");
   if (!w) { empty("whatif", `No what-if yet: ${hint}`); return; }
   const warnings = w.warnings.length ? `<p class="alert">${w.warnings.map(escapeHtml).join("<br>")}</p>` : "";
+  const stages = [...new Set(w.S_worker.map(c => c.stage))].sort((a, b) => a - b);
+  // With one pipeline stage the last stage is the whole job: M_S says nothing there.
+  const ms = stages.length === 1 ? "M_S: one pipeline stage, no stage to blame"
+                                 : `M_S = ${w.M_S.toFixed(2)} (last stage)`;
   box.innerHTML = `<p>Analysed ${w.analysed_at}: ${w.steps} steps, ${w.workers} workers.
     Slowdown S = <b>${w.S.toFixed(3)}</b> (real ${(w.step_time_real_s * 1e3).toFixed(1)} ms/step,
     without stragglers ${(w.step_time_ideal_s * 1e3).toFixed(1)} ms/step);
-    M_W = ${w.M_W.toFixed(2)} (few slow workers), M_S = ${w.M_S.toFixed(2)} (last stage).</p>${warnings}`;
-  const stages = [...new Set(w.S_worker.map(c => c.stage))].sort((a, b) => a - b);
+    M_W = ${w.M_W.toFixed(2)} (few slow workers), ${ms}.</p>${warnings}`;
   const dps = [...new Set(w.S_worker.map(c => c.dp_rank))].sort((a, b) => a - b);
   const z = stages.map(s => dps.map(d => (w.S_worker.find(c => c.stage === s && c.dp_rank === d) || {}).score ?? null));
   if (!w.S_worker.length) return;
