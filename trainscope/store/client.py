@@ -17,6 +17,8 @@ from trainscope.config.settings import Settings, store_dir_from
 from trainscope.schemas.errors import TrainscopeError
 from trainscope.store.access import ask_owner_to_yield, other_owner, writes_a_file
 
+_HANDOVER_TRIES = 3
+
 
 class StoreError(RuntimeError, TrainscopeError):
     """The store cannot be opened or refused a statement; the text says why."""
@@ -52,11 +54,18 @@ def connect(
     if url:
         return _connect_server(clickhouse_connect, url, session, settings)
     path = store_path(store, create=create)
-    owner = other_owner(path)
-    if owner is not None:
+    # A reader asked to hand the store over may find another reader took it meanwhile (a
+    # second dashboard on the store): that one is asked in turn.
+    for _ in range(_HANDOVER_TRIES):
+        owner = other_owner(path)
+        if owner is None:
+            break
         if readonly:
             return _connect_live(clickhouse_connect, path, owner)
         if not ask_owner_to_yield(path, owner):
+            raise StoreError(_in_use(path, owner))
+    else:
+        if (owner := other_owner(path)) is not None:
             raise StoreError(_in_use(path, owner))
     try:
         return clickhouse_connect.get_client(dsn=f"chdb://{path}", settings=session)
