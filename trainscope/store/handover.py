@@ -61,6 +61,7 @@ class FollowedStore:
         self.handover_s = handover_s
         self.follow_wait_s = follow_wait_s
         self._client: Any = None
+        self._owns = False  # whether _client opened the store itself
         self._endpoint: Endpoint | None = None  # the other owner's we read through
         self._reads: ReadEndpoint | None = None  # ours, while we own the store
         self._handed_over_at: float | None = None
@@ -69,7 +70,7 @@ class FollowedStore:
     @property
     def owned(self) -> bool:
         """Whether this process owns the store now."""
-        return self._client is not None and self._endpoint is None
+        return self._client is not None and self._owns
 
     def open(self) -> None:
         """Resolve the store now (``StoreError`` if it cannot be read at all)."""
@@ -145,7 +146,8 @@ class FollowedStore:
                 raise self._handing_over() from None
             raise
         self._handed_over_at = None
-        if embedded_path(client) is not None:
+        self._owns = embedded_path(client) is not None
+        if self._owns:
             self._endpoint = None
             self._reads = serve_reads(self.path, yields=True)
         else:
@@ -164,4 +166,5 @@ class FollowedStore:
             with contextlib.suppress(Exception):
                 self._client.close()
             self._client = None
+        self._owns = False
         self._endpoint = None
