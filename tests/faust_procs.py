@@ -11,7 +11,7 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
-from trainscope.schemas.topics import EVENTS_TOPIC, METRICS_TOPIC
+from trainscope.schemas.topics import EVENTS_TOPIC, METRICS_TOPIC, OPTRACE_TOPIC
 
 # A job quiet this long has its windows closed. 3 s was too short for a loaded CI machine: the
 # workers' event loops stalled 6-8 s ("woke up too late") and one worker counted 8,367
@@ -59,7 +59,7 @@ async def uncommitted(servers: str, app_id: str) -> dict[str, int]:
     await consumer.start()
     try:
         await consumer.topics()  # fills the metadata partitions_for_topic reads
-        tps = [TopicPartition(topic, p) for topic in (EVENTS_TOPIC, METRICS_TOPIC,
+        tps = [TopicPartition(topic, p) for topic in (EVENTS_TOPIC, METRICS_TOPIC, OPTRACE_TOPIC,
                                                       f"{app_id}-by-job")
                for p in sorted(consumer.partitions_for_topic(topic) or ())]
         ends = await consumer.end_offsets(tps)

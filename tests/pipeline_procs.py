@@ -167,3 +167,13 @@ def host_contention(finding: dict) -> bool:
     running a second test worker beside a multi-rank job, a healthy job may get one; it names
     no rank and blames no code, so it starts no profile."""
     return finding["category"] == "cpu-contention" and finding["rank"] == -1
+
+
+def what_if(*args: str) -> tuple[dict, str]:
+    """``trainscope whatif ... --json``: its figures, and what it said on stderr."""
+    done = subprocess.run([sys.executable, "-m", "trainscope.cli.main", "whatif", *args,
+                           "--json"], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    return {k: result[k] for k in ("S", "M_W", "M_S", "S_stage", "S_dp_rank", "S_worker",
+                                   "steps", "workers", "fit")}, done.stderr

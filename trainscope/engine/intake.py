@@ -61,6 +61,11 @@ class MessageIntake:
     """Decoding, validation, de-duplication, the caps and the positions of a poll's messages
     (the methods :class:`~trainscope.engine.core.StreamCore` takes its input with)."""
 
+    def is_op_trace(self, message: Message) -> bool:
+        """Whether the message is a what-if op trace (written, never windowed): read from the
+        op-trace topic (a stream engine that re-keys messages says where they came from)."""
+        return message.topic == OPTRACE_TOPIC
+
     def _is_watched(self, message: Message) -> bool:
         if message.key is None:
             return True  # unkeyed: cannot tell, so it is decoded and windowed like any other
@@ -110,7 +115,7 @@ class MessageIntake:
                 handled.append((message, None))
                 continue
             stats.decode.received += 1
-            if message.topic == OPTRACE_TOPIC:  # a what-if op trace: written, never windowed
+            if self.is_op_trace(message):  # a what-if op trace: written, never windowed
                 refused = self._op_traces.take(message)
                 if refused is not None:
                     self._reject(message, refused)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +15,14 @@ from aiokafka import AIOKafkaConsumer
 from faust_procs import IDLE, FaustWorker, uncommitted
 from flink_procs import publish_raw, read_topic
 from kafka_broker import TansuBroker
-from pipeline_procs import TABLES, PipelineProcess, dump_tables, publish, start_publisher
+from pipeline_procs import (
+    TABLES,
+    PipelineProcess,
+    dump_tables,
+    publish,
+    start_publisher,
+    what_if,
+)
 
 from trainscope.schemas.codec import decode_envelope
 from trainscope.schemas.topics import DEAD_LETTER_TOPIC, EVENTS_TOPIC, METRICS_TOPIC
@@ -203,3 +212,35 @@ async def never_forwarded(servers: str, app_id: str) -> tuple[dict[str, list[int
         where, _, offset = sent[stamp].rpartition("@")
         lost.setdefault(where, []).append(int(offset))
     return {where: sorted(offsets) for where, offsets in sorted(lost.items())}, len(sent)
+
+
+ST = Path(__file__).resolve().parents[2] / "data" / "stragglers-ST"  # a real production trace
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_a_faust_worker_stores_the_op_traces_jobs_send(
+    fresh_kafka_broker: TansuBroker, tmp_path: Path
+) -> None:
+    """The ST production trace published as ``trainscope replay optrace`` publishes it (its
+    op trace, and the summaries and steps made from it): the worker stores the op trace, and
+    ``trainscope whatif --job ST`` on the worker's store gives the trace file's what-if."""
+    import pandas as pd
+
+    url = fresh_kafka_broker.url
+    replayed = subprocess.run(
+        [sys.executable, "-m", "trainscope.cli.main", "replay", "optrace",
+         str(ST / "trace-ST.parquet"), "--meta", str(ST / "meta-ST.yaml"), "--job", "ST",
+         "--bus", url], capture_output=True, text=True, timeout=120, check=False)
+    assert replayed.returncode == 0, replayed.stderr
+    stats = FaustWorker(url, tmp_path / "w0", "optrace", tmp_path / "w0").wait()
+    ops = len(pd.read_parquet(ST / "trace-ST.parquet"))
+    assert stats["op_traces"] == {"received": ops, "emitted": ops, "rejected": 0,
+                                  "dropped": 0}, stats
+    assert stats["decode"]["rejected"] == 0, stats
+    assert asyncio.run(uncommitted(fresh_kafka_broker.bootstrap_servers, "optrace")) == {}
+    from_store, note = what_if("--job", "ST", "--store", str(tmp_path / "w0"))
+    assert "result stored in whatif_results for job 'ST'" in note, note
+    from_file, _ = what_if("--trace", str(ST / "trace-ST.parquet"), "--meta",
+                           str(ST / "meta-ST.yaml"))
+    assert from_store == from_file

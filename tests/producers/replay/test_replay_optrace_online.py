@@ -12,7 +12,6 @@ gives the what-if of the trace file.
 from __future__ import annotations
 
 import ast
-import json
 import statistics
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from pipeline_procs import PipelineProcess, diagnose_store, dump_tables
+from pipeline_procs import PipelineProcess, diagnose_store, dump_tables, what_if
 
 from trainscope.detectors.base import ALERT_THRESHOLD
 
@@ -64,7 +63,7 @@ def test_the_st_trace_replayed_names_stage_3_once_with_its_own_cost(
             time.sleep(0.5)
         time.sleep(5)
         # While the pipeline runs, and owns the store: read through its read endpoint.
-        live, note = _what_if("--job", "ST", "--store", str(store))
+        live, note = what_if("--job", "ST", "--store", str(store))
         assert "result not stored: process" in note, note
         assert pipeline.terminate() == 0, pipeline.err_text()[-3000:]
     finally:
@@ -102,22 +101,12 @@ def test_the_st_trace_replayed_names_stage_3_once_with_its_own_cost(
         assert abs(reference_ms / others_ms - 1) <= 0.05, (reference_ms, trace_ms)
 
 
-def _what_if(*args: str) -> tuple[dict, str]:
-    """``trainscope whatif ... --json``: its figures, and what it said on stderr."""
-    done = subprocess.run([sys.executable, "-m", "trainscope.cli.main", "whatif", *args,
-                           "--json"], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
-    return {k: result[k] for k in ("S", "M_W", "M_S", "S_stage", "S_dp_rank", "S_worker",
-                                   "steps", "workers", "fit")}, done.stderr
-
-
 def _check_what_if_from_the_store(store: Path, live: dict) -> None:
     """The what-if from the store the pipeline wrote, while it ran (``live``) and after, is
     the trace file's; after, it is kept in whatif_results."""
-    from_store, note = _what_if("--job", "ST", "--store", str(store))
+    from_store, note = what_if("--job", "ST", "--store", str(store))
     assert "result stored in whatif_results for job 'ST'" in note, note
-    from_file, _ = _what_if("--trace", str(DATA / "trace-ST.parquet"), "--meta",
+    from_file, _ = what_if("--trace", str(DATA / "trace-ST.parquet"), "--meta",
                             str(DATA / "meta-ST.yaml"))
     print(f"what-if S: from the pipeline's store {from_store['S']:.4f} (while it ran "
           f"{live['S']:.4f}), from the file {from_file['S']:.4f}")

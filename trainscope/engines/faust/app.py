@@ -2,10 +2,11 @@
 
 Two agents per worker:
 
-* ``rekey`` reads the events and metrics topics, whose messages producers key by
-  ``job/rank`` (so one job is spread over partitions), and forwards each message unchanged,
-  keyed by its job, to the repartition topic ``<app>-by-job``. The source message is
-  acknowledged only once the broker has the forward, so its offset is never committed before.
+* ``rekey`` reads the events and metrics topics (and the what-if op traces' topic), whose
+  messages producers key by ``job/rank`` (so one job is spread over partitions), and forwards
+  each message unchanged, keyed by its job, to the repartition topic ``<app>-by-job``. The
+  source message is acknowledged only once the broker has the forward, so its offset is never
+  committed before. (By job, so that a job's whole op trace lands in one worker's store.)
 * ``window`` reads the repartition topic and hands the messages to an
   :class:`~trainscope.engine.embedded_job.EmbeddedStreamJob` — the same decode, validate, window,
   detect and sink code the embedded engine runs. Its sources (watermarks) are the repartition
@@ -34,6 +35,10 @@ windows of their own jobs without the records still on their way (defaults: 30 s
 
 Rejected messages go to the dead-letter topic as in the embedded job; their reason names the
 repartition topic's partition and offset.
+
+Op traces are taken in as `trainscope pipeline` takes them
+(:mod:`~trainscope.engine.op_traces`), told apart by the topic they came from, and written at
+each settle, before the messages that brought them are acknowledged.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from trainscope.engine.sink import Sink
 from trainscope.engines.faust import faust_private
 from trainscope.engines.faust.consumer import use_rebalance_safe_consumer
 from trainscope.schemas.records import Topology
+from trainscope.schemas.topics import OPTRACE_TOPIC
 from trainscope.transport.bus import DEAD_LETTER_TOPIC, EVENTS_TOPIC, METRICS_TOPIC, Message
 
 log = logging.getLogger(__name__)
@@ -85,7 +91,9 @@ class FaustOptions:
     broker: str  # kafka://HOST:PORT
     app_id: str = "trainscope-faust"
     partitions: int = 4  # of the repartition topic and the jobs table
-    topics: tuple[str, ...] = (EVENTS_TOPIC, METRICS_TOPIC)
+    topics: tuple[str, ...] = (EVENTS_TOPIC, METRICS_TOPIC)  # windowed
+    # Also read the what-if op traces jobs send, and store them (not windowed).
+    op_traces: bool = True
     window_s: float = 15.0
     lateness_s: float = 5.0
     # Above the group's session timeout plus a rebalance: while a dead worker's partitions wait
@@ -250,6 +258,9 @@ class FaustWorkerJob:
         """Store the settled state of jobs whose windows closed, then acknowledge the messages
         whose windows are all written (Faust commits acknowledged offsets)."""
         p = self.pipeline
+        # Op traces taken in are written before the messages that brought them are
+        # acknowledged (they feed no window, so their positions are settled at once).
+        p.write_op_traces()
         if p.write_failed:
             return  # a window was dropped: never move past it
         engine = p.engine
@@ -336,6 +347,10 @@ class _DeadLetteringPipeline(EmbeddedStreamJob):
         # (repartition partition, offset) → the producer's (topic, partition), for this batch.
         self.origins: dict[tuple[int, int], tuple[str, int]] = {}
 
+    def is_op_trace(self, message: Message) -> bool:
+        origin = self.origins.get((message.partition, message.offset))
+        return origin is not None and origin[0] == OPTRACE_TOPIC
+
     def window_source(self, message: Message) -> Hashable:
         # Watermarks per partition the producers wrote to: there each rank's records are in
         # order, while the repartition topic interleaves partitions as the rekey agents read.
@@ -409,7 +424,8 @@ def build_app(options: FaustOptions, sink: Sink | None,
         stream_wait_empty=False,
     )
     use_rebalance_safe_consumer(app)
-    source = app.topic(*options.topics, key_type=bytes, value_type=bytes)
+    source = app.topic(*options.topics, *((OPTRACE_TOPIC,) if options.op_traces else ()),
+                       key_type=bytes, value_type=bytes)
     by_job = app.topic(f"{options.app_id}-by-job", partitions=options.partitions,
                        key_type=bytes, value_type=bytes, internal=True)
     dead = app.topic(DEAD_LETTER_TOPIC, key_type=bytes, value_type=bytes)
