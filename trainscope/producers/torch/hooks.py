@@ -26,6 +26,7 @@ import inspect
 import threading
 import time
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,17 @@ if TYPE_CHECKING:
 
 Uninstall = Callable[[], None]
 _Tensor = torch.Tensor
+# True while torch.compile traces (constant to the tracer, so a hook that returns on it adds
+# nothing to the user's graph); older torch has no compiler, hence no tracing.
+_is_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling",
+                                            lambda: False)
+
+
+def _is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile(model)`` (by name: importing torch._dynamo to ask
+    would cost every job a second of start-up)."""
+    cls = type(module)
+    return cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo")
 
 
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> torch.Tensor | None:
@@ -115,6 +127,7 @@ class ModelHooks:
         # Global hooks, installed while the top modules are being looked for (the step
         # boundary reads it: non-empty means discovery).
         self.global_handles: list[Any] = []
+        self._discovering = False  # whether the global hooks belong on (see _step_aside)
         self._module_handles: list[Any] = []
         # Classes whose forward is wrapped: (class, its own forward attribute or None).
         self._wrapped_classes: list[tuple[type, Any]] = []
@@ -146,18 +159,26 @@ class ModelHooks:
         self._wrapper_pre = g.wrap("forward hook", self._wrapper_pre_impl)
 
     def install(self) -> Uninstall:
+        # torch.compile warns, at a compiled model's call, that global module hooks fire an
+        # extra time for it. Ours step aside for that call (_step_aside); without the filter
+        # every compiled job would be warned about hooks it never installed.
+        warnings.filterwarnings(
+            "ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks",
+            category=UserWarning)
         self._install_global()
         return self.uninstall
 
     def _install_global(self) -> None:
         from torch.nn.modules import module as nn_module
 
+        self._discovering = True
         self.global_handles = [
             nn_module.register_module_forward_pre_hook(self._global_pre),
             nn_module.register_module_forward_hook(self._global_post, always_call=True),
         ]
 
     def uninstall(self) -> None:
+        self._discovering = False
         for handle in self.global_handles + self._module_handles:
             handle.remove()
         self.global_handles = []
@@ -209,6 +230,7 @@ class ModelHooks:
             self.backward.on_step_end(list(self._tops))
 
     def _settle(self) -> None:
+        self._discovering = False
         for handle in self.global_handles:
             handle.remove()
         self.global_handles = []
@@ -245,6 +267,11 @@ class ModelHooks:
         return known
 
     def _global_pre_impl(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if _is_compiling():
+            # Traced by torch.compile (a submodule's call inside a compiled model): nothing to
+            # time there, and any call below would break the user's graph (get_ident cannot be
+            # traced). The compiled model's own call, outside, is timed.
+            return
         ident = threading.get_ident()
         if self._thread and ident != self._thread:
             return
@@ -258,9 +285,34 @@ class ModelHooks:
             self._begin(module, args, None)
         if self._current is not None:
             self._depth += 1
+        if _is_compiled(module):
+            self._step_aside(module)
+
+    def _step_aside(self, module: torch.nn.Module) -> None:
+        """The global hooks off for the call of a compiled model (``torch.compile``'s
+        ``OptimizedModule``), back on after it (a hook of that call ends its forward).
+
+        torch.compile traces the model with the global hooks installed at its first call, and
+        guards on them: traced with ours, it compiled the whole model a second time once they
+        were gone (at the step boundary that settles), which for a large model is minutes.
+        A compiled top model is timed as one forward from outside; a compiled part of a model
+        is inside its top's forward; what compiled code calls is not ours to see."""
+        for handle in self.global_handles:
+            handle.remove()
+        self.global_handles = []
+        handles: list[Any] = []
+
+        def back_on(compiled: torch.nn.Module, args: Any, output: Any) -> None:
+            for handle in handles:
+                handle.remove()
+            self._global_post(compiled, args, output)
+            if self._discovering and not self.global_handles:
+                self._install_global()
+
+        handles.append(module.register_forward_hook(back_on, always_call=True))
 
     def _global_post_impl(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._current is None or threading.get_ident() != self._thread:
+        if _is_compiling() or self._current is None or threading.get_ident() != self._thread:
             return
         self._depth -= 1
         if self._depth == 0 and module is self._current:
