@@ -327,3 +327,31 @@ def test_a_job_whose_records_are_held_for_its_clocks_is_not_idle() -> None:
     views = engine.close_idle(12.0)
     assert [len(v.steps) for v in views] == [16]
     assert engine.stats.late_events == 0
+
+
+def test_a_step_that_outlasts_its_window_is_filed_where_it_ended_not_dropped() -> None:
+    """A validation pass inside one step: the step's record comes once the step ends, long
+    after the window it started in was written. It is filed in the window it ended in (it
+    was dropped as late: the run's longest step missing from the store); a step that ended in
+    a closed window came late, and stays late."""
+    engine = WindowEngine(window_s=1.0, allowed_lateness_s=0.5)
+
+    def step(rank: int, n: int, start_ns: int, duration_ns: int) -> StepRecord:
+        return StepRecord(job_id="job", rank=rank, step=n, start_ns=start_ns,
+                          duration_ns=duration_ns)
+
+    engine.add_steps([step(r, 1, 100, 200_000_000) for r in range(2)])
+    # The other ranks' steps move the watermark past window 0 and its lateness, and the
+    # ranks' own stall reports would do so meanwhile in a live job.
+    engine.add_steps([step(r, 2, 2 * WINDOW_NS + 100, 1000) for r in range(2, 6)])
+    assert [v.window_start_ns for v in engine.close_ready()] == [0]
+    long_ns = 2 * WINDOW_NS + 500_000_000  # from window 0 into window 2, still open
+    engine.add_steps([step(r, 2, 300_000_000, long_ns) for r in range(2)])
+    engine.add_steps([step(0, 9, 500, 1000)])  # in window 0, ended there: late
+    assert engine.stats.late_events == 1
+    assert engine.stats.steps_outlasting == 2
+    views = {v.window_start_ns: v for v in engine.close_all()}
+    filed = views[2 * WINDOW_NS].steps
+    outlasting = filed[filed["duration_ns"] == long_ns]
+    assert sorted(outlasting["rank"]) == [0, 1]
+    assert set(outlasting["start_ns"]) == {300_000_000}  # its own start, kept

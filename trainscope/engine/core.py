@@ -102,6 +102,9 @@ class PipelineStats:
     jobs_evicted: int = 0
     duplicate_batches: int = 0  # re-sent by a producer; also in decode.dropped
     replayed_events: int = 0  # re-read after a restart for windows already written
+    # Step records filed in the window they ended in, the one they started in being written
+    # (a step longer than a window and its lateness: a validation pass, a checkpoint save).
+    steps_outlasting: int = 0
     sink_retries: int = 0
     commits: int = 0
     checkpoint_bytes: int = 0  # size of the last checkpoint stored (compressed)
@@ -605,6 +608,7 @@ class StreamCore(MessageIntake):
         self._stats.window.rejected = engine.rejected
         self._stats.window.dropped = engine.late_events
         self._stats.replayed_events = engine.replayed
+        self._stats.steps_outlasting = engine.steps_outlasting
         self._stats.stamps_kept = len(self.seen)
         return self._stats
 

@@ -70,6 +70,9 @@ class PipelineCollector:
             "events_rejected": ("Events the window engine rejected.", stats.window.rejected),
             "events_replayed": ("Events re-read after a restart for windows already written, "
                                 "skipped.", stats.replayed_events),
+            "steps_outlasting": ("Step records filed in the window they ended in, the one they "
+                                 "started in being written already (steps longer than a "
+                                 "window).", stats.steps_outlasting),
             "windows_closed": ("Windows closed and run through the detectors.",
                                stats.detect.received),
             "findings": ("Findings the detectors reported (any score).", stats.detect.emitted),

@@ -94,6 +94,8 @@ class EngineStats:
     steps_received: int = 0
     metrics_received: int = 0
     late_events: int = 0
+    # Step records filed in the window they ended in: their own had closed (see _file_steps).
+    steps_outlasting: int = 0
     replayed: int = 0  # records of windows a previous run already wrote
     rejected: int = 0
     windows_closed: int = 0
@@ -493,10 +495,30 @@ class WindowEngine:
     def _file_steps(self, job: JobState, batches: list[Any], source: Hashable) -> None:
         for batch in batches:
             start = batch.column("start_ns")
-            kept = self._file_rows(job, batch, start // self.window_ns, "steps")
+            end = start + batch.column("duration_ns")
+            index = start // self.window_ns
+            if int(index.min()) < job.closed_before:
+                index = self._outlasting_steps(job, index, end)
+            kept = self._file_rows(job, batch, index, "steps")
             if kept is not None:
                 self._watermarks.observe(job, source, _newest_per_rank(
-                    batch.column("rank")[kept], (start + batch.column("duration_ns"))[kept]))
+                    batch.column("rank")[kept], end[kept]))
+
+    def _outlasting_steps(self, job: JobState, index: np.ndarray, end_ns: np.ndarray
+                          ) -> np.ndarray:
+        """``index`` with the steps that outlasted the close of the window they started in
+        moved to the window they ended in: a validation pass or a checkpoint save inside one
+        step takes longer than a window and its lateness, so the step's record comes after its
+        window was written, and was dropped as late (the longest step of the run missing from
+        the store). A step that ended in a window closed too came late, and stays late; one
+        whose window a previous run wrote is counted as replayed, as before."""
+        end_index = (end_ns - 1) // self.window_ns
+        moved = ((index < job.closed_before) & (index >= job.restored_before)
+                 & (end_index >= job.closed_before))
+        if moved.any():
+            self.stats.steps_outlasting += int(moved.sum())
+            index = np.where(moved, end_index, index)
+        return index
 
     def add_metrics(
         self, samples: Sequence[MetricSample | MetricBatch], source: Hashable = 0
