@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from trainscope.engine.core import StreamCore
+    from trainscope.engine.core import PipelineStats, StreamCore
 
 log = logging.getLogger(__name__)
 
@@ -57,48 +57,7 @@ class PipelineCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self.pipeline.stats()
-        counters = {
-            "messages_received": ("Bus messages read.", stats.decode.received),
-            "messages_rejected": ("Bus messages set aside as dead letters (undecodable or "
-                                  "invalid).", stats.decode.rejected),
-            "duplicate_batches": ("Batches a producer re-sent, dropped.",
-                                  stats.duplicate_batches),
-            "records_received": ("Records validated.", stats.validate.received),
-            "records_rejected": ("Records rejected (each record of a rejected message).",
-                                 stats.validate.rejected),
-            "events_late": ("Events for windows already closed, set aside.", stats.window.dropped),
-            "events_rejected": ("Events the window engine rejected.", stats.window.rejected),
-            "events_replayed": ("Events re-read after a restart for windows already written, "
-                                "skipped.", stats.replayed_events),
-            "steps_outlasting": ("Step records filed in the window they ended in, the one they "
-                                 "started in being written already (steps longer than a "
-                                 "window).", stats.steps_outlasting),
-            "windows_closed": ("Windows closed and run through the detectors.",
-                               stats.detect.received),
-            "findings": ("Findings the detectors reported (any score).", stats.detect.emitted),
-            "early_flags": ("Findings raised from step records and stall reports before their "
-                            "window closed (the early flag).", stats.early_flags),
-            "sink_windows_written": ("Windows written to the store.", stats.sink.emitted),
-            "sink_windows_dropped": ("Windows dropped after the sink kept failing.",
-                                     stats.sink.dropped),
-            "sink_retries": ("Sink writes retried.", stats.sink_retries),
-            "commits": ("Offset commits.", stats.commits),
-            "commit_failures": ("Offset commits the bus refused.", stats.commit_failures),
-            "poll_failures": ("Polls of the bus that failed.", stats.poll_failures),
-            "jobs_evicted": ("Jobs forgotten beyond --max-jobs.", stats.jobs_evicted),
-            "capped_messages": ("Valid messages set aside as dead letters because they would "
-                                "pass a cap (--max-functions-per-rank, --max-functions-per-job, "
-                                "--max-open-windows).", stats.capped_messages),
-            "capped_rows": ("Summary rows and span events of the capped messages.",
-                            stats.capped_rows),
-            "op_trace_ops_written": ("Ops of what-if op traces written to the store.",
-                                     stats.op_traces.emitted),
-            "op_trace_ops_rejected": ("Ops of op-trace messages set aside as dead letters.",
-                                      stats.op_traces.rejected),
-            "op_trace_ops_dropped": ("Ops of op traces not written (no store, or the sink kept "
-                                     "failing).", stats.op_traces.dropped),
-        }
-        for name, (doc, value) in counters.items():
+        for name, (doc, value) in _counters(stats).items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
         errors = CounterMetricFamily(PREFIX + "detector_errors", "detect() calls that raised.",
                                      labels=["detector"])
@@ -137,6 +96,51 @@ class PipelineCollector:
                     f"Automatic profiles of suspects and peers: {name.replace('_', ' ')}.",
                     value=value,
                 )
+
+
+def _counters(stats: PipelineStats) -> dict[str, tuple[str, int]]:
+    """The pipeline's counters by name: what each counts, and its value now."""
+    return {
+        "messages_received": ("Bus messages read.", stats.decode.received),
+        "messages_rejected": ("Bus messages set aside as dead letters (undecodable or "
+                              "invalid).", stats.decode.rejected),
+        "duplicate_batches": ("Batches a producer re-sent, dropped.",
+                              stats.duplicate_batches),
+        "records_received": ("Records validated.", stats.validate.received),
+        "records_rejected": ("Records rejected (each record of a rejected message).",
+                             stats.validate.rejected),
+        "events_late": ("Events for windows already closed, set aside.", stats.window.dropped),
+        "events_rejected": ("Events the window engine rejected.", stats.window.rejected),
+        "events_replayed": ("Events re-read after a restart for windows already written, "
+                            "skipped.", stats.replayed_events),
+        "steps_outlasting": ("Step records filed in the window they ended in, the one they "
+                             "started in being written already (steps longer than a "
+                             "window).", stats.steps_outlasting),
+        "windows_closed": ("Windows closed and run through the detectors.",
+                           stats.detect.received),
+        "findings": ("Findings the detectors reported (any score).", stats.detect.emitted),
+        "early_flags": ("Findings raised from step records and stall reports before their "
+                        "window closed (the early flag).", stats.early_flags),
+        "sink_windows_written": ("Windows written to the store.", stats.sink.emitted),
+        "sink_windows_dropped": ("Windows dropped after the sink kept failing.",
+                                 stats.sink.dropped),
+        "sink_retries": ("Sink writes retried.", stats.sink_retries),
+        "commits": ("Offset commits.", stats.commits),
+        "commit_failures": ("Offset commits the bus refused.", stats.commit_failures),
+        "poll_failures": ("Polls of the bus that failed.", stats.poll_failures),
+        "jobs_evicted": ("Jobs forgotten beyond --max-jobs.", stats.jobs_evicted),
+        "capped_messages": ("Valid messages set aside as dead letters because they would "
+                            "pass a cap (--max-functions-per-rank, --max-functions-per-job, "
+                            "--max-open-windows).", stats.capped_messages),
+        "capped_rows": ("Summary rows and span events of the capped messages.",
+                        stats.capped_rows),
+        "op_trace_ops_written": ("Ops of what-if op traces written to the store.",
+                                 stats.op_traces.emitted),
+        "op_trace_ops_rejected": ("Ops of op-trace messages set aside as dead letters.",
+                                  stats.op_traces.rejected),
+        "op_trace_ops_dropped": ("Ops of op traces not written (no store, or the sink kept "
+                                 "failing).", stats.op_traces.dropped),
+    }
 
 
 def _notifier_metrics(stats: NotifierStats) -> Iterator[Metric]:
