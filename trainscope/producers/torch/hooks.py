@@ -445,16 +445,8 @@ def install_optimizer_hooks(att: Attachment) -> Uninstall:
             if att.optrace is not None:
                 att.optrace.add("optimizer", start, now)
             steps = att.steps
-            if steps.explicit:
-                return
-            # The step ends with the pacing optimizer's step: the first to step, or the next
-            # one to step once it has been garbage-collected (steps.py).
-            pacer = steps.pacer() if steps.pacer is not None else None
-            if pacer is None:
-                steps.pacer = weakref.ref(optimizer)
-                pacer = optimizer
-            if pacer is optimizer:
-                att.end_step(now)
+            if not steps.explicit:
+                end_step_if_pacing(att, optimizer, now)
         except Exception as exc:
             report("optimizer hook", exc)
 
@@ -468,6 +460,18 @@ def install_optimizer_hooks(att: Attachment) -> Uninstall:
             handle.remove()
 
     return uninstall
+
+
+def end_step_if_pacing(att: Attachment, optimizer: Any, now_ns: int) -> None:
+    """The step ends with the pacing optimizer's step: the first to step, or the next one to
+    step once it has been garbage-collected (steps.py)."""
+    steps = att.steps
+    pacer = steps.pacer() if steps.pacer is not None else None
+    if pacer is None:
+        steps.pacer = weakref.ref(optimizer)
+        pacer = optimizer
+    if pacer is optimizer:
+        att.end_step(now_ns)
 
 
 def install_dataloader_hook(att: Attachment) -> Uninstall:

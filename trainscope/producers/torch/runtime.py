@@ -97,13 +97,14 @@ class Attachment:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        from trainscope.producers.torch import collectives, hooks
+        from trainscope.producers.torch import collectives, hooks, scaler
 
         self.model_hooks = hooks.ModelHooks(self)
         installers: list[tuple[str, Callable[[], Callable[[], None]]]] = [
             ("model hooks", self.model_hooks.install),
             ("optimizer hooks", lambda: hooks.install_optimizer_hooks(self)),
             ("dataloader hook", lambda: hooks.install_dataloader_hook(self)),
+            ("grad scaler hook", lambda: scaler.install_grad_scaler_hook(self)),
             ("gc hook", lambda: hooks.install_gc_hook(self)),
             ("collective hooks", lambda: collectives.install_collective_hooks(self)),
         ]
