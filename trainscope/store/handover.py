@@ -132,17 +132,16 @@ class FollowedStore:
                 time.sleep(0.1)
 
     def _resolve(self) -> None:
-        # Until the writer that asked has opened the store (the engine's status file then holds
-        # its pid, no longer ours), or for at most handover_s if it never does.
-        handing_over = (self._handed_over_at is not None
-                        and time.monotonic() - self._handed_over_at < self.handover_s
-                        and status_pid(self.path) == os.getpid())
-        if handing_over and other_owner(self.path) is None:
+        recent = (self._handed_over_at is not None
+                  and time.monotonic() - self._handed_over_at < self.handover_s)
+        # Not taken back before the writer that asked has opened it (the engine's status file
+        # then holds its pid, no longer ours), for at most handover_s if it never does.
+        if recent and other_owner(self.path) is None and status_pid(self.path) == os.getpid():
             raise self._handing_over()
         try:
             client = connect(self.path, readonly=True, create=False)
         except StoreError:
-            if handing_over:  # the writer holds the store but serves no reads yet
+            if recent:  # the writer holds the store and serves no reads (yet, or at all)
                 raise self._handing_over() from None
             raise
         self._handed_over_at = None
