@@ -69,3 +69,17 @@ def test_a_model_compiled_in_place_is_not_broken_and_its_phases_go_untimed(
     assert graphs == {"breaks": 0, "graphs": 1, "warnings": []}
     assert len(steps_of(records)) == STEPS
     assert not [s for s in summaries_of(records) if s.name in ("forward", "backward")]
+
+
+def test_a_compiled_ddp_model_keeps_its_all_reduce_timing(gloo_group, attach, memory_bus
+                                                          ) -> None:
+    """``torch.compile(DDP(model))``: the DDP wrapper runs inside the compiled call, where the
+    discovery hooks are off; its all-reduces are still timed (the waits that find a straggler
+    outside our hooks rest on them)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.compile(DistributedDataParallel(TinyModel()), backend="aot_eager")
+    _, records = _compiled_run(attach, memory_bus, model)
+    allreduce = [s for s in summaries_of(records) if s.name == "ddp_allreduce"]
+    assert sum(s.count for s in allreduce) >= STEPS  # one bucket a step, at least
+    assert sum(s.count for s in summaries_of(records) if s.name == "forward") == STEPS

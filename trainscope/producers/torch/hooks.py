@@ -296,7 +296,12 @@ class ModelHooks:
         guards on them: traced with ours, it compiled the whole model a second time once they
         were gone (at the step boundary that settles), which for a large model is minutes.
         A compiled top model is timed as one forward from outside; a compiled part of a model
-        is inside its top's forward; what compiled code calls is not ours to see."""
+        is inside its top's forward; what compiled code calls is not ours to see, but a DDP
+        wrapper compiled inside (``torch.compile(DDP(model))``) gets its all-reduce timing
+        now, as the hooks would have given it at its call."""
+        inner = getattr(module, "_orig_mod", None)
+        if inner is not None and id(inner) not in self.att._ddp_seen:
+            self.att.on_forward_begin(inner)
         for handle in self.global_handles:
             handle.remove()
         self.global_handles = []
