@@ -22,9 +22,11 @@ if TYPE_CHECKING:
 
 
 def install_grad_scaler_hook(att: Attachment) -> Callable[[], None]:
-    from torch.amp import grad_scaler
+    try:
+        from torch.amp.grad_scaler import GradScaler as cls  # torch >= 2.3
+    except ImportError:  # older torch: the CUDA scaler is the only one
+        from torch.cuda.amp.grad_scaler import GradScaler as cls  # type: ignore[no-redef]
 
-    cls = grad_scaler.GradScaler
     original = cls.step
     steps = att.steps
     report = att.guard.report
