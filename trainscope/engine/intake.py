@@ -109,13 +109,14 @@ class MessageIntake:
         declares = False
         stats = self._stats
         watched_only = self._only_jobs is not None
+        is_op_trace = self.is_op_trace
         for message in messages:
             if watched_only and not self._is_watched(message):
                 stats.other_jobs_skipped += 1
                 handled.append((message, None))
                 continue
             stats.decode.received += 1
-            if self.is_op_trace(message):  # a what-if op trace: written, never windowed
+            if is_op_trace(message):  # a what-if op trace: written, never windowed
                 refused = self._op_traces.take(message)
                 if refused is not None:
                     self._reject(message, refused)

@@ -506,12 +506,20 @@ def install_dataloader_hook(att: Attachment) -> Uninstall:
             except Exception as exc:
                 report("dataloader hook", exc)
 
-    __next__.__trainscope_original__ = original  # type: ignore[attr-defined]
-    cls.__next__ = __next__  # type: ignore[method-assign]
+    return replace_method(cls, "__next__", __next__)
+
+
+def replace_method(cls: type, name: str, wrapper: Callable[..., Any]) -> Uninstall:
+    """``cls.name`` replaced by ``wrapper`` (which calls the original, kept on it as
+    ``__trainscope_original__``); the uninstall puts the original back unless someone has
+    replaced ours meanwhile."""
+    original = getattr(cls, name)
+    wrapper.__trainscope_original__ = original  # type: ignore[attr-defined]
+    setattr(cls, name, wrapper)
 
     def uninstall() -> None:
-        if cls.__next__ is __next__:
-            cls.__next__ = original  # type: ignore[method-assign]
+        if cls.__dict__.get(name) is wrapper:
+            setattr(cls, name, original)
 
     return uninstall
 

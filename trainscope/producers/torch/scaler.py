@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from trainscope.producers.torch.hooks import end_step_if_pacing
+from trainscope.producers.torch.hooks import end_step_if_pacing, replace_method
 
 if TYPE_CHECKING:
     from trainscope.producers.torch.runtime import Attachment
@@ -42,12 +42,4 @@ def install_grad_scaler_hook(att: Attachment) -> Callable[[], None]:
             except Exception as exc:
                 report("grad scaler hook", exc)
 
-    step.__trainscope_original__ = original  # type: ignore[attr-defined]
-    step.__wrapped__ = original  # type: ignore[attr-defined]
-    cls.step = step  # type: ignore[method-assign]
-
-    def uninstall() -> None:
-        if cls.step is step:
-            cls.step = original  # type: ignore[method-assign]
-
-    return uninstall
+    return replace_method(cls, "step", step)
