@@ -91,9 +91,8 @@ class FaustOptions:
     broker: str  # kafka://HOST:PORT
     app_id: str = "trainscope-faust"
     partitions: int = 4  # of the repartition topic and the jobs table
-    topics: tuple[str, ...] = (EVENTS_TOPIC, METRICS_TOPIC)  # windowed
-    # Also read the what-if op traces jobs send, and store them (not windowed).
-    op_traces: bool = True
+    # Windowed; the what-if op traces' topic is read beside them, and stored, not windowed.
+    topics: tuple[str, ...] = (EVENTS_TOPIC, METRICS_TOPIC)
     window_s: float = 15.0
     lateness_s: float = 5.0
     # Above the group's session timeout plus a rebalance: while a dead worker's partitions wait
@@ -424,8 +423,7 @@ def build_app(options: FaustOptions, sink: Sink | None,
         stream_wait_empty=False,
     )
     use_rebalance_safe_consumer(app)
-    source = app.topic(*options.topics, *((OPTRACE_TOPIC,) if options.op_traces else ()),
-                       key_type=bytes, value_type=bytes)
+    source = app.topic(*options.topics, OPTRACE_TOPIC, key_type=bytes, value_type=bytes)
     by_job = app.topic(f"{options.app_id}-by-job", partitions=options.partitions,
                        key_type=bytes, value_type=bytes, internal=True)
     dead = app.topic(DEAD_LETTER_TOPIC, key_type=bytes, value_type=bytes)
