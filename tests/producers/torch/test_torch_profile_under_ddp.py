@@ -98,7 +98,7 @@ def test_profiles_started_and_stopped_while_gloo_threads_run_our_callbacks(
          "--nproc-per-node", str(WORLD), str(script), str(TRAIN_S)],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300, check=False,
     )
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert run.returncode == 0, _what_went_wrong(run.stdout + run.stderr)
     reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in reports) == list(range(WORLD)), run.stdout
     print(f"\nper rank: {reports}")
@@ -112,3 +112,11 @@ def test_profiles_started_and_stopped_while_gloo_threads_run_our_callbacks(
         # A rank of this job alone peaks at ~330 MiB. Sessions that traced the summarising of
         # the one before grew without bound (18 GB, and minutes in the profiler's stop).
         assert r["peak_rss_mib"] < PEAK_RSS_BOUND_MIB, r
+
+
+def _what_went_wrong(output: str) -> str:
+    """A crashed rank's whole fault report (every thread's stack: which one crashed, where the
+    others were) and the launcher's last words; the output's tail alone cuts the report."""
+    fatal = output.find("Fatal Python error")
+    report = output[fatal:fatal + 6000] if fatal >= 0 else ""
+    return report + "\n...\n" + output[-2000:]

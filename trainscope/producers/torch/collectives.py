@@ -191,9 +191,9 @@ def _record_on_completion(att: Attachment, name: str, start: int, nbytes: int, w
         return
 
     def done(_future: Any) -> None:
+        keep_thread_state()  # first: a backend thread (see threadstate); it never raises
         att.steps.pending.pop(token, None)
         try:
-            keep_thread_state()  # a backend thread: see threadstate
             if device is not None and device_start is not None:  # first: its event goes back
                 # Queued on the callback's current stream, which torch synchronises with the
                 # collective's kernels: the collective's end on the device.
@@ -233,9 +233,9 @@ def install_ddp_comm_hook(att: Attachment, ddp: Any) -> bool:
             raise
 
         def done(fut: Any) -> torch.Tensor:
+            keep_thread_state()  # first: a backend thread (see threadstate); it never raises
             pending.pop(token, None)
             try:
-                keep_thread_state()  # a backend thread: see threadstate
                 if device is not None and device_start is not None:  # see _record_on_completion
                     _device_end(device, "ddp_allreduce", start, device_start, step)
                 att.record_collective("ddp_allreduce", start, time.time_ns() - start, nbytes)

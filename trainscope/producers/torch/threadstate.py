@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import threading
 
-_kept: set[int] = set()
+# A flag per Python thread state, not per thread id: ids are reused once a thread exits (a
+# process group destroyed and another created), and a set of ids would then take a new
+# backend thread for one already kept and leave its temporary state to be freed.
+_kept = threading.local()
 
 
 def keep_thread_state() -> None:
@@ -30,18 +32,10 @@ def keep_thread_state() -> None:
 
     One more ``PyGILState_Ensure`` that is never released: the thread's count never drops to
     zero, so the state is not freed when the callback returns. Cheap after the first call on a
-    thread (a set lookup).
+    thread state (an attribute of a thread-local).
     """
-    ident = threading.get_ident()
-    if ident in _kept:
+    if getattr(_kept, "done", False):
         return
-    _kept.add(ident)
+    _kept.done = True
     with contextlib.suppress(AttributeError):  # not CPython: no such thread states
         ctypes.pythonapi.PyGILState_Ensure()
-
-
-def _forget_after_fork() -> None:
-    _kept.clear()  # the child has none of the parent's other threads
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
