@@ -103,3 +103,15 @@ def test_a_fresh_environment_runs_the_first_command_and_the_tour(tmp_path: Path)
             continue
         done = _run(command, env, timeout_s=300)
         _no_traceback(command, done)
+        if command.startswith("trainscope sql") and "FROM findings" in command:
+            _alerts_only_the_fault(done.stdout)
+
+
+def _alerts_only_the_fault(table: str) -> None:
+    """What the README says of the tour's first query: rank 13's gpu-compute comes first, and
+    every other row is evidence below the alert threshold (0.5)."""
+    rows = [[cell.strip() for cell in line.strip("│ ").split("│")]
+            for line in table.splitlines() if line.startswith("│")]
+    assert rows, table
+    assert rows[0][:2] == ["13", "gpu-compute"] and float(rows[0][2]) >= 0.5, table
+    assert all(float(row[2]) < 0.5 for row in rows[1:]), table

@@ -252,5 +252,6 @@ def _print_diagnosis(console, result, store: Path | None, threshold: float) -> N
     if store is not None:
         # Windows, not finding rows: several detectors may report one rank in one window.
         console.print(f"store: {safe(store)}  (try: trainscope sql \"SELECT rank, category, "
-                      f"uniqExact(window_start_ns) AS windows FROM findings GROUP BY rank, "
-                      f"category ORDER BY windows DESC\" --store {safe(store)})", highlight=False)
+                      f"round(avg(score), 2) AS score, uniqExact(window_start_ns) AS windows "
+                      f"FROM findings GROUP BY rank, category ORDER BY windows DESC, score DESC\" "
+                      f"--store {safe(store)})", highlight=False)
