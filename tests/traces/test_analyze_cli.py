@@ -91,3 +91,23 @@ def test_usage_errors() -> None:
     assert CliRunner().invoke(analyze, []).exit_code == 2
     result = CliRunner().invoke(analyze, [str(H100_TRACES[0])])
     assert result.exit_code == 1 and "cannot tell the rank" in result.output
+
+
+def test_a_trace_without_gpu_activity_says_where_the_host_time_went(gloo_traces: Path) -> None:
+    known = _known(gloo_traces)
+    files = sorted(p for p in gloo_traces.iterdir() if ".pt.trace." in p.name)
+    reports = {f: json.loads(CliRunner().invoke(analyze, [str(f), "--json"]).output)
+               for f in files}
+    (extra,) = [f for f, r in reports.items() if str(known["rank"]) in r["ranks"]]
+    host = reports[extra]["host_time_without_gpu"][str(known["rank"])]
+    assert host["steps"] == 3  # the profiler's active steps
+    top = host["most_self_time_ns"]
+    # The rank's extra block sleeps: the sleep is where most of its host time went.
+    assert "sleep" in top[0]["name"], top
+    assert 0.9 * known["ns"] <= top[0]["self_ns"] <= host["total_ns"], (top[0], known)
+    assert [f["self_ns"] for f in top] == sorted((f["self_ns"] for f in top), reverse=True)
+    result = CliRunner().invoke(analyze, [str(extra)])
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert first.startswith(f"rank {known['rank']}: no GPU activity; host time "), first
+    assert "over 3 steps, most self time in: <built-in function sleep> " in first, first

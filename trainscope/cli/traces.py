@@ -226,6 +226,7 @@ def _trace_report(paths: tuple[Path, ...], rank: int | None, suspect: int | None
     trees: dict[int, PathTimes] = {}
     suggestions = []
     kernels: dict[int, dict[str, int]] = {}
+    host: dict[int, dict[str, object]] = {}
     sources: dict[int, str] = {}
     for path in files:
         trace = read_trace(path, rank)
@@ -234,15 +235,18 @@ def _trace_report(paths: tuple[Path, ...], rank: int | None, suspect: int | None
         result = condense(trace, "analyze", 10**18)  # one window: the whole trace
         view = TraceView(trace, result.tree, len(result.steps))  # type: ignore[arg-type]
         suggestions.extend(run_all(view))
+        trees[trace.rank] = result.whole()
         if view.device.any():
             kernels[trace.rank] = breakdown(view)
-        trees[trace.rank] = result.whole()
+        else:  # a CPU-only trace: where the host's time went instead
+            host[trace.rank] = _host_time(trees[trace.rank])
         sources[trace.rank] = path.name
     suggestions.sort(key=lambda s: -s.at_stake_ns)
     report: dict[str, object] = {
         "ranks": {str(r): sources[r] for r in sorted(trees)},
         "suggestions": [dataclasses.asdict(s) for s in suggestions],
         "gpu_time_by_kernel_class_ns": {str(r): k for r, k in sorted(kernels.items())},
+        "host_time_without_gpu": {str(r): h for r, h in sorted(host.items())},
     }
     if len(trees) > 1 or suspect is not None:
         report["peer_diff"] = _peer_diff(trees, suspect)
@@ -266,6 +270,23 @@ def _trace_report(paths: tuple[Path, ...], rank: int | None, suspect: int | None
             raise click.ClickException(f"cannot write {flamegraph}: {exc.strerror}") from None
         report["flamegraph"] = str(flamegraph)
     return report
+
+
+HOST_FUNCTIONS_SHOWN = 5
+
+
+def _host_time(tree: object) -> dict[str, object]:
+    """A trace without GPU activity: its host time and the functions with the most self time
+    (Python frames, torch ops, annotations), as shares of it."""
+    from trainscope.traces.cct import PathTimes
+
+    assert isinstance(tree, PathTimes)
+    functions = tree.self_by_function()
+    total_ns = sum(functions.values())
+    return {"total_ns": total_ns, "steps": tree.steps,
+            "most_self_time_ns": [{"layer": layer, "name": name, "self_ns": ns}
+                                  for (layer, name), ns in
+                                  list(functions.items())[:HOST_FUNCTIONS_SHOWN]]}
 
 
 def _peer_diff(trees: dict[int, object], suspect: int | None) -> dict[str, object]:
@@ -335,7 +356,8 @@ def _stored_report(job_id: str, rank: int, store: Path | None,
             f"no call paths of job {job_id!r} rank {rank} in the store (replay its trace with "
             "trainscope replay kineto --store)")
     return {"ranks": {str(r): "store" for r in sorted(trees)}, "suggestions": [],
-            "gpu_time_by_kernel_class_ns": {}, "peer_diff": _peer_diff(trees, rank)}
+            "gpu_time_by_kernel_class_ns": {}, "host_time_without_gpu": {},
+            "peer_diff": _peer_diff(trees, rank)}
 
 
 def _print_report(report: dict[str, object], top: int) -> None:
@@ -343,6 +365,13 @@ def _print_report(report: dict[str, object], top: int) -> None:
         total = sum(classes.values()) or 1
         shares = ", ".join(f"{k} {v / total:.0%}" for k, v in classes.items() if v)
         click.echo(f"rank {r}: GPU time {total / 1e6:.2f} ms: {shares}")
+    for r, host in report["host_time_without_gpu"].items():  # type: ignore[attr-defined]
+        total = host["total_ns"] or 1
+        steps = f" over {host['steps']} steps" if host["steps"] else ""
+        shares = ", ".join(f"{f['name'][:70]} {f['self_ns'] / total:.0%}"
+                           for f in host["most_self_time_ns"])
+        click.echo(f"rank {r}: no GPU activity; host time {host['total_ns'] / 1e6:.2f} ms{steps}, "
+                   f"most self time in: {shares}")
     suggestions = report["suggestions"]
     if suggestions:
         click.echo("Suggestions (most time at stake first):")
@@ -353,7 +382,9 @@ def _print_report(report: dict[str, object], top: int) -> None:
         if s["where"]:
             click.echo(f"    where: {s['where']}")
     if not suggestions and "peer_diff" not in report and "run_diff" not in report:
-        click.echo("no suggestions: none of the analyzers' rules fired")
+        click.echo("no suggestions: none of the analyzers' rules fired"
+                   + (" (most read GPU activity; this trace has none)"
+                      if report["host_time_without_gpu"] else ""))
     for key, title in (("peer_diff", "rank {rank} vs its {peers} peer(s)"),
                        ("run_diff", "this run vs the baseline")):
         part = report.get(key)

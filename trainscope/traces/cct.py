@@ -258,6 +258,15 @@ class PathTimes:
         scale = 1 / self.steps if self.steps else 1.0
         return {cp: ns * scale for cp, ns in self.total_ns.items()}
 
+    def self_by_function(self) -> dict[tuple[str, str], int]:
+        """Self time (ns) per (layer, name) over all the call paths it appears on, most first:
+        where the host's time went, whatever called it."""
+        out: dict[tuple[str, str], int] = {}
+        for cp, ns in self.self_ns.items():
+            _, layer, name = self.nodes[cp]
+            out[(layer, name)] = out.get((layer, name), 0) + ns
+        return dict(sorted(out.items(), key=lambda item: -item[1]))
+
 
 def path_times(tree: CallTree, trace: Trace, steps: int = 0,
                mask: np.ndarray | None = None) -> PathTimes:
