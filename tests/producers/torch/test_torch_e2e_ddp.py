@@ -2,7 +2,9 @@
 
 One rank is made slow — extra compute in its forward, or a sleep in its data loader — and the
 findings must name that rank with the right category while the others appear only as victims.
-A healthy run must raise nothing at or above the alert threshold.
+A healthy run must raise nothing at or above the alert threshold. The same job sharded with
+FSDP2 (``fully_shard``) instead of DDP, one rank sleeping outside anything we hook: its peers
+wait for it in FSDP's all-gathers, and that is how it must be found.
 """
 
 from __future__ import annotations
@@ -74,9 +76,16 @@ def _worker(rank: int, port: int, bus_url: str, job_id: str, fault: str, ready: 
 
     handle = trainscope.attach(bus=bus_url, job_id=job_id, window_s=WINDOW_S)
     slow = rank == SLOW_RANK
-    model = torch.nn.parallel.DistributedDataParallel(
-        Net(extra_compute=60 if slow and fault == "compute" else 0)
-    )
+    net = Net(extra_compute=60 if slow and fault == "compute" else 0)
+    if fault == "fsdp2-outside":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in net.body:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        model: torch.nn.Module = fully_shard(net)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(net)
     delay_s = 0.002 if slow and fault == "dataloader" else 0.0  # ~30 ms per batch of 16
     loader = torch.utils.data.DataLoader(SleepyDataset(10_000, delay_s), batch_size=BATCH)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
@@ -84,6 +93,8 @@ def _worker(rank: int, port: int, bus_url: str, job_id: str, fault: str, ready: 
     stop = torch.zeros(1)
     started = time.monotonic()
     for step, (x, y) in enumerate(loader, start=1):
+        if slow and fault == "fsdp2-outside":
+            time.sleep(0.02)  # the script's own slow code, outside anything attach() hooks
         loss = torch.nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -186,6 +197,16 @@ def test_slow_data_loader_on_one_rank_is_named_dataloader(fresh_kafka_broker) ->
     _show(findings)
     _check_stats(stats)
     _check_straggler(findings, "dataloader")
+
+
+def test_an_fsdp2_rank_slow_outside_our_hooks_is_found_by_its_peers_waits(
+        fresh_kafka_broker) -> None:
+    """FSDP2 calls torch.distributed's ``all_gather_single`` and ``reduce_scatter_single``;
+    unhooked, the job showed no collective at all and the waiting peers' forward looked slow."""
+    _, findings, stats = _run_job(fresh_kafka_broker.url, "fsdp2-outside")
+    _show(findings)
+    _check_stats(stats)
+    _check_straggler(findings, "host")
 
 
 def test_a_healthy_run_raises_no_alert(fresh_kafka_broker) -> None:

@@ -41,8 +41,12 @@ COLLECTIVES = (
     "all_reduce",
     "all_gather",
     "all_gather_into_tensor",
+    # FSDP2 (fully_shard) calls these two (torch 2.13 added them; the *_tensor names above
+    # call them inside torch, not through the wrapped module attribute: not counted twice).
+    "all_gather_single",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",
     "all_to_all",
     "all_to_all_single",
     "broadcast",
@@ -92,8 +96,8 @@ def _payload_bytes(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> in
         return 0
     # The first positional argument is the tensor (or output list) for every op listed.
     first = args[0] if args else next(iter(kwargs.values()), None)
-    if op in ("all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-              "all_to_all", "all_to_all_single"):
+    if op in ("all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+              "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single"):
         # The output buffer: what every rank ends up moving in or out.
         return _nbytes(first) or _nbytes(args[1] if len(args) > 1 else None)
     return _nbytes(first)
