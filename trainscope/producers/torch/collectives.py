@@ -114,8 +114,10 @@ def install_collective_hooks(att: Attachment) -> Uninstall:
         originals[op] = fn
         setattr(dist, op, _wrap(att, op, fn))
     att.original_all_reduce = originals.get("all_reduce", dist.all_reduce)
+    uninstall_p2p = _p2p_ops_keep_the_originals()
 
     def uninstall() -> None:
+        uninstall_p2p()
         for op, fn in originals.items():
             current = getattr(dist, op, None)
             if getattr(current, "__trainscope_original__", None) is fn:
@@ -168,12 +170,60 @@ def _wrap(att: Attachment, op: str, fn: Callable[..., Any]) -> Callable[..., Any
             device.abandon(device_start, step)  # type: ignore[union-attr]
         return result
 
-    wrapper.__name__ = op
-    wrapper.__qualname__ = op
-    wrapper.__doc__ = fn.__doc__
-    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
-    wrapper.__trainscope_original__ = fn  # type: ignore[attr-defined]
-    return wrapper
+    return HookedCollective(wrapper, fn)
+
+
+class HookedCollective:
+    """A ``torch.distributed`` function with our timing around it, **equal** to the function it
+    wraps (and hashed alike): torch checks point-to-point ops by equality and membership,
+    ``dist.P2POp(dist.isend, ...)`` (Megatron's and ``torch.distributed.pipelining``'s
+    pipeline sends) refused any other callable, and a schedule tells sends from receives by
+    ``{p.op for p in ops} == {dist.isend}``."""
+
+    def __init__(self, call: Callable[..., Any], original: Callable[..., Any]) -> None:
+        self._call = call
+        self.__wrapped__ = original
+        self.__trainscope_original__ = original
+        self.__name__ = self.__qualname__ = getattr(original, "__name__", "collective")
+        self.__doc__ = original.__doc__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        original = self.__trainscope_original__
+        return other is self or other is original or getattr(
+            other, "__trainscope_original__", None) is original
+
+    def __hash__(self) -> int:
+        return hash(self.__trainscope_original__)
+
+    def __repr__(self) -> str:
+        return f"<{self.__name__} of torch.distributed, timed by trainscope>"
+
+
+def _p2p_ops_keep_the_originals() -> Uninstall:
+    """``dist.P2POp`` built with our ``isend``/``irecv`` keeps torch's own: ``batch_isend_irecv``
+    picks a send's or a receive's arguments by identity (``op.op is isend``). Such batched
+    point-to-point calls run untimed."""
+    import torch.distributed as dist
+
+    p2p = getattr(dist, "P2POp", None)
+    if p2p is None or getattr(p2p.__init__, "__trainscope_original__", None) is not None:
+        return lambda: None
+    original = p2p.__init__
+
+    def init(self: Any, op: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        original(self, getattr(op, "__trainscope_original__", op), *args, **kwargs)
+
+    init.__trainscope_original__ = original  # type: ignore[attr-defined]
+    p2p.__init__ = init
+
+    def uninstall() -> None:
+        if p2p.__init__ is init:
+            p2p.__init__ = original
+
+    return uninstall
 
 
 def _describe(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, int]:
