@@ -5,6 +5,7 @@ op") into the training script as soon as attach() had hooked ``isend``."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def _rank(rank: int, rendezvous: str, out_dir: str) -> None:
     outcome["errors"] = handle.stats()["errors"]
     outcome["timed"] = sorted({s.name for s in summaries_of(read_records(bus))
                                if s.layer == "collective"})
-    Path(out_dir, f"{rank}.txt").write_text(repr(outcome))
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(outcome))
     dist.destroy_process_group()
 
 
@@ -62,7 +63,7 @@ def test_p2p_ops_and_batched_sends_work_under_attach(tmp_path: Path) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.start_processes(_rank, args=(str(tmp_path / "rendezvous"), str(tmp_path)),
                        nprocs=WORLD, start_method="spawn")
-    outcomes = [eval((tmp_path / f"{r}.txt").read_text()) for r in range(WORLD)]  # noqa: S307
+    outcomes = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(WORLD)]
     assert outcomes[0]["batched"] == [1.0] * 4 and outcomes[1]["batched"] == [0.0] * 4
     assert outcomes[0]["homogeneous_sends"] is True
     assert outcomes[1]["plain"] == [7.0] * 8
