@@ -66,6 +66,22 @@ def test_a_failing_hook_is_counted_and_logged_once_but_never_raises(
     assert len(warnings) == len(kinds)  # once per kind, not once per failure
 
 
+def test_a_hook_module_that_cannot_load_is_counted_and_the_others_work(
+        attach, memory_bus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One of our hook modules failing at import (a bug of ours, a torch without what it
+    needs) stops neither attach() nor training: that hook is counted, the others time."""
+    import trainscope.producers.torch as package
+
+    monkeypatch.delattr(package, "collectives", raising=False)
+    monkeypatch.setitem(sys.modules, "trainscope.producers.torch.collectives", None)
+    att = attach()
+    train(TinyModel(), steps=4)
+    stats = att.stats()
+    att.detach()
+    assert stats["errors_by_kind"] == {"collective hooks": 1}, stats["errors_by_kind"]
+    assert len(steps_of(read_records(memory_bus))) == 4
+
+
 def test_a_full_queue_drops_and_counts_instead_of_blocking(attach) -> None:
     bus = FlakyBus()
     bus.down.set()

@@ -97,16 +97,16 @@ class Attachment:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        from trainscope.producers.torch import collectives, hooks, scaler
-
-        self.model_hooks = hooks.ModelHooks(self)
+        # Each hook's module is imported by its own installer: one that cannot load (our bug,
+        # or a torch that lacks what it needs) is reported and counted, and training goes on
+        # with the others.
         installers: list[tuple[str, Callable[[], Callable[[], None]]]] = [
-            ("model hooks", self.model_hooks.install),
-            ("optimizer hooks", lambda: hooks.install_optimizer_hooks(self)),
-            ("dataloader hook", lambda: hooks.install_dataloader_hook(self)),
-            ("grad scaler hook", lambda: scaler.install_grad_scaler_hook(self)),
-            ("gc hook", lambda: hooks.install_gc_hook(self)),
-            ("collective hooks", lambda: collectives.install_collective_hooks(self)),
+            ("model hooks", self._install_model_hooks),
+            ("optimizer hooks", lambda: _hooks().install_optimizer_hooks(self)),
+            ("dataloader hook", lambda: _hooks().install_dataloader_hook(self)),
+            ("grad scaler hook", lambda: _scaler().install_grad_scaler_hook(self)),
+            ("gc hook", lambda: _hooks().install_gc_hook(self)),
+            ("collective hooks", lambda: _collectives().install_collective_hooks(self)),
         ]
         for kind, install in installers:
             try:
@@ -128,6 +128,10 @@ class Attachment:
         # stays bounded however long the job runs.
         self.sender.start()
         self.submit(self._topology())
+
+    def _install_model_hooks(self) -> Callable[[], None]:
+        self.model_hooks = _hooks().ModelHooks(self)
+        return self.model_hooks.install()
 
     def _start_control(self) -> None:
         from trainscope.producers.torch.control import ControlListener
@@ -433,3 +437,20 @@ def set_log_level(level: str | None) -> None:
     if level:
         logging.getLogger("trainscope").setLevel(level.upper())
 
+
+def _hooks() -> Any:
+    from trainscope.producers.torch import hooks
+
+    return hooks
+
+
+def _scaler() -> Any:
+    from trainscope.producers.torch import scaler
+
+    return scaler
+
+
+def _collectives() -> Any:
+    from trainscope.producers.torch import collectives
+
+    return collectives
