@@ -72,13 +72,13 @@ def test_a_hook_module_that_cannot_load_is_counted_and_the_others_work(
     needs) stops neither attach() nor training: that hook is counted, the others time."""
     import trainscope.producers.torch as package
 
-    monkeypatch.delattr(package, "collectives", raising=False)
-    monkeypatch.setitem(sys.modules, "trainscope.producers.torch.collectives", None)
+    monkeypatch.delattr(package, "scaler", raising=False)
+    monkeypatch.setitem(sys.modules, "trainscope.producers.torch.scaler", None)
     att = attach()
     train(TinyModel(), steps=4)
     stats = att.stats()
     att.detach()
-    assert stats["errors_by_kind"] == {"collective hooks": 1}, stats["errors_by_kind"]
+    assert stats["errors_by_kind"] == {"grad scaler hook": 1}, stats["errors_by_kind"]
     assert len(steps_of(read_records(memory_bus))) == 4
 
 

@@ -107,6 +107,8 @@ class Attachment:
             ("grad scaler hook", lambda: _scaler().install_grad_scaler_hook(self)),
             ("gc hook", lambda: _hooks().install_gc_hook(self)),
             ("collective hooks", lambda: _collectives().install_collective_hooks(self)),
+            ("functional collective hooks", lambda: _functional_collectives()
+             .install_functional_collective_hooks(self)),
         ]
         for kind, install in installers:
             try:
@@ -454,3 +456,9 @@ def _collectives() -> Any:
     from trainscope.producers.torch import collectives
 
     return collectives
+
+
+def _functional_collectives() -> Any:
+    from trainscope.producers.torch import functional_collectives
+
+    return functional_collectives
