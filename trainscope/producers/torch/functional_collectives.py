@@ -81,7 +81,7 @@ def install_functional_collective_hooks(att: Attachment) -> Callable[[], None]:
 
     def wait_tensor(tensor: Any) -> Any:
         out = wait_original(tensor)
-        if in_flight:
+        if in_flight and not compiling():
             noted = in_flight.pop(_storage(tensor), None)
             if noted is not None:
                 name, start, nbytes, token = noted
