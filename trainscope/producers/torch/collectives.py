@@ -204,8 +204,8 @@ class HookedCollective:
 
 def _p2p_ops_keep_the_originals() -> Uninstall:
     """``dist.P2POp`` built with our ``isend``/``irecv`` keeps torch's own: ``batch_isend_irecv``
-    picks a send's or a receive's arguments by identity (``op.op is isend``). Such batched
-    point-to-point calls run untimed."""
+    picks a send's or a receive's arguments by identity (``op.op is isend``). Sends and
+    receives made through a P2POp run untimed."""
     import torch.distributed as dist
 
     p2p = getattr(dist, "P2POp", None)
