@@ -208,22 +208,17 @@ def _p2p_ops_keep_the_originals() -> Uninstall:
     receives made through a P2POp run untimed."""
     import torch.distributed as dist
 
+    from trainscope.producers.torch.hooks import replace_method
+
     p2p = getattr(dist, "P2POp", None)
-    if p2p is None or getattr(p2p.__init__, "__trainscope_original__", None) is not None:
+    if p2p is None:
         return lambda: None
     original = p2p.__init__
 
     def init(self: Any, op: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         original(self, getattr(op, "__trainscope_original__", op), *args, **kwargs)
 
-    init.__trainscope_original__ = original  # type: ignore[attr-defined]
-    p2p.__init__ = init
-
-    def uninstall() -> None:
-        if p2p.__init__ is init:
-            p2p.__init__ = original
-
-    return uninstall
+    return replace_method(p2p, "__init__", init)
 
 
 def _describe(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, int]:
