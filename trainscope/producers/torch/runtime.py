@@ -8,6 +8,7 @@ do is cheap on the training thread and guarded against raising.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
 import time
@@ -100,19 +101,22 @@ class Attachment:
         # Each hook's module is imported by its own installer: one that cannot load (our bug,
         # or a torch that lacks what it needs) is reported and counted, and training goes on
         # with the others.
-        installers: list[tuple[str, Callable[[], Callable[[], None]]]] = [
-            ("model hooks", self._install_model_hooks),
-            ("optimizer hooks", lambda: _hooks().install_optimizer_hooks(self)),
-            ("dataloader hook", lambda: _hooks().install_dataloader_hook(self)),
-            ("grad scaler hook", lambda: _scaler().install_grad_scaler_hook(self)),
-            ("gc hook", lambda: _hooks().install_gc_hook(self)),
-            ("collective hooks", lambda: _collectives().install_collective_hooks(self)),
-            ("functional collective hooks", lambda: _functional_collectives()
-             .install_functional_collective_hooks(self)),
+        installers: list[tuple[str, str, str]] = [  # kind, module, its installer
+            ("optimizer hooks", "hooks", "install_optimizer_hooks"),
+            ("dataloader hook", "hooks", "install_dataloader_hook"),
+            ("grad scaler hook", "scaler", "install_grad_scaler_hook"),
+            ("gc hook", "hooks", "install_gc_hook"),
+            ("collective hooks", "collectives", "install_collective_hooks"),
+            ("functional collective hooks", "functional_collectives",
+             "install_functional_collective_hooks"),
         ]
-        for kind, install in installers:
+        try:
+            self._uninstall.append(self._install_model_hooks())
+        except Exception as exc:
+            self.guard.report("model hooks", exc)
+        for kind, module, installer in installers:
             try:
-                self._uninstall.append(install())
+                self._uninstall.append(getattr(_hook_module(module), installer)(self))
             except Exception as exc:
                 self.guard.report(kind, exc)
         if self.options.optrace:
@@ -132,7 +136,7 @@ class Attachment:
         self.submit(self._topology())
 
     def _install_model_hooks(self) -> Callable[[], None]:
-        self.model_hooks = _hooks().ModelHooks(self)
+        self.model_hooks = _hook_module("hooks").ModelHooks(self)
         return self.model_hooks.install()
 
     def _start_control(self) -> None:
@@ -440,25 +444,7 @@ def set_log_level(level: str | None) -> None:
         logging.getLogger("trainscope").setLevel(level.upper())
 
 
-def _hooks() -> Any:
-    from trainscope.producers.torch import hooks
 
-    return hooks
-
-
-def _scaler() -> Any:
-    from trainscope.producers.torch import scaler
-
-    return scaler
-
-
-def _collectives() -> Any:
-    from trainscope.producers.torch import collectives
-
-    return collectives
-
-
-def _functional_collectives() -> Any:
-    from trainscope.producers.torch import functional_collectives
-
-    return functional_collectives
+def _hook_module(name: str) -> Any:
+    """``trainscope.producers.torch.<name>``, imported when its installer runs."""
+    return importlib.import_module(f"trainscope.producers.torch.{name}")
