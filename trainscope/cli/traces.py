@@ -8,12 +8,16 @@ Composition only: reading and condensing are in :mod:`trainscope.traces`, publis
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from trainscope.cli.replay import publish, replay
 from trainscope.config import env
 from trainscope.config.env import DEFAULT_WINDOW_S
+
+if TYPE_CHECKING:
+    from trainscope.traces.cct import PathTimes
 
 
 def _store_options(command: click.Command) -> click.Command:
@@ -216,7 +220,6 @@ def _trace_report(paths: tuple[Path, ...], rank: int | None, suspect: int | None
     import json
 
     from trainscope.traces.analyzers import TraceView, breakdown, run_all
-    from trainscope.traces.cct import PathTimes
     from trainscope.traces.condense import condense
     from trainscope.traces.reader import read_trace, trace_files
 
@@ -275,12 +278,9 @@ def _trace_report(paths: tuple[Path, ...], rank: int | None, suspect: int | None
 HOST_FUNCTIONS_SHOWN = 5
 
 
-def _host_time(tree: object) -> dict[str, object]:
+def _host_time(tree: PathTimes) -> dict[str, object]:
     """A trace without GPU activity: its host time and the functions with the most self time
     (Python frames, torch ops, annotations), as shares of it."""
-    from trainscope.traces.cct import PathTimes
-
-    assert isinstance(tree, PathTimes)
     functions = tree.self_by_function()
     total_ns = sum(functions.values())
     return {"total_ns": total_ns, "steps": tree.steps,
