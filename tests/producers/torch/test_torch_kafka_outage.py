@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -159,3 +160,26 @@ def test_a_slow_broker_gets_everything_once_and_the_counts_say_so(attach) -> Non
         on_topic, steps = _records_on_broker(f"kafka://127.0.0.1:{broker.port}", "slow-check")
     assert sum(on_topic.values()) == len(on_topic) == final["records_acked"]  # no duplicates
     assert set(range(30)) <= steps
+
+
+def test_a_script_that_never_detaches_sends_everything_before_it_exits(fresh_kafka_broker,
+                                                                       tmp_path) -> None:
+    """The README's script calls attach() and never detach(): its last steps and its open
+    windows are sent as the process exits."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch, trainscope\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from torch_producer_helpers import TinyModel, train\n"
+        "trainscope.attach(job_id='no-detach', window_s=60.0)\n"
+        "train(TinyModel(), steps=37)\n")
+    env = {**__import__("os").environ, "TRAINSCOPE_BUS": fresh_kafka_broker.url}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen, steps = _records_on_broker(fresh_kafka_broker.url, "no-detach-reader")
+    assert steps == set(range(37)), sorted(steps)
+    assert any(r.startswith("SummaryBatch(") for r in seen), list(seen)[:5]

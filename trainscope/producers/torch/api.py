@@ -6,6 +6,7 @@ child (a DataLoader worker) inherits the hooks but its attachment is switched of
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -52,6 +53,9 @@ def attach(**options: Any) -> Attachment | None:
         _current = attachment
         if not _fork_handler_installed:
             os.register_at_fork(after_in_child=_after_fork_in_child)
+            # The sender's threads are daemons: without this a script that never detaches
+            # (the README's) lost its last round of steps and its open windows at exit.
+            atexit.register(_detach_at_exit)
             _fork_handler_installed = True
     attachment.start()
     return attachment
@@ -84,6 +88,20 @@ def forget(attachment: Attachment) -> None:
     with _lock:
         if _current is attachment:
             _current = None
+
+
+EXIT_FLUSH_S = 5.0  # the longest the process's exit waits for the bus
+
+
+def _detach_at_exit() -> None:
+    """At interpreter exit (atexit runs before daemon threads stop): detach the attachment
+    still active in this process, sending what is left for up to ``EXIT_FLUSH_S``."""
+    att = _current
+    if att is not None and att.active and att._pid == os.getpid():
+        try:
+            att.detach(timeout_s=EXIT_FLUSH_S)
+        except Exception as exc:
+            att.guard.report("detach at exit", exc)
 
 
 def _after_fork_in_child() -> None:
